@@ -1,0 +1,77 @@
+// What an algorithm gets to work with, and the ordered table of algorithms per collective.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/types.h"
+#include "reduce/reduce.h"
+#include "transport/transport.h"
+
+namespace plait {
+
+enum class Coll : uint8_t {
+  allreduce = 0, reduce_scatter, allgather, broadcast, reduce, alltoall, barrier, send, recv, kCount
+};
+const char* coll_name(Coll c);
+
+// One call as every rank must agree on it. count is in elements: the whole vector for allreduce
+// and broadcast/reduce, one rank's block for reduce_scatter (output), allgather (input) and
+// alltoall (per peer).
+struct CallArgs {
+  Coll coll = Coll::barrier;
+  DType dtype = DType::f32;
+  RedOp op = RedOp::sum;
+  int root = 0;
+  int peer = -1;
+  int64_t tag = 0;
+  int64_t count = 0;
+  const void* in = nullptr;
+  void* out = nullptr;
+  int algo = -1;         // index in the collective's table; -1 = auto
+  double timeout_s = 0;  // > 0
+};
+
+// The view an algorithm runs in: a transport, the call, and the reduction bound to its dtype/op.
+struct Ctx {
+  Transport& tp;
+  const CallArgs& a;
+  size_t esize;
+  int rank, size;
+
+  Ctx(Transport& t, const CallArgs& args)
+      : tp(t), a(args), esize(dtype_size(args.dtype)), rank(t.rank()), size(t.size()) {}
+
+  const char* in_at(int64_t elem) const { return static_cast<const char*>(a.in) + elem * esize; }
+  char* out_at(int64_t elem) const { return static_cast<char*>(a.out) + elem * esize; }
+  // Reduces n sources into dst; `final` applies avg's division (only the step that produces the
+  // finished value may pass it, so every rank ends with the same bytes).
+  void reduce(void* dst, const void* const* srcs, int n, int64_t count, bool final) const {
+    plait::reduce(a.dtype, a.op, dst, srcs, n, size_t(count), final ? size : 0);
+  }
+  // Elements that fit in `bytes`, rounded down to whole 64-byte lines where possible.
+  int64_t elems_in(size_t bytes) const {
+    size_t e = bytes / esize;
+    size_t line = 64 / esize ? 64 / esize : 1;
+    return int64_t(e >= line ? e - e % line : e);
+  }
+};
+
+struct Algorithm {
+  Coll coll;
+  const char* name;
+  void (*run)(Ctx&);
+};
+
+// The ordered table: index order is the order plait.algorithms() reports.
+const std::vector<Algorithm>& algorithm_table();
+const std::vector<const Algorithm*>& algorithms_for(Coll c);
+// The algorithm index (into algorithms_for(c)) that "auto" picks for this call. Deterministic
+// in (collective, bytes, world size) so that every rank picks the same one.
+int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes);
+
+// [begin, end) of part q when n elements are split into `parts` near-equal parts.
+inline int64_t part_begin(int64_t n, int parts, int q) { return n * q / parts; }
+
+}  // namespace plait

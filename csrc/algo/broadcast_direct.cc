@@ -1,0 +1,34 @@
+// broadcast "direct": the root stages each chunk once and every other rank copies it out.
+// One synchronisation per chunk (root -> all, acks back for slot reuse); the root writes S,
+// each other rank reads S. The root's output, when distinct from its input, gets a plain copy.
+#include <cstring>
+
+#include "algo/algo.h"
+
+namespace plait {
+
+void broadcast_direct(Ctx& c) {
+  Transport& tp = c.tp;
+  const int root = c.a.root;
+  constexpr int kSlots = 2;
+  const size_t slot_bytes = tp.staging_bytes() / kSlots;
+  const int64_t chunk = c.elems_in(slot_bytes);
+  int64_t step = 0;
+  for (int64_t off = 0; off < c.a.count; off += chunk) {
+    const size_t bytes = size_t(std::min(chunk, c.a.count - off)) * c.esize;
+    ++step;
+    const size_t slot = size_t((step - 1) % kSlots) * slot_bytes;
+    if (c.rank == root) {
+      tp.wait_ack_all(0, step - kSlots);
+      std::memcpy(tp.staging(root) + slot, c.in_at(off), bytes);
+      tp.post(0, step);
+      if (c.out_at(off) != c.in_at(off)) std::memcpy(c.out_at(off), c.in_at(off), bytes);
+    } else {
+      tp.wait_post(root, 0, step);
+      std::memcpy(c.out_at(off), tp.staging(root) + slot, bytes);
+      tp.ack(0, step);
+    }
+  }
+}
+
+}  // namespace plait

@@ -1,0 +1,38 @@
+// reduce "direct": every rank but the root stages each chunk; the root reduces the n inputs
+// (its own read in place) straight into its output. One synchronisation per chunk; non-roots
+// write S, the root reads n*S. The root reduces in rank order, like every allreduce.
+#include <cstring>
+#include <vector>
+
+#include "algo/algo.h"
+
+namespace plait {
+
+void reduce_direct(Ctx& c) {
+  Transport& tp = c.tp;
+  const int root = c.a.root, n = c.size;
+  constexpr int kSlots = 2;
+  const size_t slot_bytes = tp.staging_bytes() / kSlots;
+  const int64_t chunk = c.elems_in(slot_bytes);
+  std::vector<const void*> src(static_cast<size_t>(n));
+  int64_t step = 0;
+  for (int64_t off = 0; off < c.a.count; off += chunk) {
+    const int64_t len = std::min(chunk, c.a.count - off);
+    ++step;
+    const size_t slot = size_t((step - 1) % kSlots) * slot_bytes;
+    if (c.rank != root) {
+      tp.wait_ack(root, 0, step - kSlots);
+      std::memcpy(tp.staging(c.rank) + slot, c.in_at(off), size_t(len) * c.esize);
+      tp.post(0, step);
+    } else {
+      for (int p = 0; p < n; ++p) {
+        if (p != root) tp.wait_post(p, 0, step);
+        src[size_t(p)] = p == root ? static_cast<const void*>(c.in_at(off)) : tp.staging(p) + slot;
+      }
+      c.reduce(c.out_at(off), src.data(), n, len, true);
+      tp.ack(0, step);
+    }
+  }
+}
+
+}  // namespace plait

@@ -1,0 +1,163 @@
+// Bindings for segments, communicators and async handles. Arrays cross as numpy arrays (the
+// facade turns torch tensors into numpy views first); the GIL is released while C++ works.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include "core/communicator.h"
+
+namespace py = pybind11;
+
+namespace plait {
+namespace {
+
+DType parse_dtype(const std::string& s) {
+  for (int t = 0; t < int(DType::kCount); ++t)
+    if (s == dtype_name(DType(t))) return DType(t);
+  throw InvalidArgument("unsupported dtype '" + s + "'");
+}
+
+RedOp parse_op(const std::string& s) {
+  for (int o = 0; o < int(RedOp::kCount); ++o)
+    if (s == op_name(RedOp(o))) return RedOp(o);
+  throw InvalidArgument("unknown op '" + s + "' (sum, prod, min, max, avg)");
+}
+
+// Element type from numpy's dtype: kind and size, or the name for ml_dtypes' bfloat16.
+bool infer_dtype(const py::array& a, DType* out) {
+  const py::dtype dt = a.dtype();
+  const char kind = dt.kind();
+  const auto size = dt.itemsize();
+  switch (kind) {
+    case 'f': *out = size == 2 ? DType::f16 : size == 4 ? DType::f32 : DType::f64; return size == 2 || size == 4 || size == 8;
+    case 'i': *out = size == 1 ? DType::i8 : size == 4 ? DType::i32 : DType::i64; return size == 1 || size == 4 || size == 8;
+    case 'u': *out = DType::u8; return size == 1;
+    case 'b': *out = DType::boolean; return size == 1;
+    default:
+      if (size == 2 && py::str(dt.attr("name")).cast<std::string>() == "bfloat16") {
+        *out = DType::bf16;
+        return true;
+      }
+      return false;
+  }
+}
+
+struct Call {
+  std::string err;
+  Buffer to_buffer(const py::object& o, const char* name, const std::string& dtype) {
+    Buffer b;
+    if (o.is_none()) return b;
+    if (!py::isinstance<py::array>(o)) {
+      err = std::string(name) + " must be a numpy array or a torch CPU tensor, got " +
+            py::str(py::type::of(o).attr("__name__")).cast<std::string>();
+      return b;
+    }
+    auto a = py::reinterpret_borrow<py::array>(o);
+    b.present = true;
+    b.ptr = const_cast<void*>(a.data());
+    b.bytes = size_t(a.nbytes());
+    b.writable = a.writeable();
+    b.contiguous = (a.flags() & py::array::c_style) != 0;
+    if (!dtype.empty()) {
+      b.dtype = parse_dtype(dtype);
+      if (size_t(a.itemsize()) != dtype_size(b.dtype))
+        err = std::string(name) + " has " + std::to_string(a.itemsize()) + "-byte elements, dtype='" +
+              dtype + "' needs " + std::to_string(dtype_size(b.dtype));
+    } else if (!infer_dtype(a, &b.dtype)) {
+      err = std::string(name) + " has unsupported dtype " + py::str(a.dtype()).cast<std::string>() +
+            " (float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool)";
+    }
+    return b;
+  }
+};
+
+py::object call(Communicator& c, Coll coll, const py::object& x, const py::object& out,
+                const std::string& op, int root, int peer, int64_t tag, const std::string& algo,
+                double timeout, bool async, const std::string& dtype) {
+  Call k;
+  Buffer in = k.to_buffer(x, "input", dtype);
+  Buffer o = k.to_buffer(out, "output", dtype);
+  RedOp rop = RedOp::sum;
+  if (k.err.empty()) {
+    try {
+      rop = parse_op(op);
+    } catch (const InvalidArgument& e) {
+      k.err = e.what();
+    }
+  }
+  if (!k.err.empty())
+    c.fail(ErrorKind::invalid, "rank " + std::to_string(c.rank()) + ": " + coll_name(coll) + ": " + k.err);
+  std::shared_ptr<Task> t;
+  {
+    py::gil_scoped_release nogil;
+    t = c.call(coll, in, o, rop, root, peer, tag, algo, timeout, async);
+  }
+  if (t) return py::cast(t);
+  return py::none();
+}
+
+}  // namespace
+
+void bind_comm(py::module_& m) {
+  py::class_<Segment, std::shared_ptr<Segment>>(m, "Segment")
+      .def_static("bytes_needed", &Segment::bytes_needed)
+      .def("unlink", &Segment::unlink);
+  auto params = [](const std::string& name, int size, size_t staging, size_t pair_slot,
+                   uint64_t t0, uint64_t t1) {
+    Segment::Params p;
+    p.name = name;
+    p.size = size;
+    p.staging_bytes = staging;
+    p.pair_slot_bytes = pair_slot;
+    p.token[0] = t0;
+    p.token[1] = t1;
+    return p;
+  };
+  m.def("create_segment", [params](const std::string& name, int size, size_t staging, size_t pair_slot,
+                                   uint64_t t0, uint64_t t1) {
+    return std::shared_ptr<Segment>(Segment::create(params(name, size, staging, pair_slot, t0, t1)));
+  });
+  m.def("open_segment", [params](const std::string& name, int size, size_t staging, size_t pair_slot,
+                                 uint64_t t0, uint64_t t1) {
+    return std::shared_ptr<Segment>(Segment::open(params(name, size, staging, pair_slot, t0, t1)));
+  });
+
+  py::class_<Task, std::shared_ptr<Task>>(m, "Task")
+      .def("wait", [](Task& t, double timeout) {
+        py::gil_scoped_release nogil;
+        return t.wait(timeout);
+      }, py::arg("timeout") = -1.0)
+      .def("done", &Task::done);
+
+  py::class_<Communicator>(m, "Communicator")
+      .def(py::init([](std::shared_ptr<Segment> seg, int rank, double timeout, const std::string& algo,
+                       bool oversubscribed, double init_timeout) {
+             Options o;
+             o.timeout_s = timeout;
+             o.algo_override = algo;
+             o.oversubscribed = oversubscribed;
+             o.init_timeout_s = init_timeout;
+             py::gil_scoped_release nogil;
+             return new Communicator(std::move(seg), rank, o);
+           }),
+           py::arg("segment"), py::arg("rank"), py::arg("timeout"), py::arg("algo_override") = "",
+           py::arg("oversubscribed") = false, py::arg("init_timeout") = 300.0)
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("size", &Communicator::size)
+      .def_property_readonly("closed", &Communicator::closed)
+      .def("finalize", [](Communicator& c) {
+        py::gil_scoped_release nogil;
+        c.finalize();
+      })
+      .def("fail", [](Communicator& c, const std::string& msg) { c.fail(ErrorKind::invalid, msg); })
+      .def("call", [](Communicator& c, int coll, const py::object& x, const py::object& out,
+                      const std::string& op, int root, int peer, int64_t tag, const std::string& algo,
+                      double timeout, bool async, const std::string& dtype) {
+        if (coll < 0 || coll >= int(Coll::kCount)) throw InvalidArgument("bad collective code");
+        return call(c, Coll(coll), x, out, op, root, peer, tag, algo, timeout, async, dtype);
+      });
+  py::dict codes;
+  for (int c = 0; c < int(Coll::kCount); ++c) codes[coll_name(Coll(c))] = c;
+  m.attr("COLLECTIVES") = codes;
+}
+
+}  // namespace plait

@@ -1,0 +1,126 @@
+// A communicator: one shared-memory segment, one progress thread, calls executed in issue order.
+// Each call is validated (bad input aborts the communicator on every rank, so no peer hangs),
+// an algorithm is selected, and it runs either inline on the caller's thread (a synchronous
+// call with nothing queued) or on the progress thread (asynchronous calls, and anything issued
+// behind them). Consecutive send/recv calls are progressed together, so exchanges between
+// pairs of ranks never deadlock on ordering.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "algo/algo.h"
+#include "core/errors.h"
+#include "transport/shm.h"
+
+namespace plait {
+
+// A contiguous array as it crosses the binding (device: the seam for GPU buffers).
+struct Buffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  DType dtype = DType::f32;
+  Device device = Device::cpu;
+  bool writable = true;
+  bool contiguous = true;
+  bool present = false;
+};
+
+struct Options {
+  double timeout_s = 300;
+  std::string algo_override;  // PLAIT_ALGO: "ring" or "allreduce=ring,allgather=direct"
+  bool oversubscribed = false;
+  double init_timeout_s = 300;
+};
+
+class Task {
+ public:
+  explicit Task(const CallArgs& a) : args(a) {}
+  // Waits up to timeout_s (< 0: forever); true when finished. Throws the call's error.
+  bool wait(double timeout_s);
+  bool done() const { return state_.load(std::memory_order_acquire) != 0; }
+
+  CallArgs args;
+
+ private:
+  friend class Communicator;
+  void finish(ErrorKind kind, std::string msg);
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::atomic<int> state_{0};  // 0 pending, 1 ok, 2 failed
+  ErrorKind kind_ = ErrorKind::none;
+  std::string msg_;
+};
+
+class Communicator {
+ public:
+  Communicator(std::shared_ptr<Segment> seg, int rank, const Options& opt);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  bool closed() const { return closed_; }
+
+  // Validates and runs (or queues) one call. Returns the Task for async calls, null otherwise.
+  std::shared_ptr<Task> call(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root,
+                             int peer, int64_t tag, const std::string& algo, double timeout_s,
+                             bool async);
+  // Aborts the communicator on every rank with this error (used for input the Python layer
+  // rejects before it reaches call()).
+  [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
+  void finalize();
+
+ private:
+  struct P2P {
+    CallArgs* a;
+    std::shared_ptr<Task> task;  // null for an inline call
+    bool started = false;
+    uint64_t msg = 0, first = 0, nchunks = 0, done = 0;
+    double deadline = 0;
+  };
+
+  CallArgs validate(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root, int peer,
+                    int64_t tag, const std::string& algo, double timeout_s);
+  int resolve_algo(Coll c, const std::string& name, size_t bytes);
+  void run(CallArgs& a);  // one collective, on whichever thread holds exec_mu_
+  void run_local(const CallArgs& a);
+  void run_p2p(std::vector<P2P>& ops);
+  bool p2p_step(P2P& op);
+  void progress_loop();
+  void enqueue(const std::shared_ptr<Task>& t);
+  void wait_for_all_ranks(double timeout_s);
+  [[noreturn]] void rethrow(const PlaitError& e);
+
+  std::shared_ptr<Segment> seg_;
+  int rank_, size_;
+  Options opt_;
+  WaitPolicy policy_;
+  ShmTransport tp_;
+  std::vector<std::string> forced_;  // per collective, from PLAIT_ALGO
+  uint64_t seq_ = 0;
+  bool reported_abort_ = false;
+  std::string first_error_;
+  bool closed_ = false;
+
+  std::vector<uint64_t> send_chunk_, send_msg_, recv_chunk_, recv_msg_;
+
+  std::mutex exec_mu_;  // held while a call executes
+  std::mutex q_mu_;
+  std::condition_variable q_cv_;
+  std::deque<std::shared_ptr<Task>> queue_;
+  std::atomic<int> pending_{0};  // queued or running on the progress thread
+  bool stop_ = false;
+  std::thread thread_;
+  std::mutex ready_mu_;
+  std::condition_variable ready_cv_;
+  int ready_ = 0;  // 1 once the progress thread holds its liveness lock, -1 if it failed
+};
+
+}  // namespace plait

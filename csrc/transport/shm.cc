@@ -1,0 +1,382 @@
+#include "transport/shm.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <sstream>
+
+namespace plait {
+namespace {
+
+constexpr uint64_t kMagic = 0x474553544941504cull;  // "PLAITSEG"
+constexpr uint32_t kVersion = 1;
+constexpr uint32_t kWriting = 0xffffffffu;
+constexpr size_t kPage = 4096;
+constexpr size_t kPairHeader = 64;
+
+size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+std::string errno_text(int e) { return std::string(strerror(e)); }
+
+}  // namespace
+
+size_t Segment::bytes_needed(int n, size_t staging, size_t pair_slot) {
+  size_t b = kPage;
+  b += round_up(sizeof(RankCtl) * size_t(n), kPage);
+  b += round_up(2 * sizeof(Line) * size_t(n) * size_t(n), kPage);
+  b += size_t(n) * staging;
+  b += round_up(size_t(n) * size_t(n) * 2 * (kPairHeader + pair_slot), kPage);
+  return b;
+}
+
+Segment::Segment(const Params& p, char* base, size_t bytes) : p_(p), base_(base), bytes_(bytes) {
+  const size_t n = size_t(p.size);
+  ctl_off_ = kPage;
+  pair_ctl_off_ = ctl_off_ + round_up(sizeof(RankCtl) * n, kPage);
+  staging_off_ = pair_ctl_off_ + round_up(2 * sizeof(Line) * n * n, kPage);
+  pair_data_off_ = staging_off_ + n * p.staging_bytes;
+}
+
+Segment::~Segment() {
+  munmap(base_, bytes_);
+}
+
+char* Segment::pair_slot(int src, int dst, uint64_t slot) const {
+  size_t per_slot = kPairHeader + p_.pair_slot_bytes;
+  size_t idx = (size_t(src) * size_t(p_.size) + size_t(dst)) * 2 + size_t(slot & 1);
+  return base_ + pair_data_off_ + idx * per_slot;
+}
+
+std::unique_ptr<Segment> Segment::create(const Params& p) {
+  if (p.size < 1 || p.staging_bytes % kPage || p.staging_bytes < 2 * kPage || p.pair_slot_bytes % 64)
+    throw InvalidArgument("bad segment parameters for " + p.name);
+  const size_t bytes = bytes_needed(p.size, p.staging_bytes, p.pair_slot_bytes);
+  struct statvfs vfs;
+  if (statvfs("/dev/shm", &vfs) == 0) {
+    size_t avail = size_t(vfs.f_bavail) * size_t(vfs.f_frsize);
+    if (avail < bytes) {
+      std::ostringstream m;
+      m << "/dev/shm is too small for a " << p.size << "-rank communicator: it needs " << bytes
+        << " bytes (" << p.staging_bytes << " bytes of staging per rank; set buffer_bytes= or "
+        << "PLAIT_BUFFER_BYTES lower) but only " << avail << " bytes are free";
+      throw PlaitError(m.str());
+    }
+  }
+  int fd = shm_open(p.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) throw PlaitError("cannot create shared memory " + p.name + ": " + errno_text(errno));
+  auto fail = [&](const std::string& what, int e) {
+    close(fd);
+    shm_unlink(p.name.c_str());
+    std::ostringstream m;
+    m << "cannot create shared memory " << p.name << " of " << bytes << " bytes: " << what << ": "
+      << errno_text(e);
+    if (e == ENOSPC) m << " (/dev/shm is full; lower buffer_bytes / PLAIT_BUFFER_BYTES)";
+    throw PlaitError(m.str());
+  };
+  if (fchmod(fd, 0600) != 0) fail("fchmod", errno);
+  if (ftruncate(fd, off_t(bytes)) != 0) fail("ftruncate", errno);
+  // Reserve the pages now: a sparse tmpfs file would SIGBUS later when /dev/shm runs out.
+  if (int e = posix_fallocate(fd, 0, off_t(bytes))) fail("posix_fallocate", e);
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) fail("mmap", errno);
+  close(fd);
+  std::unique_ptr<Segment> seg(new Segment(p, static_cast<char*>(base), bytes));
+  SegHeader* h = seg->header();
+  h->version = kVersion;
+  h->size = uint32_t(p.size);
+  h->token[0] = p.token[0];
+  h->token[1] = p.token[1];
+  h->staging_bytes = p.staging_bytes;
+  h->pair_slot_bytes = p.pair_slot_bytes;
+  h->total_bytes = bytes;
+  h->attached.store(1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->store(kMagic, std::memory_order_release);
+  if (p.size == 1) seg->unlink();
+  return seg;
+}
+
+std::unique_ptr<Segment> Segment::open(const Params& p) {
+  const size_t bytes = bytes_needed(p.size, p.staging_bytes, p.pair_slot_bytes);
+  int fd = shm_open(p.name.c_str(), O_RDWR, 0);
+  if (fd < 0) throw PlaitError("cannot open shared memory " + p.name + ": " + errno_text(errno));
+  struct stat st;
+  std::string refuse;
+  if (fstat(fd, &st) != 0) {
+    refuse = "fstat failed: " + errno_text(errno);
+  } else if (st.st_uid != geteuid()) {
+    refuse = "it belongs to uid " + std::to_string(st.st_uid);
+  } else if ((st.st_mode & 0077) != 0) {
+    refuse = "its mode lets other users in";
+  } else if (size_t(st.st_size) != bytes) {
+    refuse = "its size is " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(bytes);
+  }
+  if (!refuse.empty()) {
+    close(fd);
+    throw PlaitError("refusing shared memory " + p.name + ": " + refuse);
+  }
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int e = errno;
+  close(fd);
+  if (base == MAP_FAILED) throw PlaitError("cannot map shared memory " + p.name + ": " + errno_text(e));
+  std::unique_ptr<Segment> seg(new Segment(p, static_cast<char*>(base), bytes));
+  SegHeader* h = seg->header();
+  uint64_t magic = reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->load(std::memory_order_acquire);
+  if (magic != kMagic || h->version != kVersion || h->size != uint32_t(p.size) ||
+      h->token[0] != p.token[0] || h->token[1] != p.token[1] ||
+      h->staging_bytes != p.staging_bytes || h->pair_slot_bytes != p.pair_slot_bytes ||
+      h->total_bytes != bytes)
+    throw PlaitError("refusing shared memory " + p.name +
+                     ": it is not the segment this job created (stale or foreign)");
+  if (h->attached.fetch_add(1, std::memory_order_acq_rel) + 1 == uint32_t(p.size)) seg->unlink();
+  return seg;
+}
+
+void Segment::unlink() {
+  if (unlinked_) return;
+  unlinked_ = true;
+  shm_unlink(p_.name.c_str());  // ENOENT: another rank got there first
+}
+
+// ---------------------------------------------------------------------------------------------
+
+ShmTransport::ShmTransport(Segment& seg, int rank, const WaitPolicy& policy)
+    : seg_(seg), policy_(policy) {
+  rank_ = rank;
+  size_ = seg.params().size;
+  verified_.assign(size_t(size_), 0);
+  done_seen_.assign(size_t(size_), 0);
+  last_live_check_.assign(size_t(size_), 0.0);
+}
+
+void ShmTransport::post(int ch, int64_t step) {
+  post_ctr(rank_, ch).store(epoch_ + uint64_t(step), std::memory_order_release);
+}
+
+void ShmTransport::ack(int ch, int64_t step) {
+  seg_.ctl(rank_)->ack[ch].store(epoch_ + uint64_t(step), std::memory_order_release);
+}
+
+void ShmTransport::wait_post(int peer, int ch, int64_t step) {
+  const uint64_t target = epoch_ + uint64_t(step);
+  auto& c = post_ctr(peer, ch);
+  if (c.load(std::memory_order_acquire) < target)
+    wait_until([&] { return c.load(std::memory_order_acquire) >= target; }, peer);
+  if (!verified_[size_t(peer)]) verify(peer);
+}
+
+void ShmTransport::wait_ack(int peer, int ch, int64_t step) {
+  if (step <= 0) return;
+  const uint64_t target = epoch_ + uint64_t(step);
+  auto& c = seg_.ctl(peer)->ack[ch];
+  if (c.load(std::memory_order_acquire) < target)
+    wait_until([&] { return c.load(std::memory_order_acquire) >= target; }, peer);
+  if (!verified_[size_t(peer)]) verify(peer);
+}
+
+void ShmTransport::begin(const CallArgs& a, const char* algo_name, uint64_t seq, uint8_t algo_idx) {
+  call_ = &a;
+  algo_name_ = algo_name;
+  seq_ = seq;
+  epoch_ = seq << kStepBits;
+  half_ = (seq & 1) * staging_bytes();
+  deadline_ = now_s() + a.timeout_s;
+  std::fill(verified_.begin(), verified_.end(), 0);
+  verified_[size_t(rank_)] = 1;
+  throw_if_aborted();
+  // This call reuses the staging half and fingerprint slot of call seq-2: every peer must be done.
+  if (seq > 2) {
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_ || done_seen_[size_t(p)] >= seq - 2) continue;
+      auto& d = seg_.ctl(p)->done;
+      wait_until([&] { return (done_seen_[size_t(p)] = d.load(std::memory_order_acquire)) >= seq - 2; }, p);
+    }
+  }
+  RankCtl* me = seg_.ctl(rank_);
+  me->cur_seq.store(seq, std::memory_order_relaxed);
+  Fingerprint& f = me->fp[seq & 1];
+  f.seq = seq;
+  f.count = a.count;
+  f.root = a.root;
+  f.coll = uint8_t(a.coll);
+  f.dtype = uint8_t(a.dtype);
+  f.op = uint8_t(a.op);
+  f.algo = algo_idx;
+  me->post0.store(epoch_, std::memory_order_release);  // arrival
+}
+
+void ShmTransport::end() {
+  // Pairwise checks along the algorithm's waits plus each rank checking its left neighbour make
+  // the ring of comparisons closed: if any two ranks disagree, someone raises and aborts.
+  const int left = (rank_ + size_ - 1) % size_;
+  if (!verified_[size_t(left)]) wait_post(left, 0, 0);
+  seg_.ctl(rank_)->done.store(seq_, std::memory_order_release);
+  call_ = nullptr;
+}
+
+namespace {
+std::string describe(uint64_t seq, Coll c, DType dt, int64_t count, RedOp op, int root,
+                     const char* algo) {
+  std::ostringstream m;
+  m << coll_name(c) << " #" << seq << " (" << dtype_name(dt) << ", count=" << count;
+  if (c == Coll::allreduce || c == Coll::reduce_scatter || c == Coll::reduce) m << ", op=" << op_name(op);
+  if (c == Coll::broadcast || c == Coll::reduce) m << ", root=" << root;
+  if (algo && *algo) m << ", algorithm=" << algo;
+  m << ")";
+  return m.str();
+}
+}  // namespace
+
+std::string ShmTransport::describe_call() const {
+  if (!call_) return "no call";
+  if (call_->coll == Coll::send || call_->coll == Coll::recv) {
+    std::ostringstream m;
+    m << coll_name(call_->coll) << (call_->coll == Coll::send ? " to rank " : " from rank ")
+      << call_->peer << " (tag=" << call_->tag << ", " << dtype_name(call_->dtype)
+      << ", count=" << call_->count << ")";
+    return m.str();
+  }
+  return describe(seq_, call_->coll, call_->dtype, call_->count, call_->op, call_->root, algo_name_);
+}
+
+void ShmTransport::verify(int peer) {
+  const Fingerprint mine = seg_.ctl(rank_)->fp[seq_ & 1];
+  Fingerprint f;
+  std::memcpy(&f, &seg_.ctl(peer)->fp[seq_ & 1], sizeof f);
+  std::ostringstream diff;
+  auto field = [&](bool differs, const char* name) {
+    if (differs) diff << (diff.tellp() > 0 ? ", " : "") << name;
+  };
+  field(f.seq != mine.seq, "call number");
+  field(f.coll != mine.coll, "collective");
+  field(f.dtype != mine.dtype, "dtype");
+  field(f.count != mine.count, "count");
+  field(f.op != mine.op, "op");
+  field(f.root != mine.root, "root");
+  field(f.algo != mine.algo, "algorithm");
+  if (diff.tellp() == 0) {
+    verified_[size_t(peer)] = 1;
+    return;
+  }
+  auto safe_enum = [](uint8_t v, uint8_t n) { return v < n ? v : 0; };
+  auto algo_of = [](uint8_t coll, uint8_t idx) -> const char* {
+    if (coll >= uint8_t(Coll::kCount)) return "?";
+    auto algos = algorithms_for(Coll(coll));
+    return idx < algos.size() ? algos[idx]->name : "?";
+  };
+  std::ostringstream m;
+  m << "mismatched calls: rank " << peer << " called "
+    << describe(f.seq, Coll(safe_enum(f.coll, uint8_t(Coll::kCount))),
+                DType(safe_enum(f.dtype, uint8_t(DType::kCount))), f.count,
+                RedOp(safe_enum(f.op, uint8_t(RedOp::kCount))), f.root, algo_of(f.coll, f.algo))
+    << " but rank " << rank_ << " called "
+    << describe(mine.seq, Coll(mine.coll), DType(mine.dtype), mine.count, RedOp(mine.op), mine.root,
+                algo_of(mine.coll, mine.algo))
+    << "; they differ in " << diff.str();
+  fail(ErrorKind::mismatch, m.str());
+}
+
+void ShmTransport::set_deadline(double deadline, const CallArgs* a, const char* algo_name) {
+  deadline_ = deadline;
+  call_ = a;
+  algo_name_ = algo_name;
+}
+
+bool ShmTransport::aborted() const {
+  return seg_.header()->abort_kind.load(std::memory_order_relaxed) != 0;
+}
+
+void ShmTransport::throw_if_aborted() {
+  SegHeader* h = seg_.header();
+  uint32_t k = h->abort_kind.load(std::memory_order_acquire);
+  if (k == 0) return;
+  double give_up = now_s() + 1.0;  // the writer may have died between claiming and publishing
+  while (k == kWriting && now_s() < give_up) {
+    sched_yield();
+    k = h->abort_kind.load(std::memory_order_acquire);
+  }
+  if (k == kWriting) throw PlaitError("communicator aborted by a rank that died while reporting why");
+  char buf[sizeof h->abort_msg + 1];
+  std::memcpy(buf, h->abort_msg, sizeof h->abort_msg);
+  buf[sizeof h->abort_msg] = 0;
+  ErrorKind kind = k <= uint32_t(ErrorKind::peer_lost) ? ErrorKind(k) : ErrorKind::generic;
+  throw_error(kind, buf);
+}
+
+void ShmTransport::fail(ErrorKind kind, const std::string& msg) {
+  SegHeader* h = seg_.header();
+  uint32_t expect = 0;
+  if (h->abort_kind.compare_exchange_strong(expect, kWriting, std::memory_order_acq_rel)) {
+    size_t n = std::min(msg.size(), sizeof h->abort_msg - 1);
+    std::memcpy(h->abort_msg, msg.data(), n);
+    h->abort_msg[n] = 0;
+    h->abort_rank = rank_;
+    h->abort_kind.store(uint32_t(kind), std::memory_order_release);
+    throw_error(kind, msg);
+  }
+  throw_if_aborted();
+  throw_error(kind, msg);
+}
+
+bool ShmTransport::peer_gone(int p, std::string* why) {
+  RankCtl* c = seg_.ctl(p);
+  uint32_t st = c->state.load(std::memory_order_acquire);
+  if (st == kStarting) return false;
+  if (st == kAlive) {
+    int rc = pthread_mutex_trylock(&c->alive);
+    if (rc == EBUSY) return false;
+    if (rc == EOWNERDEAD) {
+      c->state.store(kDead, std::memory_order_release);
+      pthread_mutex_consistent(&c->alive);
+      pthread_mutex_unlock(&c->alive);
+      st = kDead;
+    } else if (rc == 0) {
+      pthread_mutex_unlock(&c->alive);
+      st = c->state.load(std::memory_order_acquire);
+      if (st == kAlive) st = kDead;  // its progress thread is gone without an orderly exit
+    } else {
+      st = kDead;
+    }
+  }
+  std::ostringstream m;
+  m << "rank " << p << " (pid " << c->pid << ")"
+    << (st == kExited ? " has left the communicator (finalized or exited)" : " died");
+  *why = m.str();
+  return true;
+}
+
+void ShmTransport::check(double t, int peer) {
+  if (aborted()) throw_if_aborted();
+  if (t > deadline_) on_deadline(peer);
+  if (peer >= 0 && t - last_live_check_[size_t(peer)] > 2e-3) {
+    last_live_check_[size_t(peer)] = t;
+    std::string why;
+    if (peer_gone(peer, &why))
+      fail(ErrorKind::peer_lost, why + " during " + describe_call() + "; noticed by rank " +
+                                     std::to_string(rank_));
+  }
+}
+
+void ShmTransport::on_deadline(int peer) {
+  std::ostringstream m;
+  m << "rank " << rank_ << ": " << describe_call() << " timed out after "
+    << (call_ ? call_->timeout_s : 0.0) << " s";
+  if (peer >= 0) m << " waiting for rank " << peer;
+  if (call_ && call_->coll != Coll::send && call_->coll != Coll::recv) {
+    std::ostringstream late;
+    for (int p = 0; p < size_; ++p) {
+      uint64_t s = seg_.ctl(p)->cur_seq.load(std::memory_order_relaxed);
+      if (p != rank_ && s < seq_) late << (late.tellp() > 0 ? ", " : "") << p << " (at call #" << s << ")";
+    }
+    if (late.tellp() > 0) m << "; ranks that have not arrived: " << late.str();
+  }
+  fail(ErrorKind::timeout, m.str());
+}
+
+}  // namespace plait

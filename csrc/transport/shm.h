@@ -1,0 +1,173 @@
+// Shared-memory transport: one POSIX segment per communicator, mapped by every rank of it.
+//
+// Layout (all offsets computed locally from the rendezvous parameters, never read from the
+// segment): a header page; one control block per rank (post/ack step counters, the call
+// fingerprints, liveness); the ranks' staging areas; one two-slot channel per ordered rank pair
+// for send/recv.
+#pragma once
+#include <pthread.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "algo/algo.h"
+#include "core/errors.h"
+#include "core/wait.h"
+#include "transport/transport.h"
+
+namespace plait {
+
+// What every rank must agree on for one call; compared pairwise through the segment.
+struct Fingerprint {
+  uint64_t seq = 0;
+  int64_t count = 0;
+  int32_t root = 0;
+  uint8_t coll = 0, dtype = 0, op = 0, algo = 0;
+};
+static_assert(sizeof(Fingerprint) == 24, "fingerprint must stay on the post line");
+
+enum RankState : uint32_t { kStarting = 0, kAlive = 1, kExited = 2, kDead = 3 };
+
+struct alignas(64) Line {
+  std::atomic<uint64_t> v;
+};
+
+struct RankCtl {
+  alignas(64) std::atomic<uint64_t> post0;  // channel 0 posts share a line with the fingerprints:
+  Fingerprint fp[2];                        // a reader gets both in one cache-line transfer
+  alignas(64) std::atomic<uint64_t> post1;
+  alignas(64) std::atomic<uint64_t> ack[2];
+  alignas(64) std::atomic<uint64_t> done;   // last call this rank completed
+  std::atomic<uint64_t> cur_seq;            // call this rank is in (for timeout reports)
+  std::atomic<uint32_t> state;
+  int32_t pid;
+  alignas(64) pthread_mutex_t alive;        // robust; held by the rank's progress thread
+};
+
+struct SegHeader {
+  uint64_t magic;
+  uint32_t version, size;
+  uint64_t token[2];
+  uint64_t staging_bytes, pair_slot_bytes, total_bytes;
+  std::atomic<uint32_t> attached;
+  alignas(64) std::atomic<uint32_t> abort_kind;  // ErrorKind, or kWriting while the text is written
+  int32_t abort_rank;
+  char abort_msg[1536];
+};
+
+struct PairSlotHeader {
+  uint64_t msg;     // per-pair message number
+  int64_t tag;
+  uint64_t nbytes;  // whole message
+  uint32_t dtype;
+};
+
+class Segment {
+ public:
+  struct Params {
+    std::string name;
+    int size = 1;
+    size_t staging_bytes = 0;    // per rank
+    size_t pair_slot_bytes = 0;  // per send/recv slot
+    uint64_t token[2] = {0, 0};
+  };
+  static std::unique_ptr<Segment> create(const Params& p);
+  static std::unique_ptr<Segment> open(const Params& p);
+  static size_t bytes_needed(int size, size_t staging, size_t pair_slot);
+  ~Segment();
+
+  // Every rank has mapped it: removes the name. Idempotent.
+  void unlink();
+  const Params& params() const { return p_; }
+  SegHeader* header() const { return reinterpret_cast<SegHeader*>(base_); }
+  RankCtl* ctl(int r) const { return reinterpret_cast<RankCtl*>(base_ + ctl_off_) + r; }
+  char* staging(int r) const { return base_ + staging_off_ + size_t(r) * p_.staging_bytes; }
+  Line* pair_posted(int src, int dst) const { return pair_lines(0) + (src * p_.size + dst); }
+  Line* pair_taken(int src, int dst) const { return pair_lines(1) + (src * p_.size + dst); }
+  char* pair_slot(int src, int dst, uint64_t slot) const;  // header followed by data
+
+ private:
+  Segment(const Params& p, char* base, size_t bytes);
+  Line* pair_lines(int which) const {
+    return reinterpret_cast<Line*>(base_ + pair_ctl_off_) + size_t(which) * p_.size * p_.size;
+  }
+  Params p_;
+  char* base_;
+  size_t bytes_;
+  size_t ctl_off_, pair_ctl_off_, staging_off_, pair_data_off_;
+  bool unlinked_ = false;
+};
+
+// The Transport over a Segment for one rank, plus the per-call protocol: epochs, fingerprints,
+// deadlines, liveness and the communicator-wide abort.
+class ShmTransport final : public Transport {
+ public:
+  ShmTransport(Segment& seg, int rank, const WaitPolicy& policy);
+
+  char* staging(int r) override { return seg_.staging(r) + half_; }
+  size_t staging_bytes() const override { return seg_.params().staging_bytes / 2; }
+  void post(int ch, int64_t step) override;
+  void wait_post(int peer, int ch, int64_t step) override;
+  void ack(int ch, int64_t step) override;
+  void wait_ack(int peer, int ch, int64_t step) override;
+
+  // Collective calls: begin() waits until the previous-but-one call is finished everywhere,
+  // publishes the fingerprint and arrives; end() verifies the left neighbour and marks done.
+  void begin(const CallArgs& a, const char* algo_name, uint64_t seq, uint8_t algo_idx);
+  void end();
+  // Runs `ready` until it returns true, with backoff, deadline and liveness of `peers` (-1: none).
+  template <class Ready>
+  void wait_until(Ready&& ready, int peer);
+
+  // Communicator-wide abort: records (kind, text) once; every rank's waits then throw it.
+  [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
+  void throw_if_aborted();
+  bool aborted() const;
+  std::string describe_call() const;
+  // Returns a message if peer p is known to be gone.
+  bool peer_gone(int p, std::string* why);
+
+  // Send/recv use the same deadline and liveness machinery outside of collective epochs.
+  void set_deadline(double deadline, const CallArgs* a, const char* algo_name);
+  // Throws on an abort, on the deadline, or when `peer` (if >= 0) is gone (checked every 2 ms).
+  void check(double t, int peer);
+  Segment& segment() { return seg_; }
+  uint64_t seq() const { return seq_; }
+
+ private:
+  void verify(int peer);
+  [[noreturn]] void on_deadline(int peer);
+  std::atomic<uint64_t>& post_ctr(int r, int ch) {
+    return ch == 0 ? seg_.ctl(r)->post0 : seg_.ctl(r)->post1;
+  }
+
+  Segment& seg_;
+  const WaitPolicy& policy_;
+  size_t half_ = 0;
+  uint64_t seq_ = 0, epoch_ = 0;
+  const CallArgs* call_ = nullptr;
+  const char* algo_name_ = "";
+  double deadline_ = 0;
+  std::vector<double> last_live_check_;
+  std::vector<uint8_t> verified_;
+  std::vector<uint64_t> done_seen_;
+};
+
+// Each call's steps live in the low 24 bits of the counters, its sequence number above them.
+constexpr int kStepBits = 24;
+constexpr uint64_t kMaxSteps = (uint64_t(1) << kStepBits) - 1;
+
+template <class Ready>
+void ShmTransport::wait_until(Ready&& ready, int peer) {
+  if (ready()) return;
+  Backoff b(policy_);
+  do {
+    b.idle([&](double t) { check(t, peer); });
+  } while (!ready());
+}
+
+}  // namespace plait

@@ -1,0 +1,169 @@
+"""plait: collective communication with native kernels.
+
+    import plait
+    comm = plait.init()                 # RANK/WORLD_SIZE from plait-run or torchrun
+    y = plait.allreduce(x)              # or comm.allreduce(x, out=x, op="max", async_op=True)
+
+Collectives run over shared memory between the processes of one host; see docs/api.md.
+"""
+import json
+import os
+
+import numpy as np  # noqa: F401  (the facade's one dependency; arrays cross as numpy views)
+
+from . import _C, _comm, _shm, _store
+from ._comm import Communicator, Handle
+from ._errors import InvalidArgument, MismatchError, PeerLostError, PlaitError, TimeoutError
+
+__all__ = [
+    "init", "finalize", "get_default", "is_initialized", "algorithms", "build_info",
+    "cuda_available", "Communicator", "Handle",
+    "allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "send", "recv",
+    "barrier", "split", "PlaitError", "InvalidArgument", "MismatchError", "TimeoutError",
+    "PeerLostError",
+]
+__version__ = "0.1.0"
+
+_default = None
+
+
+def algorithms(collective):
+    """Algorithm names of a collective, in table order ("auto" picks among them)."""
+    return _C.algorithms(collective)
+
+
+def build_info():
+    """What this build has: {'cuda': bool, 'transports': [...], 'reduce_isa': 'avx512'|...}."""
+    return _C.build_info()
+
+
+def cuda_available():
+    return bool(_C.build_info()["cuda"])
+
+
+def _env_int(name):
+    v = os.environ.get(name)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise InvalidArgument(f"{name}={v!r} is not an integer") from None
+
+
+def init(rank=None, size=None, *, store=None, timeout=None, buffer_bytes=None, init_timeout=None,
+         set_default=True):
+    """Joins (creates) a communicator of `size` ranks on this host and makes it the default.
+
+    rank/size default to RANK/WORLD_SIZE (plait-run, torchrun). store: None (PLAIT_STORE, else
+    MASTER_ADDR:MASTER_PORT+1 served by rank 0), a (host, port) pair, or a plait._store.Store.
+    timeout: default deadline of every call in seconds (PLAIT_TIMEOUT, else 300). buffer_bytes:
+    shared staging per rank (PLAIT_BUFFER_BYTES, else 4 MiB).
+    """
+    global _default
+    rank = _env_int("RANK") if rank is None else int(rank)
+    size = _env_int("WORLD_SIZE") if size is None else int(size)
+    if rank is None or size is None:
+        raise InvalidArgument("plait.init needs rank and size (or RANK and WORLD_SIZE in the environment)")
+    if size < 1 or not 0 <= rank < size:
+        raise InvalidArgument(f"rank {rank} is not in a world of {size}")
+    if timeout is None:
+        timeout = float(os.environ.get("PLAIT_TIMEOUT", 300))
+    if init_timeout is None:
+        init_timeout = max(float(timeout), 60.0)
+    keep = []
+    if isinstance(store, _store.Store):
+        client = store
+    else:
+        if store is None:
+            host, port, serve = _store.store_from_env(rank)
+            if serve:
+                keep.append(_store.StoreServer(host, port))
+        else:
+            host, port = store
+        client = _store.Store(host, port, timeout=init_timeout)
+        keep.append(client)
+    try:
+        # Every init of a job draws the next generation number, so a store can serve many inits.
+        gen = (client.add("plait/arrivals", 1) - 1) // size
+        key = f"plait/{gen}/segment"
+        if rank == 0:
+            _shm.sweep_stale()
+            info = _comm.new_segment_info(size, buffer_bytes)
+            seg = _comm.create_segment(info)
+            client.set(key, json.dumps(info).encode())
+        else:
+            info = json.loads(client.get(key, timeout=init_timeout))
+            seg = _comm.open_segment(info)
+        native = _C.Communicator(seg, rank, float(timeout), os.environ.get("PLAIT_ALGO", ""),
+                                 size > _comm._cpus(), float(init_timeout))
+        del seg
+    except BaseException:
+        for k in keep:
+            k.close()
+        raise
+    comm = Communicator(native, timeout=float(timeout), buffer_bytes=info["staging"], world_size=size,
+                        keep=keep)
+    if set_default:
+        if _default is not None and not _default.closed:
+            _default.finalize()
+        _default = comm
+    return comm
+
+
+def is_initialized():
+    return _default is not None and not _default.closed
+
+
+def get_default():
+    if _default is None or _default.closed:
+        raise PlaitError("plait is not initialized: call plait.init() first")
+    return _default
+
+
+def finalize():
+    """Closes the default communicator (queued calls finish first)."""
+    global _default
+    if _default is not None:
+        _default.finalize()
+        _default = None
+
+
+def allreduce(x, out=None, **kw):
+    return get_default().allreduce(x, out, **kw)
+
+
+def reduce_scatter(x, out=None, **kw):
+    return get_default().reduce_scatter(x, out, **kw)
+
+
+def allgather(x, out=None, **kw):
+    return get_default().allgather(x, out, **kw)
+
+
+def broadcast(x, root=0, **kw):
+    return get_default().broadcast(x, root, **kw)
+
+
+def reduce(x, root=0, **kw):
+    return get_default().reduce(x, root, **kw)
+
+
+def alltoall(x, out=None, **kw):
+    return get_default().alltoall(x, out, **kw)
+
+
+def send(x, peer, **kw):
+    return get_default().send(x, peer, **kw)
+
+
+def recv(out, peer, **kw):
+    return get_default().recv(out, peer, **kw)
+
+
+def barrier(**kw):
+    return get_default().barrier(**kw)
+
+
+def split(color, key=0, **kw):
+    return get_default().split(color, key, **kw)

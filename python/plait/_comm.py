@@ -1,0 +1,212 @@
+"""Communicator: the Python face of one native communicator (validation and data movement are C++)."""
+import json
+import os
+import secrets
+
+import numpy as np
+
+from . import _C, _arrays, _errors, _shm
+
+_CODE = _C.COLLECTIVES
+_ALLREDUCE, _REDUCE_SCATTER, _ALLGATHER = _CODE["allreduce"], _CODE["reduce_scatter"], _CODE["allgather"]
+_BROADCAST, _REDUCE, _ALLTOALL = _CODE["broadcast"], _CODE["reduce"], _CODE["alltoall"]
+_BARRIER, _SEND, _RECV = _CODE["barrier"], _CODE["send"], _CODE["recv"]
+
+DEFAULT_BUFFER_BYTES = 4 << 20
+_RECORD = 256  # bytes of the split's segment announcement
+
+
+def _cpus():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def segment_params(size, buffer_bytes):
+    """(staging bytes per rank, send/recv slot bytes) for a communicator of `size` ranks."""
+    if buffer_bytes is None:
+        buffer_bytes = int(os.environ.get("PLAIT_BUFFER_BYTES", DEFAULT_BUFFER_BYTES))
+    staging = max(8192, (int(buffer_bytes) + 4095) // 4096 * 4096)
+    pair_slot = min(256 << 10, max(4096, staging // (4 * size))) // 64 * 64
+    return staging, pair_slot
+
+
+def new_segment_info(size, buffer_bytes):
+    staging, pair_slot = segment_params(size, buffer_bytes)
+    return {"name": _shm.segment_name(), "size": size, "staging": staging, "pair_slot": pair_slot,
+            "token": [secrets.randbits(64), secrets.randbits(64)]}
+
+
+def create_segment(info):
+    return _C.create_segment(info["name"], info["size"], info["staging"], info["pair_slot"], *info["token"])
+
+
+def open_segment(info):
+    return _C.open_segment(info["name"], info["size"], info["staging"], info["pair_slot"], *info["token"])
+
+
+class Handle:
+    """An asynchronous call in flight. Keeps its arrays alive until it is finished."""
+
+    __slots__ = ("_task", "_keep", "_result")
+
+    def __init__(self, task, keep, result):
+        self._task, self._keep, self._result = task, keep, result
+
+    def wait(self, timeout=None):
+        """Blocks until the call has finished and returns its result; raises its error.
+
+        `timeout` bounds only this wait (the call keeps its own deadline): when it passes first,
+        plait.TimeoutError is raised and the call goes on.
+        """
+        if not self._task.wait(-1.0 if timeout is None else float(timeout)):
+            raise _errors.TimeoutError(f"the call is still running after {timeout} s of waiting")
+        self._keep = None
+        return self._result
+
+    def done(self):
+        return self._task.done()
+
+
+class Communicator:
+    """A group of ranks that run collectives together over one shared-memory segment."""
+
+    def __init__(self, native, *, timeout, buffer_bytes, world_size, keep=()):
+        self._c = native
+        self.rank = native.rank
+        self.size = native.size
+        self.timeout = timeout
+        self._buffer_bytes = buffer_bytes
+        self._world_size = world_size
+        self._keep = list(keep)  # e.g. the rendezvous store server rank 0 hosts
+
+    # -- internals ---------------------------------------------------------------------------
+    def _call(self, code, x, out, op, root, peer, tag, algorithm, timeout, async_op, dtype, result):
+        xo = out_o = None
+        if x is not None and type(x) is not np.ndarray:
+            xo = x
+            x, d = self._np(x, "input")
+            dtype = dtype or d
+        if out is not None and type(out) is not np.ndarray:
+            out_o = out
+            out, d = self._np(out, "output")
+            dtype = dtype or d
+        t = self._c.call(code, x, out, op, root, peer, tag, algorithm,
+                         0.0 if timeout is None else float(timeout), async_op, dtype or "")
+        if async_op:
+            return Handle(t, (x, out, xo, out_o), result)
+        return result
+
+    def _np(self, obj, name):
+        try:
+            return _arrays.to_numpy(obj, name)
+        except _errors.InvalidArgument as e:
+            self._c.fail(f"rank {self.rank}: {e}")
+
+    # -- collectives -------------------------------------------------------------------------
+    def allreduce(self, x, out=None, *, op="sum", algorithm="auto", timeout=None, async_op=False, dtype=None):
+        """out = x reduced over all ranks with `op`; `out=x` works in place."""
+        if out is None:
+            out = _arrays.empty_like(x)
+        return self._call(_ALLREDUCE, x, out, op, 0, -1, 0, algorithm, timeout, async_op, dtype, out)
+
+    def reduce_scatter(self, x, out=None, *, op="sum", algorithm="auto", timeout=None, async_op=False,
+                       dtype=None):
+        """Block r of the reduced x (x holds `size` equal blocks) lands in rank r's out."""
+        if out is None:
+            out = _arrays.empty_like(x, (_arrays.size_of(x) // self.size,))
+        return self._call(_REDUCE_SCATTER, x, out, op, 0, -1, 0, algorithm, timeout, async_op, dtype, out)
+
+    def allgather(self, x, out=None, *, algorithm="auto", timeout=None, async_op=False, dtype=None):
+        """out[r] = rank r's x; default out shape (size, *x.shape)."""
+        if out is None:
+            out = _arrays.empty_like(x, (self.size,) + tuple(x.shape))
+        return self._call(_ALLGATHER, x, out, "sum", 0, -1, 0, algorithm, timeout, async_op, dtype, out)
+
+    def broadcast(self, x, root=0, *, out=None, timeout=None, async_op=False, dtype=None):
+        """The root's x lands in every rank's out (x itself when out is None)."""
+        if out is None:
+            out = x
+        return self._call(_BROADCAST, x, out, "sum", root, -1, 0, "auto", timeout, async_op, dtype, out)
+
+    def reduce(self, x, root=0, *, out=None, op="sum", timeout=None, async_op=False, dtype=None):
+        """The reduced x lands in the root's out; other ranks get None."""
+        if self.rank == root and out is None:
+            out = _arrays.empty_like(x)
+        if self.rank != root:
+            out = None
+        return self._call(_REDUCE, x, out, op, root, -1, 0, "auto", timeout, async_op, dtype, out)
+
+    def alltoall(self, x, out=None, *, timeout=None, async_op=False, dtype=None):
+        """Block j of x goes to rank j; block j of out came from rank j."""
+        if out is None:
+            out = _arrays.empty_like(x)
+        return self._call(_ALLTOALL, x, out, "sum", 0, -1, 0, "auto", timeout, async_op, dtype, out)
+
+    def send(self, x, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
+        """Sends x to `peer`; matched in order with that peer's recv of the same size and tag."""
+        return self._call(_SEND, x, None, "sum", 0, peer, tag, "", timeout, async_op, dtype, None)
+
+    def recv(self, out, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
+        """Receives into out from `peer`."""
+        return self._call(_RECV, None, out, "sum", 0, peer, tag, "", timeout, async_op, dtype, out)
+
+    def barrier(self, *, timeout=None, async_op=False):
+        return self._call(_BARRIER, None, None, "sum", 0, -1, 0, "auto", timeout, async_op, "", None)
+
+    # -- groups ------------------------------------------------------------------------------
+    def split(self, color, key=0, *, buffer_bytes=None):
+        """MPI_Comm_split: ranks with the same color form a communicator, ordered by (key, rank).
+
+        Collective over this communicator. color None or < 0: this rank joins none (returns None).
+        """
+        c = -1 if color is None or color < 0 else int(color)
+        mine = np.array([c, int(key), self.rank], dtype=np.int64)
+        table = self.allgather(mine)
+        members = sorted((int(k), int(r)) for cc, k, r in table if cc == c) if c >= 0 else []
+        record = np.zeros(_RECORD, dtype=np.uint8)
+        info = None
+        leader = members[0][1] if members else -1
+        seg = None
+        if leader == self.rank:
+            info = new_segment_info(len(members), buffer_bytes or self._buffer_bytes)
+            seg = create_segment(info)
+            blob = json.dumps(info).encode()
+            record[:len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        records = self.allgather(record)
+        if c < 0:
+            return None
+        if seg is None:
+            blob = records[leader].tobytes().rstrip(b"\0")
+            seg = open_segment(json.loads(blob))
+        new_rank = [r for _, r in members].index(self.rank)
+        native = _C.Communicator(seg, new_rank, self.timeout, os.environ.get("PLAIT_ALGO", ""),
+                                 self._world_size > _cpus(), self.timeout)
+        return Communicator(native, timeout=self.timeout, buffer_bytes=buffer_bytes or self._buffer_bytes,
+                            world_size=self._world_size)
+
+    # -- lifetime ----------------------------------------------------------------------------
+    @property
+    def closed(self):
+        return self._c.closed
+
+    def finalize(self):
+        """Finishes queued calls and leaves; peers that wait on this rank afterwards get PeerLostError."""
+        self._c.finalize()
+        for k in self._keep:
+            close = getattr(k, "close", None)
+            if close:
+                close()
+        self._keep = []
+
+    close = finalize
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.finalize()
+
+    def __repr__(self):
+        return f"<plait.Communicator rank {self.rank} of {self.size}{' (finalized)' if self.closed else ''}>"
