@@ -19,6 +19,10 @@
 #include "core/errors.h"
 #include "reduce/reduce.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #if defined(__GNUC__)
 #define PLAIT_INLINE inline __attribute__((always_inline))
 #else
@@ -103,12 +107,22 @@ PLAIT_INLINE uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
 }
 
-// ---- Element traits: the in-memory element and the type it is reduced in.
+template <class F>
+PLAIT_INLINE void each(size_t n, F f) {
+  size_t i = 0;
+  for (; i + kChunk <= n; i += kChunk)
+    for (size_t k = 0; k < kChunk; ++k) f(i + k);
+  for (; i < n; ++i) f(i);
+}
+
+// ---- Element traits: the in-memory element and the type it is reduced in. Most convert one
+// element at a time (load/store); kByBlock types convert a whole block (widen/narrow).
 
 template <class T>
 struct Plain {
   using Acc = T;
   static constexpr size_t kSize = sizeof(T);
+  static constexpr bool kByBlock = false;
   static PLAIT_INLINE T load(const unsigned char* p, size_t i) { return get<T>(p, i); }
   static PLAIT_INLINE void store(unsigned char* p, size_t i, T v) { put<T>(p, i, v); }
 };
@@ -119,20 +133,10 @@ struct Bool : Plain<uint8_t> {
 };
 
 // Half types accumulate in float and round once, at the store.
-struct F16 {
-  using Acc = float;
-  static constexpr size_t kSize = 2;
-  static PLAIT_INLINE float load(const unsigned char* p, size_t i) {
-    return f16_to_f32(get<uint16_t>(p, i));
-  }
-  static PLAIT_INLINE void store(unsigned char* p, size_t i, float v) {
-    put<uint16_t>(p, i, f32_to_f16(v));
-  }
-};
-
 struct BF16 {
   using Acc = float;
   static constexpr size_t kSize = 2;
+  static constexpr bool kByBlock = false;
   static PLAIT_INLINE float load(const unsigned char* p, size_t i) {
     return bf16_to_f32(get<uint16_t>(p, i));
   }
@@ -140,6 +144,69 @@ struct BF16 {
     put<uint16_t>(p, i, f32_to_bf16(v));
   }
 };
+
+// f16 converts by block so that the x86 kernels can use F16C, one instruction per 8 or 16
+// elements where the bit manipulation takes about 25; it made f16 sum about 5x faster in L1.
+struct F16Bits {
+  using Acc = float;
+  static constexpr size_t kSize = 2;
+  static constexpr bool kByBlock = true;
+  static PLAIT_INLINE void widen(float* out, const unsigned char* in, size_t n) {
+    each(n, [&](size_t i) { out[i] = f16_to_f32(get<uint16_t>(in, i)); });
+  }
+  static PLAIT_INLINE void narrow(unsigned char* out, const float* in, size_t n) {
+    each(n, [&](size_t i) { put<uint16_t>(out, i, f32_to_f16(in[i])); });
+  }
+};
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// The instructions round to nearest even like the bit manipulation, which finishes the tail, and
+// an exhaustive comparison found them bit-identical, so every ISA produces the same bytes.
+struct F16C256 : F16Bits {
+  __attribute__((target("avx,f16c"))) static void widen(float* out, const unsigned char* in,
+                                                        size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 2 * i));
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+    }
+    F16Bits::widen(out + i, in + 2 * i, n - i);
+  }
+  __attribute__((target("avx,f16c"))) static void narrow(unsigned char* out, const float* in,
+                                                         size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * i), h);
+    }
+    F16Bits::narrow(out + 2 * i, in + i, n - i);
+  }
+};
+
+// The maskz forms with a full mask, because GCC 12's unmasked ones trip a false
+// -Wmaybe-uninitialized (GCC PR 105593).
+struct F16C512 : F16Bits {
+  __attribute__((target("avx512f"))) static void widen(float* out, const unsigned char* in,
+                                                       size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 2 * i));
+      _mm512_storeu_ps(out + i, _mm512_maskz_cvtph_ps(0xffff, h));
+    }
+    F16Bits::widen(out + i, in + 2 * i, n - i);
+  }
+  __attribute__((target("avx512f"))) static void narrow(unsigned char* out, const float* in,
+                                                        size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m256i h = _mm512_maskz_cvtps_ph(0xffff, _mm512_loadu_ps(in + i),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * i), h);
+    }
+    F16Bits::narrow(out + 2 * i, in + i, n - i);
+  }
+};
+#endif
 
 // ---- Ops. Integer arithmetic goes through unsigned (at least unsigned int, so uint8 operands do
 // not promote to a signed int that could overflow) because signed overflow is undefined.
@@ -193,14 +260,6 @@ struct Args {
   int divisor;  // > 0 only for avg on a float dtype
 };
 
-template <class F>
-PLAIT_INLINE void each(size_t n, F f) {
-  size_t i = 0;
-  for (; i + kChunk <= n; i += kChunk)
-    for (size_t k = 0; k < kChunk; ++k) f(i + k);
-  for (; i < n; ++i) f(i);
-}
-
 template <class E, class Op>
 PLAIT_INLINE void run(const Args& a) {
   using Acc = typename E::Acc;
@@ -208,14 +267,21 @@ PLAIT_INLINE void run(const Args& a) {
   static_assert(kBlock % kChunk == 0, "blocks must be whole chunks");
   // Reading every source into acc before storing is what makes dst == srcs[0] safe.
   alignas(64) Acc acc[kBlock];
+  alignas(64) Acc widened[E::kByBlock ? kBlock : 1];
   for (size_t off = 0; off < a.count; off += kBlock) {
     const size_t n = std::min(kBlock, a.count - off);
     const size_t at = off * E::kSize;
     const auto* s0 = static_cast<const unsigned char*>(a.srcs[0]) + at;
-    each(n, [&](size_t i) { acc[i] = E::load(s0, i); });
+    if constexpr (E::kByBlock) E::widen(acc, s0, n);
+    else each(n, [&](size_t i) { acc[i] = E::load(s0, i); });
     for (int j = 1; j < a.nsrc; ++j) {
       const auto* s = static_cast<const unsigned char*>(a.srcs[j]) + at;
-      each(n, [&](size_t i) { acc[i] = Op::apply(acc[i], E::load(s, i)); });
+      if constexpr (E::kByBlock) {
+        E::widen(widened, s, n);
+        each(n, [&](size_t i) { acc[i] = Op::apply(acc[i], widened[i]); });
+      } else {
+        each(n, [&](size_t i) { acc[i] = Op::apply(acc[i], E::load(s, i)); });
+      }
     }
     if constexpr (std::is_floating_point<Acc>::value) {
       // A true division, not a multiply by the reciprocal: 1/3 is inexact and would round twice.
@@ -225,7 +291,8 @@ PLAIT_INLINE void run(const Args& a) {
       }
     }
     unsigned char* d = a.dst + at;
-    each(n, [&](size_t i) { E::store(d, i, acc[i]); });
+    if constexpr (E::kByBlock) E::narrow(d, acc, n);
+    else each(n, [&](size_t i) { E::store(d, i, acc[i]); });
   }
 }
 
@@ -242,9 +309,10 @@ PLAIT_INLINE void by_op(RedOp op, const Args& a) {
 }
 
 // Inputs are validated by reduce(); this only routes them.
+template <class Half>
 PLAIT_INLINE void reduce_any(DType dtype, RedOp op, const Args& a) {
   switch (dtype) {
-    case DType::f16: return by_op<F16>(op, a);
+    case DType::f16: return by_op<Half>(op, a);
     case DType::bf16: return by_op<BF16>(op, a);
     case DType::f32: return by_op<Plain<float>>(op, a);
     case DType::f64: return by_op<Plain<double>>(op, a);
@@ -260,17 +328,17 @@ PLAIT_INLINE void reduce_any(DType dtype, RedOp op, const Args& a) {
 
 using Kernel = void (*)(DType, RedOp, const Args&);
 
-void reduce_portable(DType dtype, RedOp op, const Args& a) { reduce_any(dtype, op, a); }
+void reduce_portable(DType dtype, RedOp op, const Args& a) { reduce_any<F16Bits>(dtype, op, a); }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 // Same body, compiled for wider ISAs. prefer-vector-width=512 because some -mtune choices
 // default to 256-bit vectors even where AVX-512 is available.
 __attribute__((target("arch=x86-64-v4,prefer-vector-width=512"))) void reduce_avx512(
     DType dtype, RedOp op, const Args& a) {
-  reduce_any(dtype, op, a);
+  reduce_any<F16C512>(dtype, op, a);
 }
 __attribute__((target("arch=x86-64-v3"))) void reduce_avx2(DType dtype, RedOp op, const Args& a) {
-  reduce_any(dtype, op, a);
+  reduce_any<F16C256>(dtype, op, a);
 }
 #endif
 

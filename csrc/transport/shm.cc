@@ -163,21 +163,31 @@ void ShmTransport::ack(int ch, int64_t step) {
   seg_.ctl(rank_)->ack[ch].store(epoch_ + uint64_t(step), std::memory_order_release);
 }
 
+// A peer's fingerprint is compared as soon as it has arrived, before waiting for anything else
+// from it: ranks that disagree (two ranks that both think they are the root, say) may never post
+// what the other waits for, and must get a MismatchError rather than a timeout.
+void ShmTransport::meet(int peer) {
+  auto& arrival = seg_.ctl(peer)->post0;
+  if (arrival.load(std::memory_order_acquire) < epoch_)
+    wait_until([&] { return arrival.load(std::memory_order_acquire) >= epoch_; }, peer);
+  verify(peer);
+}
+
 void ShmTransport::wait_post(int peer, int ch, int64_t step) {
+  if (!verified_[size_t(peer)]) meet(peer);
   const uint64_t target = epoch_ + uint64_t(step);
   auto& c = post_ctr(peer, ch);
   if (c.load(std::memory_order_acquire) < target)
     wait_until([&] { return c.load(std::memory_order_acquire) >= target; }, peer);
-  if (!verified_[size_t(peer)]) verify(peer);
 }
 
 void ShmTransport::wait_ack(int peer, int ch, int64_t step) {
   if (step <= 0) return;
+  if (!verified_[size_t(peer)]) meet(peer);
   const uint64_t target = epoch_ + uint64_t(step);
   auto& c = seg_.ctl(peer)->ack[ch];
   if (c.load(std::memory_order_acquire) < target)
     wait_until([&] { return c.load(std::memory_order_acquire) >= target; }, peer);
-  if (!verified_[size_t(peer)]) verify(peer);
 }
 
 void ShmTransport::begin(const CallArgs& a, const char* algo_name, uint64_t seq, uint8_t algo_idx) {
@@ -215,7 +225,7 @@ void ShmTransport::end() {
   // Pairwise checks along the algorithm's waits plus each rank checking its left neighbour make
   // the ring of comparisons closed: if any two ranks disagree, someone raises and aborts.
   const int left = (rank_ + size_ - 1) % size_;
-  if (!verified_[size_t(left)]) wait_post(left, 0, 0);
+  if (!verified_[size_t(left)]) meet(left);
   seg_.ctl(rank_)->done.store(seq_, std::memory_order_release);
   call_ = nullptr;
 }

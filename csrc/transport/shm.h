@@ -140,6 +140,7 @@ class ShmTransport final : public Transport {
 
  private:
   void verify(int peer);
+  void meet(int peer);
   [[noreturn]] void on_deadline(int peer);
   std::atomic<uint64_t>& post_ctr(int r, int ch) {
     return ch == 0 ? seg_.ctl(r)->post0 : seg_.ctl(r)->post1;

@@ -1,0 +1,364 @@
+"""Failure paths: dead ranks, late ranks, mismatched and invalid calls, use after finalize.
+
+Every case runs under run_ranks' hard deadline, so a hang fails instead of stalling the suite.
+Ranks catch the error themselves and return what they saw (class, message, when), and the
+parent asserts the class and the key words of the message on every rank.
+"""
+import builtins
+import os
+import re
+import resource
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import plait
+from conftest import run_ranks
+
+RUN_TIMEOUT = 60
+LOST_WITHIN_S = 5.0  # the contract says about 2 s; allow for a loaded 2-core machine
+
+
+def outcome(call):
+    """Runs call() and describes how it ended."""
+    t0 = time.monotonic()
+    try:
+        result = call()
+    except Exception as e:  # noqa: BLE001 - described to the parent
+        end = time.monotonic()
+        return {"exc": type(e).__name__, "msg": str(e), "t": end - t0, "at": end,
+                "plait": isinstance(e, plait.PlaitError),
+                "value_error": isinstance(e, ValueError),
+                "builtin_timeout": isinstance(e, builtins.TimeoutError)}
+    return {"exc": None, "msg": "returned %r" % (type(result),), "t": time.monotonic() - t0}
+
+
+def names_rank(msg, r):
+    """Whether msg names rank r ("rank 1", "ranks [0, 1]", "peer 1", "rank=1", ...)."""
+    return re.search(r"\b(?:ranks?|peers?)\b[^.;\n]*?\b%d\b" % r, msg, re.I) is not None
+
+
+def expect(res, rank, cls, *patterns):
+    """res (from outcome) is cls from plait and its message matches every regex in patterns."""
+    assert res["exc"] == cls.__name__ and res["plait"], (
+        "rank %d: want plait.%s, got %s: %s" % (rank, cls.__name__, res["exc"], res["msg"]))
+    for pat in patterns:
+        assert re.search(pat, res["msg"], re.I), (
+            "rank %d: %s message lacks %r: %s" % (rank, cls.__name__, pat, res["msg"]))
+
+
+def _init(rank, n, store, **kw):
+    comm = plait.init(rank, n, store=store, **kw)
+    comm.barrier()  # everyone is up before the interesting part starts
+    return comm
+
+
+def _die(stamp):
+    with open(stamp, "w") as f:
+        f.write(repr(time.monotonic()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _read_stamp(stamp):
+    with open(stamp) as f:
+        return float(f.read())
+
+
+# ---------------------------------------------------------------- a rank dies
+
+def _killed_in_allreduce(rank, n, store, stamp, during):
+    comm = _init(rank, n, store, timeout=30, buffer_bytes=64 << 10)
+    x = np.ones(4 << 20, np.float32)  # 16 MiB: many chunks of the 64 KiB staging buffer
+    comm.allreduce(x)
+    if rank == 1:
+        if not during:
+            _die(stamp)
+        threading.Timer(0.05, _die, args=(stamp,)).start()
+
+    def until_error():
+        for _ in range(10_000):
+            comm.allreduce(x)
+
+    res = outcome(until_error if during else (lambda: comm.allreduce(x)))
+    res["later"] = outcome(lambda: comm.allreduce(x[:16]))
+    return res
+
+
+@pytest.mark.parametrize("during", [False, True], ids=["before", "during"])
+@pytest.mark.parametrize("n", [2, 3], ids=lambda n: "n%d" % n)
+def test_rank_killed_in_allreduce(n, during, tmp_path):
+    stamp = str(tmp_path / "killed_at")
+    results = run_ranks(_killed_in_allreduce, n, timeout=RUN_TIMEOUT, args=(stamp, during),
+                        may_die={1})
+    killed_at = _read_stamp(stamp)
+    for rank, res in enumerate(results):
+        if rank == 1:
+            assert res is None, "rank 1 was meant to die"
+            continue
+        expect(res, rank, plait.PeerLostError, "allreduce")
+        assert names_rank(res["msg"], 1), "rank %d: message does not name rank 1: %s" % (
+            rank, res["msg"])
+        lag = res["at"] - killed_at
+        assert lag < LOST_WITHIN_S, "rank %d noticed the death after %.2f s" % (rank, lag)
+        later = res["later"]
+        assert later["plait"] and "abort" in later["msg"].lower(), (
+            "rank %d: a call after the abort gave %s: %s" % (rank, later["exc"], later["msg"]))
+
+
+def _killed_in_barrier(rank, n, store, stamp):
+    comm = _init(rank, n, store, timeout=30)
+    if rank == 1:
+        time.sleep(0.3)  # the others are in the barrier by now
+        _die(stamp)
+    return outcome(comm.barrier)
+
+
+def test_rank_killed_in_barrier(tmp_path):
+    stamp = str(tmp_path / "killed_at")
+    results = run_ranks(_killed_in_barrier, 3, timeout=RUN_TIMEOUT, args=(stamp,), may_die={1})
+    killed_at = _read_stamp(stamp)
+    for rank in (0, 2):
+        res = results[rank]
+        expect(res, rank, plait.PeerLostError, "barrier")
+        assert names_rank(res["msg"], 1), "rank %d: message does not name rank 1: %s" % (
+            rank, res["msg"])
+        assert res["at"] - killed_at < LOST_WITHIN_S, (
+            "rank %d noticed the death after %.2f s" % (rank, res["at"] - killed_at))
+
+
+def _killed_while_peer_receives(rank, n, store, stamp):
+    comm = _init(rank, n, store, timeout=30)
+    if rank == 1:
+        time.sleep(0.3)
+        _die(stamp)
+    return outcome(lambda: comm.recv(np.empty(1000, np.float32), 1))
+
+
+def test_rank_killed_while_peer_receives(tmp_path):
+    stamp = str(tmp_path / "killed_at")
+    results = run_ranks(_killed_while_peer_receives, 2, timeout=RUN_TIMEOUT, args=(stamp,),
+                        may_die={1})
+    res = results[0]
+    expect(res, 0, plait.PeerLostError)
+    assert names_rank(res["msg"], 1), "message does not name rank 1: %s" % res["msg"]
+    assert res["at"] - _read_stamp(stamp) < LOST_WITHIN_S
+
+
+# ---------------------------------------------------------------- a rank is late
+
+def _late_rank(rank, n, store, per_call):
+    comm = _init(rank, n, store, timeout=30 if per_call else 1.0)
+    if rank == 1:
+        time.sleep(2.5)
+    kw = {"timeout": 1.0} if per_call else {}
+    return outcome(lambda: comm.allreduce(np.ones(1000, np.float32), **kw))
+
+
+@pytest.mark.parametrize("per_call", [False, True], ids=["init_timeout", "call_timeout"])
+def test_late_rank_times_out(per_call):
+    results = run_ranks(_late_rank, 3, timeout=RUN_TIMEOUT, args=(per_call,))
+    for rank in (0, 2):
+        res = results[rank]
+        expect(res, rank, plait.TimeoutError)
+        assert res["builtin_timeout"], "rank %d: not a builtin TimeoutError" % rank
+        assert names_rank(res["msg"], 1), "rank %d: message does not name rank 1: %s" % (
+            rank, res["msg"])
+        assert 0.9 <= res["t"] < 2.4, "rank %d gave up after %.2f s (timeout 1.0 s)" % (
+            rank, res["t"])
+    assert results[1]["plait"], "the late rank got %s: %s" % (results[1]["exc"],
+                                                               results[1]["msg"])
+
+
+# ---------------------------------------------------------------- mismatched calls
+
+def _ones(dtype=np.float32, count=16):
+    return np.ones(count, dtype)
+
+
+_A = plait.algorithms("allreduce")
+MISMATCHES = {
+    # field: (call(comm, culprit), regexes every rank's message must match)
+    "count": (lambda c, bad: c.allreduce(_ones(count=17 if bad else 16)),
+              [r"count", r"\b16\b", r"\b17\b"]),
+    "dtype": (lambda c, bad: c.allreduce(_ones(np.int32 if bad else np.float32)),
+              [r"dtype", r"float32", r"int32"]),
+    "op": (lambda c, bad: c.allreduce(_ones(), op="max" if bad else "sum"),
+           [r"\bop\b", r"\bsum\b", r"\bmax\b"]),
+    "root": (lambda c, bad: c.broadcast(_ones(), root=2 if bad else 0),
+             [r"root", r"\b0\b", r"\b2\b"]),
+    "collective": (lambda c, bad: (c.allgather if bad else c.allreduce)(_ones()),
+                   [r"allreduce", r"allgather"]),
+    "algorithm": (lambda c, bad: c.allreduce(_ones(), algorithm=_A[-1] if bad else _A[0]),
+                  [r"algorithm", _A[0], _A[-1]]),
+}
+
+
+def _mismatch(rank, n, store, field):
+    comm = _init(rank, n, store, timeout=5.0)
+    res = outcome(lambda: MISMATCHES[field][0](comm, rank == 1))
+    res["later"] = outcome(comm.barrier)
+    return res
+
+
+@pytest.mark.parametrize("field", list(MISMATCHES))
+def test_mismatch(field):
+    results = run_ranks(_mismatch, 3, timeout=RUN_TIMEOUT, args=(field,))
+    for rank, res in enumerate(results):
+        expect(res, rank, plait.MismatchError, *MISMATCHES[field][1])
+        assert names_rank(res["msg"], 1), "rank %d: message does not name rank 1: %s" % (
+            rank, res["msg"])
+        assert res["t"] < 4.0, "rank %d took %.2f s to see the mismatch" % (rank, res["t"])
+        assert res["later"]["plait"], "rank %d: a call after the mismatch gave %s" % (
+            rank, res["later"]["exc"])
+
+
+SKIPS = {
+    # The culprit (rank 1) leaves out the first call of the sequence.
+    "allreduce": [lambda c: c.allreduce(_ones(count=16)), lambda c: c.allreduce(_ones(count=32))],
+    "barrier": [lambda c: c.barrier(), lambda c: c.allreduce(_ones())],
+    "broadcast": [lambda c: c.broadcast(_ones(), root=0), lambda c: c.broadcast(_ones(), root=0),
+                  lambda c: c.barrier()],
+}
+
+
+def _skip(rank, n, store, which):
+    comm = _init(rank, n, store, timeout=2.0)
+    calls = SKIPS[which][1:] if rank == 1 else SKIPS[which]
+    return outcome(lambda: [call(comm) for call in calls])
+
+
+@pytest.mark.parametrize("which", list(SKIPS))
+def test_rank_skips_a_call(which):
+    results = run_ranks(_skip, 3, timeout=RUN_TIMEOUT, args=(which,))
+    for rank, res in enumerate(results):
+        assert res["plait"] and res["exc"] in ("MismatchError", "TimeoutError"), (
+            "rank %d: want MismatchError or TimeoutError, got %s: %s"
+            % (rank, res["exc"], res["msg"]))
+
+
+def _never_calls_again(rank, n, store):
+    comm = _init(rank, n, store, timeout=1.0)
+    if rank == 1:
+        time.sleep(3.0)  # alive, but never makes the call
+        return None
+    return outcome(lambda: comm.allreduce(_ones()))
+
+
+def test_rank_never_calls_again():
+    results = run_ranks(_never_calls_again, 3, timeout=RUN_TIMEOUT)
+    for rank in (0, 2):
+        expect(results[rank], rank, plait.TimeoutError)
+        assert names_rank(results[rank]["msg"], 1), results[rank]["msg"]
+
+
+# ---------------------------------------------------------------- invalid arguments
+
+def _read_only(count=16):
+    out = np.empty(count, np.float32)
+    out.flags.writeable = False
+    return out
+
+
+def _fine(c):
+    return c.allreduce(_ones())
+
+
+INVALID = {
+    # case: (the culprit's call, what the others call, regex the culprit's message must match)
+    "non_contiguous_x": (lambda c: c.allreduce(np.ones(32, np.float32)[::2]), _fine,
+                         r"contiguous"),
+    "out_wrong_size": (lambda c: c.allreduce(_ones(), out=np.empty(15, np.float32)), _fine,
+                       r"\bout\b"),
+    "out_wrong_dtype": (lambda c: c.allreduce(_ones(), out=np.empty(16, np.int32)), _fine,
+                        r"dtype|int32"),
+    "avg_on_int32": (lambda c: c.allreduce(_ones(np.int32), op="avg"),
+                     lambda c: c.allreduce(_ones(np.int32)), r"avg"),
+    "unknown_op": (lambda c: c.allreduce(_ones(), op="mean"), _fine, r"mean"),
+    "unknown_algorithm": (lambda c: c.allreduce(_ones(), algorithm="bogus"), _fine, r"bogus"),
+    "root_out_of_range": (lambda c: c.broadcast(_ones(), root=c.size),
+                          lambda c: c.broadcast(_ones(), root=0), r"root"),
+    "read_only_out": (lambda c: c.allreduce(_ones(), out=_read_only()), _fine,
+                      r"read.?only|writ"),
+    "complex64": (lambda c: c.allreduce(np.ones(16, np.complex64)), _fine,
+                  r"complex64|dtype"),
+    "reduce_scatter_indivisible": (lambda c: c.reduce_scatter(_ones(count=16 + 1)),
+                                   lambda c: c.reduce_scatter(_ones(count=15)), r"size|count"),
+}
+
+
+def _invalid(rank, n, store, case):
+    comm = _init(rank, n, store, timeout=6.0)
+    bad, fine, _ = INVALID[case]
+    return outcome(lambda: (bad if rank == 1 else fine)(comm))
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+def test_invalid_argument(case):
+    results = run_ranks(_invalid, 3, timeout=RUN_TIMEOUT, args=(case,))
+    res = results[1]
+    expect(res, 1, plait.InvalidArgument, INVALID[case][2])
+    assert res["value_error"], "InvalidArgument is not a ValueError"
+    for rank in (0, 2):
+        res = results[rank]
+        # The contract: the call aborts everywhere, and the ranks that did nothing wrong raise
+        # the same class naming the rank at fault, well before their own timeout (6 s).
+        expect(res, rank, plait.InvalidArgument)
+        assert names_rank(res["msg"], 1), "rank %d: message does not name rank 1: %s" % (
+            rank, res["msg"])
+        assert res["t"] < 3.0, "rank %d heard of the error after %.2f s" % (rank, res["t"])
+
+
+# ---------------------------------------------------------------- after finalize
+
+def _after_finalize(rank, n, store):
+    comm = _init(rank, n, store, timeout=10)
+    comm.finalize()
+    return {"allreduce": outcome(lambda: comm.allreduce(_ones())),
+            "barrier": outcome(comm.barrier),
+            "module allreduce": outcome(lambda: plait.allreduce(_ones()))}
+
+
+def _after_with_block(rank, n, store):
+    with plait.init(rank, n, store=store, timeout=10) as comm:
+        comm.barrier()
+    return {"allreduce": outcome(lambda: comm.allreduce(_ones())),
+            "split": outcome(lambda: comm.split(0))}
+
+
+@pytest.mark.parametrize("worker", [_after_finalize, _after_with_block],
+                         ids=["finalize", "with_block"])
+def test_calls_after_finalize_raise(worker):
+    for rank, calls in enumerate(run_ranks(worker, 2, timeout=RUN_TIMEOUT)):
+        for what, res in calls.items():
+            assert res["plait"], "rank %d: %s after finalize gave %s: %s" % (
+                rank, what, res["exc"], res["msg"])
+            assert res["t"] < 2.0, "rank %d: %s after finalize took %.2f s" % (rank, what, res["t"])
+
+
+# ---------------------------------------------------------------- /dev/shm too small
+
+def _shm_too_big(rank, n, store, buffer_bytes):
+    # Caps what a library that skipped the check could write into tmpfs (RAM) at 4 GiB a file:
+    # past it ftruncate/fallocate fail with EFBIG instead of filling the machine's memory.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 30, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    return outcome(lambda: plait.init(rank, n, store=store, timeout=10,
+                                      buffer_bytes=buffer_bytes))
+
+
+def test_dev_shm_too_small():
+    st = os.statvfs("/dev/shm")
+    total = st.f_blocks * st.f_frsize
+    buffer_bytes = max(1 << 40, 2 * total)  # far more than /dev/shm holds at all
+    results = run_ranks(_shm_too_big, 2, timeout=RUN_TIMEOUT, args=(buffer_bytes,))
+    for rank, res in enumerate(results):
+        assert res["plait"], "rank %d: init with buffer_bytes=%d gave %s: %s" % (
+            rank, buffer_bytes, res["exc"], res["msg"])
+    detailed = [res["msg"] for res in results
+                if "/dev/shm" in res["msg"] and re.search(r"avail|free", res["msg"], re.I)
+                and len(re.findall(r"\d", res["msg"])) >= 2]
+    assert detailed, "no rank said how much /dev/shm space is needed and available: %s" % (
+        [res["msg"] for res in results])
