@@ -8,7 +8,7 @@ namespace plait {
 
 // dst[i] = srcs[0][i] op srcs[1][i] op ... op srcs[nsrc-1][i], combined strictly left to right so
 // that every rank that reduces the same operands in the same order gets bitwise the same result.
-// nsrc >= 1 (nsrc == 1 is a copy). dst may alias srcs[0] and no other source. Half types
+// nsrc >= 1 (nsrc == 1 is a copy). dst may be exactly any source (never a partial overlap). Half types
 // (f16, bf16) accumulate in float32 and round once per call.
 // op == avg reduces as sum; when avg_divisor > 0 the result is divided by it before it is stored
 // (the final step of an average). For every other op avg_divisor is ignored.
