@@ -25,6 +25,9 @@ RedOp parse_op(const std::string& s) {
 // Element type from numpy's dtype: kind and size, or the name for ml_dtypes' bfloat16.
 bool infer_dtype(const py::array& a, DType* out) {
   const py::dtype dt = a.dtype();
+  // numpy writes native order as '=' (or '|' for single bytes); anything explicit is foreign.
+  const char order = dt.byteorder();
+  if (order == (__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ ? '>' : '<')) return false;
   const char kind = dt.kind();
   const auto size = dt.itemsize();
   switch (kind) {
@@ -64,7 +67,7 @@ struct Call {
               dtype + "' needs " + std::to_string(dtype_size(b.dtype));
     } else if (!infer_dtype(a, &b.dtype)) {
       err = std::string(name) + " has unsupported dtype " + py::str(a.dtype()).cast<std::string>() +
-            " (float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool)";
+            " (float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool; native byte order)";
     }
     return b;
   }

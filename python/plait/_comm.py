@@ -17,10 +17,9 @@ _RECORD = 256  # bytes of the split's segment announcement
 
 
 def _cpus():
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+    # Online CPUs, not this process's affinity mask: a rank pinned to one core before init is
+    # not oversubscribed when the job has a core per rank.
+    return os.cpu_count() or 1
 
 
 def segment_params(size, buffer_bytes):
