@@ -23,23 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 SHM_GLOB = "/dev/shm/plait-*"
 
 
-def _server_address(server):
-    """The (host, port) a StoreServer listens on, whichever spelling the server uses."""
-    for name in ("address", "addr"):
-        addr = getattr(server, name, None)
-        if addr is not None and not callable(addr):
-            return tuple(addr)
-    return (getattr(server, "host", "127.0.0.1"), server.port)
-
-
-def _close_server(server):
-    for name in ("close", "stop", "shutdown"):
-        method = getattr(server, name, None)
-        if callable(method):
-            method()
-            return
-
-
 def _segment_names():
     from plait import _shm
 
@@ -109,7 +92,7 @@ def run_ranks(fn, n, timeout=60, args=(), env=None, *, may_die=()):
     start = time.monotonic()
     deadline = start + timeout
     try:
-        addr = _server_address(server)
+        addr = (server.host, server.port)
         for rank in range(n):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_child, args=(fn, rank, n, addr, tuple(args), env, writer),
@@ -140,7 +123,7 @@ def run_ranks(fn, n, timeout=60, args=(), env=None, *, may_die=()):
             proc.join()
         for reader in pending:
             reader.close()
-        _close_server(server)
+        server.close()
 
     unfinished = sorted(pending.values())
     if unfinished:
@@ -163,7 +146,8 @@ def run_ranks(fn, n, timeout=60, args=(), env=None, *, may_die=()):
             results[rank] = msg[1]
         else:
             _, name, text, tb = msg
-            problems.append("rank %d raised %s: %s\n%s" % (rank, name, text, tb))
+            first = text.splitlines()[0] if text else ""
+            problems.append("rank %d raised %s: %s\n%s" % (rank, name, first, tb))
 
     # A run in which no rank died must leave nothing behind; after a death the survivors or
     # sweep_stale() clean up, and after the sweep nothing of this run may be left either way.

@@ -10,7 +10,11 @@ their combinations are thinned to a covering subset.
 """
 import hashlib
 import itertools
+import os
 import random
+import re
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -22,8 +26,9 @@ import plait
 from conftest import run_ranks
 
 WORLD_SIZES = (1, 2, 3, 4, 8)
-SMALL_BUFFER = 4096  # forces the multi-chunk paths
-COUNTS = (0, 1, 37, 5001)  # 5001 elements exceed the 4 KiB staging buffer in every dtype
+SMALL_BUFFER = 4096  # forces the multi-chunk paths (plait makes it its 8 KiB minimum)
+# plait rounds buffer_bytes up to at least 8 KiB of staging: 9001 elements exceed it in every dtype.
+COUNTS = (0, 1, 37, 9001)
 CALL_TIMEOUT = 30
 RUN_TIMEOUT = 240
 
@@ -104,6 +109,15 @@ def reduce_ref(arrays, dt, op):
     return from_compute(res, dt)
 
 
+def unaligned(a):
+    """A copy of a that is C-contiguous but starts one byte past an element boundary."""
+    buf = np.empty(a.nbytes + a.itemsize, np.uint8)
+    out = buf[1:1 + a.nbytes].view(a.dtype)
+    out[...] = a
+    assert not out.flags.aligned and out.flags.c_contiguous
+    return out
+
+
 def random_floats(r, count, dt):
     """Inexact data: results cannot be predicted bit for bit, but must agree across ranks."""
     v = np.random.default_rng([r, count]).standard_normal(count)
@@ -135,10 +149,11 @@ class Check:
             self.wrong.append("%s: got %s %s, want %s %s"
                               % (label, got.dtype, got.shape, want.dtype, want.shape))
         elif got.tobytes() != want.tobytes():
-            g, w = got.reshape(-1), want.reshape(-1)
-            bad = [i for i in range(g.size) if g[i:i + 1].tobytes() != w[i:i + 1].tobytes()]
+            g, w = np.ascontiguousarray(got).reshape(-1), np.ascontiguousarray(want).reshape(-1)
+            bad = np.flatnonzero((g.view(np.uint8).reshape(g.size, -1)
+                                  != w.view(np.uint8).reshape(w.size, -1)).any(axis=1))
             self.wrong.append("%s: %d of %d elements differ; first [%d]: got %r, want %r"
-                              % (label, len(bad), g.size, bad[0], g[bad[0]], w[bad[0]]))
+                              % (label, bad.size, g.size, bad[0], g[bad[0]], w[bad[0]]))
         if same_on_all_ranks:
             self.digests[label] = digest(got)
 
@@ -192,7 +207,7 @@ def thin(cases, lean, keep):
     return [c for c in cases if c in picked]
 
 
-def reduce_cases(algos, lean, keep=48):
+def reduce_cases(algos, lean, keep=160):
     """(algorithm, dtype, op, count, flag) over every algorithm, valid (dtype, op) and count; the
     flag alternates so that each (algorithm, dtype, op) runs both ways."""
     cases = [(a, dt, op, c, (ai + k + ci) % 2 == 1)
@@ -203,6 +218,17 @@ def reduce_cases(algos, lean, keep=48):
 
 def _label(*parts):
     return " ".join(str(p) for p in parts)
+
+
+def boundary_cases(algos, n, lean):
+    """Counts around the chunk edges of the 8 KiB staging buffer (and its halves) and around
+    multiples of the world size, rotating the element size so every edge is hit in bytes."""
+    counts = sorted({n - 1, n, n + 1, 3 * n + 1, 511, 512, 513, 1023, 1024, 1025, 2047, 2048,
+                     2049, 4095, 4096, 4097, 8191, 8192, 8193} - {0})
+    dts = ("float32", "int8", "float64", "bfloat16")
+    cases = [(a, dts[(ai + ci) % len(dts)], c) for ai, a in enumerate(algos)
+             for ci, c in enumerate(counts)]
+    return thin(cases, lean, 40)
 
 
 # ---------------------------------------------------------------- bodies run on every rank
@@ -226,6 +252,35 @@ def body_allreduce(comm, lean, chk):
                 chk.true(label + ": did not return out", out is None or got is out)
                 chk.eq(label + " (input changed)", x, x0)
         chk.eq(label, got, want, same_on_all_ranks=True)
+
+    for algo, dt, count in boundary_cases(algos, n, lean):
+        label = _label("allreduce edge", algo, dt, "count=%d" % count)
+        with case(label):
+            got = comm.allreduce(data(rank, count, dt), algorithm=algo, **dtype_kw(dt))
+        chk.eq(label, got, reduce_ref([data(r, count, dt) for r in range(n)], dt, "sum"),
+               same_on_all_ranks=True)
+
+    # Every (dtype, op) at counts around SIMD vector and block widths, so that the kernels'
+    # vector bodies and scalar tails both run (one_shot reduces all ranks in one kernel call).
+    tails = (15, 16, 17, 31, 33, 63, 64, 65, 127, 129, 255, 257, 1000)
+    for algo, (dt, op), count in thin(list(itertools.product(
+            ("one_shot", "ring"), PAIRS, tails)), lean, 60):
+        label = _label("allreduce kernel widths", algo, dt, op, "count=%d" % count)
+        with case(label):
+            got = comm.allreduce(data(rank, count, dt, op), op=op, algorithm=algo,
+                                 **dtype_kw(dt))
+        chk.eq(label, got, reduce_ref([data(r, count, dt, op) for r in range(n)], dt, op),
+               same_on_all_ranks=True)
+
+    # Arrays that are contiguous but not aligned to their element size (a 1-byte offset).
+    for algo in algos:
+        for dt in ("float32", "float64", "int64", "bfloat16"):
+            x = unaligned(data(rank, 1001, dt))
+            out = unaligned(np.zeros(1001, storage(dt)))
+            label = _label("allreduce unaligned", algo, dt)
+            with case(label):
+                got = comm.allreduce(x, out, algorithm=algo, **dtype_kw(dt))
+            chk.eq(label, got, reduce_ref([data(r, 1001, dt) for r in range(n)], dt, "sum"))
 
     x = data(rank, 12, "int32").reshape(3, 4)
     want = reduce_ref([data(r, 12, "int32") for r in range(n)], "int32", "sum").reshape(3, 4)
@@ -263,13 +318,21 @@ def body_reduce_scatter(comm, lean, chk):
         chk.eq(label, got, want)
         chk.eq(label + " (input changed)", x, x0)
 
+    for algo, dt, count in boundary_cases(algos, n, lean):
+        label = _label("reduce_scatter edge", algo, dt, "count=%d" % count)
+        full = reduce_ref([data(r, count * n, dt, "max") for r in range(n)], dt, "max")
+        with case(label):
+            got = comm.reduce_scatter(data(rank, count * n, dt, "max"), op="max", algorithm=algo,
+                                      **dtype_kw(dt))
+        chk.eq(label, got, full[rank * count:(rank + 1) * count])
+
 
 def body_allgather(comm, lean, chk):
     n, rank = comm.size, comm.rank
     algos = list(plait.algorithms("allgather")) + ["auto"]
     cases = [(a, dt, c, (ai + k + ci) % 2 == 1) for ai, a in enumerate(algos)
              for k, dt in enumerate(DTYPES) for ci, c in enumerate(COUNTS)]
-    for algo, dt, count, provide in thin(cases, lean, 30):
+    for algo, dt, count, provide in thin(cases, lean, 60):
         x = data(rank, count, dt, salt=3)
         want = np.stack([data(r, count, dt, salt=3) for r in range(n)])
         label = _label("allgather", algo, dt, "count=%d" % count,
@@ -279,6 +342,20 @@ def body_allgather(comm, lean, chk):
             got = comm.allgather(x, out, algorithm=algo, **dtype_kw(dt))
         chk.true(label + ": did not return out", out is None or got is out)
         chk.eq(label, got, want.reshape(-1) if provide else want, same_on_all_ranks=True)
+
+    for algo, dt, count in boundary_cases(algos, n, lean):
+        label = _label("allgather edge", algo, dt, "count=%d" % count)
+        with case(label):
+            got = comm.allgather(data(rank, count, dt, salt=1), algorithm=algo, **dtype_kw(dt))
+        chk.eq(label, got, np.stack([data(r, count, dt, salt=1) for r in range(n)]),
+               same_on_all_ranks=True)
+
+    for algo in algos:
+        x, out = unaligned(data(rank, 999, "int32")), unaligned(np.zeros(999 * n, np.int32))
+        with case("allgather unaligned " + algo):
+            got = comm.allgather(x, out, algorithm=algo)
+        chk.eq("allgather unaligned " + algo, got,
+               np.concatenate([data(r, 999, "int32") for r in range(n)]))
 
     x = data(rank, 6, "int64").reshape(2, 3)
     want = np.stack([data(r, 6, "int64").reshape(2, 3) for r in range(n)])
@@ -290,7 +367,7 @@ def body_broadcast(comm, lean, chk):
     assert list(plait.algorithms("broadcast")) == ["direct"]
     cases = [(root, dt, c, (root + k + ci) % 2) for root in range(n)
              for k, dt in enumerate(DTYPES) for ci, c in enumerate(COUNTS)]
-    for root, dt, count, mode in thin(cases, lean, 40):
+    for root, dt, count, mode in thin(cases, lean, 96):
         x = data(rank, count, dt, salt=root)
         want = data(root, count, dt, salt=root)
         label = _label("broadcast root=%d" % root, dt, "count=%d" % count,
@@ -312,7 +389,7 @@ def body_reduce(comm, lean, chk):
     assert list(plait.algorithms("reduce")) == ["direct"]
     cases = [(root, dt, op, COUNTS[(root + k) % len(COUNTS)], (root + k) % 3)
              for root in range(n) for k, (dt, op) in enumerate(PAIRS)]
-    for root, dt, op, count, mode in thin(cases, lean, 40):
+    for root, dt, op, count, mode in thin(cases, lean, 96):
         x = data(rank, count, dt, op)
         x0 = x.copy()
         want = reduce_ref([data(r, count, dt, op) for r in range(n)], dt, op)
@@ -336,13 +413,14 @@ def body_alltoall(comm, lean, chk):
     n, rank = comm.size, comm.rank
     assert list(plait.algorithms("alltoall")) == ["direct"]
     cases = [(dt, c, (k + ci) % 3) for k, dt in enumerate(DTYPES) for ci, c in enumerate(COUNTS)]
-    for dt, count, mode in thin(cases, lean, 20):
+    for dt, count, mode in thin(cases, lean, 36):
         # block j of rank r's input holds data(r * n + j); it must land in block r of rank j.
         x = np.concatenate([data(rank * n + j, count, dt, salt=5) for j in range(n)])
         x0 = x.copy()
         want = np.concatenate([data(j * n + rank, count, dt, salt=5) for j in range(n)])
         out = (None, np.empty_like(x), x)[mode]
-        label = _label("alltoall", dt, "count=%d" % count, ("out=None", "out given", "in place")[mode])
+        label = _label("alltoall", dt, "count=%d" % count,
+                       ("out=None", "out given", "in place")[mode])
         with case(label):
             got = comm.alltoall(x, out, **dtype_kw(dt))
         chk.true(label + ": did not return out", out is None or got is out)
@@ -355,7 +433,7 @@ def body_sendrecv(comm, lean, chk):
     n, rank = comm.size, comm.rank
     right, left = (rank + 1) % n, (rank - 1) % n
     cases = [(dt, c) for dt in DTYPES for c in COUNTS]
-    for tag, (dt, count) in enumerate(thin(cases, lean, 18)):
+    for tag, (dt, count) in enumerate(thin(cases, lean, 36)):
         # Ring with blocking calls: even ranks send first, odd ranks receive first.
         x = data(rank, count, dt, salt=tag)
         out = np.empty(count, storage(dt))
@@ -441,7 +519,7 @@ def body_async(comm, lean, chk):
     for rnd in range(1 if lean else 3):
         a = [data(rank, 5001, "float32", salt=rnd * 10 + s) for s in range(3)]
         b = data(rank, 37, "int64", salt=rnd)
-        c = data(rank, 5001, "uint8", salt=rnd)
+        c = data(rank, 9001, "uint8", salt=rnd)
         d = data(rank, 101 * n, "float64", salt=rnd)
         e = np.concatenate([data(rank * n + j, 7, "int8", salt=rnd) for j in range(n)])
         f = data(rank, 5001, "int32", salt=rnd)
@@ -468,7 +546,7 @@ def body_async(comm, lean, chk):
             chk.true("async allreduce %d.%d: wait() did not return out" % (rnd, s), res[s] is arr)
         chk.eq("async allgather %d" % rnd, res[3],
                np.stack([data(r, 37, "int64", salt=rnd) for r in range(n)]))
-        chk.eq("async broadcast %d" % rnd, c, data(n - 1, 5001, "uint8", salt=rnd))
+        chk.eq("async broadcast %d" % rnd, c, data(n - 1, 9001, "uint8", salt=rnd))
         full = reduce_ref([data(r, 101 * n, "float64", salt=rnd) for r in range(n)],
                           "float64", "max")
         chk.eq("async reduce_scatter %d" % rnd, res[5], full[rank * 101:(rank + 1) * 101])
@@ -491,6 +569,33 @@ def body_async(comm, lean, chk):
     for k, a in enumerate(algos):
         want = reduce_ref([data(r, 777, "bfloat16", salt=k) for r in range(n)], "bfloat16", "max")
         chk.eq("async allreduce algorithm=%s" % a, got[k], want, same_on_all_ranks=True)
+
+    # Many handles outstanding at once, waited in a different random order on every rank.
+    hs, want = [], []
+    for k in range(24):
+        algo, dt = algos[k % len(algos)], ("float32", "int8", "bfloat16")[k % 3]
+        x = data(rank, 100 + 97 * k, dt, salt=k)
+        hs.append(comm.allreduce(x, out=x, algorithm=algo, async_op=True, **dtype_kw(dt)))
+        want.append(reduce_ref([data(r, 100 + 97 * k, dt, salt=k) for r in range(n)], dt, "sum"))
+    order = list(range(len(hs)))
+    random.Random(rank).shuffle(order)
+    got = [None] * len(hs)
+    with case("24 outstanding allreduces waited in order %s" % order):
+        for k in order:
+            got[k] = hs[k].wait()
+    for k in range(len(hs)):
+        chk.eq("outstanding allreduce %d" % k, got[k], want[k], same_on_all_ranks=True)
+
+    # A blocking call made while an async one is outstanding runs after it.
+    x = data(rank, 5001, "int64", salt=1)
+    with case("blocking allgather behind an outstanding allreduce"):
+        h = comm.allreduce(x, out=x, op="max", async_op=True)
+        g = comm.allgather(data(rank, 37, "int8"))
+        h.wait()
+    chk.eq("allreduce issued before a blocking call", x,
+           reduce_ref([data(r, 5001, "int64", salt=1) for r in range(n)], "int64", "max"))
+    chk.eq("blocking call behind an async one", g,
+           np.stack([data(r, 37, "int8") for r in range(n)]))
 
     # done() turns True without anyone calling wait() (the torch backend relies on it).
     x = data(rank, 5001, "float64")
@@ -536,7 +641,8 @@ def body_split(comm, lean, chk):
     if rank < 2:
         chk.true("split(%r) returned %r, want None" % (color, sub), sub is None)
     else:
-        chk.true("split(3): size/rank", sub is not None and (sub.size, sub.rank) == (n - 2, rank - 2))
+        chk.true("split(3): size/rank",
+                 sub is not None and (sub.size, sub.rank) == (n - 2, rank - 2))
         if sub is not None:
             with case("allreduce on split(3)"):
                 got = sub.allreduce(np.ones(9, np.int64))
@@ -631,6 +737,21 @@ def body_default_buffer(comm, lean, chk):
            np.concatenate([data(j * n + rank, per, "int8") for j in range(n)]))
 
 
+def body_kernels(comm, lean, chk):
+    """Every (dtype, op) through every reduction kernel width, for the ISA-capped runs."""
+    n, rank = comm.size, comm.rank
+    tails = (1, 15, 16, 17, 31, 33, 63, 64, 65, 127, 129, 255, 257, 1000, 9001)
+    for k, ((dt, op), count) in enumerate(itertools.product(PAIRS, tails)):
+        algo = ("one_shot", "ring", "tree")[k % 3]
+        label = _label("allreduce", algo, dt, op, "count=%d" % count)
+        with case(label):
+            got = comm.allreduce(data(rank, count, dt, op), op=op, algorithm=algo,
+                                 **dtype_kw(dt))
+        chk.eq(label, got, reduce_ref([data(r, count, dt, op) for r in range(n)], dt, op),
+               same_on_all_ranks=True)
+    return plait.build_info()["reduce_isa"]
+
+
 BODIES = {
     "allreduce": body_allreduce,
     "reduce_scatter": body_reduce_scatter,
@@ -644,6 +765,7 @@ BODIES = {
     "split": body_split,
     "threads": body_threads,
     "default_buffer": body_default_buffer,
+    "kernels": body_kernels,
 }
 
 
@@ -670,7 +792,7 @@ def _same_on_all_ranks(results):
 
 # ---------------------------------------------------------------- tests
 
-@pytest.mark.parametrize("name", [k for k in BODIES if k != "default_buffer"])
+@pytest.mark.parametrize("name", [k for k in BODIES if k not in ("default_buffer", "kernels")])
 @pytest.mark.parametrize("n", WORLD_SIZES, ids=lambda n: "n%d" % n)
 def test_collective(n, name):
     if name == "sendrecv" and n == 1:
@@ -691,6 +813,27 @@ def test_collective(n, name):
 def test_default_buffer(n):
     results = run_ranks(_worker, n, timeout=RUN_TIMEOUT, args=("default_buffer", n >= 8, None))
     _same_on_all_ranks(results)
+
+
+def _kernels_main(isa):
+    """Entry point of the fresh interpreter test_reduce_kernels_per_isa starts."""
+    results = run_ranks(_worker, 3, timeout=RUN_TIMEOUT, args=("kernels", False, SMALL_BUFFER))
+    _same_on_all_ranks(results)
+    print("reduce_isa=%s" % results[0]["extra"])
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_reduce_kernels_per_isa(isa):
+    """PLAIT_REDUCE_ISA caps the reduction kernels, so each one is checked on this machine. The
+    choice is made once per process, so the ranks are forked from a fresh interpreter."""
+    code = "import sys; sys.path.insert(0, %r); import test_collectives as t; t._kernels_main(%r)"
+    proc = subprocess.run([sys.executable, "-c", code % (os.path.dirname(__file__), isa)],
+                          env=dict(os.environ, PLAIT_REDUCE_ISA=isa), capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    used = re.search(r"reduce_isa=(\w+)", proc.stdout).group(1)
+    if used != isa:
+        pytest.skip("this CPU cannot run the %s kernels (got %s)" % (isa, used))
 
 
 def test_algorithm_tables():
@@ -776,7 +919,8 @@ def _module_functions_worker(rank, n, store):
     x = data(rank, 37, "int64")
     chk.eq("plait.allreduce", plait.allreduce(x, op="max"),
            reduce_ref([data(r, 37, "int64") for r in range(n)], "int64", "max"))
-    chk.eq("plait.allgather", plait.allgather(x), np.stack([data(r, 37, "int64") for r in range(n)]))
+    chk.eq("plait.allgather", plait.allgather(x),
+           np.stack([data(r, 37, "int64") for r in range(n)]))
     chk.eq("plait.reduce_scatter", plait.reduce_scatter(data(rank, 3 * n, "uint8")),
            reduce_ref([data(r, 3 * n, "uint8") for r in range(n)], "uint8", "sum")
            [rank * 3:(rank + 1) * 3])

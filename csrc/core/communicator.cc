@@ -40,17 +40,11 @@ Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options
       tp_(*seg_, rank, policy_) {
   if (opt_.oversubscribed) policy_.spin_iters = 16;
   forced_.assign(size_t(Coll::kCount), "");
-  std::stringstream ss(opt_.algo_override);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (item.empty()) continue;
-    auto eq = item.find('=');
-    for (int c = 0; c < int(Coll::kCount); ++c) {
-      std::string name = eq == std::string::npos ? item : item.substr(eq + 1);
-      if (eq != std::string::npos && item.substr(0, eq) != coll_name(Coll(c))) continue;
-      for (auto* a : algorithms_for(Coll(c)))
-        if (name == a->name) forced_[size_t(c)] = name;
-    }
+  try {
+    parse_algo_override();
+  } catch (...) {
+    seg_->unlink();
+    throw;
   }
   for (auto* v : {&send_chunk_, &send_msg_, &recv_chunk_, &recv_msg_}) v->assign(size_t(size_), 0);
   thread_ = std::thread([this] { progress_loop(); });
@@ -66,6 +60,24 @@ Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options
     throw;
   }
   seg_->unlink();
+}
+
+void Communicator::parse_algo_override() {
+  std::stringstream ss(opt_.algo_override);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item.empty()) continue;
+    auto eq = item.find('=');
+    bool used = false;
+    for (int c = 0; c < int(Coll::kCount); ++c) {
+      std::string name = eq == std::string::npos ? item : item.substr(eq + 1);
+      if (eq != std::string::npos && item.substr(0, eq) != coll_name(Coll(c))) continue;
+      for (auto* a : algorithms_for(Coll(c)))
+        if (name == a->name) forced_[size_t(c)] = name, used = true;
+    }
+    if (!used)
+      throw InvalidArgument("PLAIT_ALGO: '" + item + "' names no algorithm (see plait.algorithms(collective))");
+  }
 }
 
 Communicator::~Communicator() { finalize(); }

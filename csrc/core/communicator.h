@@ -88,6 +88,7 @@ class Communicator {
 
   CallArgs validate(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root, int peer,
                     int64_t tag, const std::string& algo, double timeout_s);
+  void parse_algo_override();
   int resolve_algo(Coll c, const std::string& name, size_t bytes);
   void run(CallArgs& a);  // one collective, on whichever thread holds exec_mu_
   void run_local(const CallArgs& a);

@@ -222,10 +222,11 @@ void ShmTransport::begin(const CallArgs& a, const char* algo_name, uint64_t seq,
 }
 
 void ShmTransport::end() {
-  // Pairwise checks along the algorithm's waits plus each rank checking its left neighbour make
-  // the ring of comparisons closed: if any two ranks disagree, someone raises and aborts.
-  const int left = (rank_ + size_ - 1) % size_;
-  if (!verified_[size_t(left)]) meet(left);
+  // Every rank compares its call with every peer's before it returns, so that when ranks disagree
+  // each of them raises in this call. Most algorithms have met every peer by now; the others
+  // (a broadcast root, say) only wait here for the peers' arrival, not for their completion.
+  for (int p = 0; p < size_; ++p)
+    if (!verified_[size_t(p)]) meet(p);
   seg_.ctl(rank_)->done.store(seq_, std::memory_order_release);
   call_ = nullptr;
 }
@@ -234,7 +235,9 @@ namespace {
 std::string describe(uint64_t seq, Coll c, DType dt, int64_t count, RedOp op, int root,
                      const char* algo) {
   std::ostringstream m;
-  m << coll_name(c) << " #" << seq << " (" << dtype_name(dt) << ", count=" << count;
+  m << coll_name(c) << " #" << seq;
+  if (c == Coll::barrier) return m.str();
+  m << " (" << dtype_name(dt) << ", count=" << count;
   if (c == Coll::allreduce || c == Coll::reduce_scatter || c == Coll::reduce) m << ", op=" << op_name(op);
   if (c == Coll::broadcast || c == Coll::reduce) m << ", root=" << root;
   if (algo && *algo) m << ", algorithm=" << algo;

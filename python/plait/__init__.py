@@ -11,7 +11,7 @@ import os
 
 import numpy as np  # noqa: F401  (the facade's one dependency; arrays cross as numpy views)
 
-from . import _C, _comm, _shm, _store
+from . import _C, _comm, _errors, _shm, _store
 from ._comm import Communicator, Handle
 from ._errors import InvalidArgument, MismatchError, PeerLostError, PlaitError, TimeoutError
 
@@ -88,12 +88,21 @@ def init(rank=None, size=None, *, store=None, timeout=None, buffer_bytes=None, i
         gen = (client.add("plait/arrivals", 1) - 1) // size
         key = f"plait/{gen}/segment"
         if rank == 0:
-            _shm.sweep_stale()
-            info = _comm.new_segment_info(size, buffer_bytes)
-            seg = _comm.create_segment(info)
+            try:
+                _shm.sweep_stale()
+                info = _comm.new_segment_info(size, buffer_bytes)
+                seg = _comm.create_segment(info)
+            except Exception as e:
+                # The other ranks wait for the segment's name: tell them why none is coming.
+                client.set(key, json.dumps({"error": str(e), "kind": type(e).__name__}).encode())
+                raise
             client.set(key, json.dumps(info).encode())
         else:
             info = json.loads(client.get(key, timeout=init_timeout))
+            if "error" in info:
+                cls = getattr(_errors, info["kind"], PlaitError)
+                cls = cls if isinstance(cls, type) and issubclass(cls, PlaitError) else PlaitError
+                raise cls(f"rank {rank}: rank 0 could not create the communicator: {info['error']}")
             seg = _comm.open_segment(info)
         native = _C.Communicator(seg, rank, float(timeout), os.environ.get("PLAIT_ALGO", ""),
                                  size > _comm._cpus(), float(init_timeout))

@@ -160,6 +160,8 @@ class Communicator:
 
         Collective over this communicator. color None or < 0: this rank joins none (returns None).
         """
+        if self.closed:
+            raise _errors.PlaitError("communicator is finalized; split needs a live one")
         c = -1 if color is None or color < 0 else int(color)
         mine = np.array([c, int(key), self.rank], dtype=np.int64)
         table = self.allgather(mine)

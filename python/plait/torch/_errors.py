@@ -1,0 +1,66 @@
+"""plait's errors as torch.distributed errors.
+
+Each class is both a torch.distributed.DistBackendError (what c10d backends raise, and what
+torch's own error handling catches) and the plait class it stands for, so `except
+plait.TimeoutError` and `except dist.DistBackendError` both work. The message is plait's.
+"""
+import torch.distributed as dist
+
+import plait
+
+
+class PlaitBackendError(dist.DistBackendError, plait.PlaitError):
+    """A plait failure inside a torch.distributed call (the communicator is aborted)."""
+
+
+class PlaitInvalidArgument(PlaitBackendError, plait.InvalidArgument):
+    """Bad input to a collective (also a ValueError)."""
+
+
+class PlaitMismatchError(PlaitBackendError, plait.MismatchError):
+    """The ranks of the group made calls that do not match."""
+
+
+class PlaitTimeoutError(PlaitBackendError, plait.TimeoutError):
+    """A deadline passed (also a builtin TimeoutError)."""
+
+
+class PlaitPeerLostError(PlaitBackendError, plait.PeerLostError):
+    """A rank of the group died."""
+
+
+class PlaitUnsupportedError(PlaitBackendError, NotImplementedError):
+    """Something torch.distributed allows that this backend does not do (the group stays usable)."""
+
+
+_MAP = [
+    (plait.InvalidArgument, PlaitInvalidArgument),
+    (plait.MismatchError, PlaitMismatchError),
+    (plait.TimeoutError, PlaitTimeoutError),
+    (plait.PeerLostError, PlaitPeerLostError),
+    (plait.PlaitError, PlaitBackendError),
+]
+
+
+def to_torch(e, where=""):
+    """The torch-side exception for e (e itself when it already is one, or is not plait's)."""
+    if isinstance(e, dist.DistError) or not isinstance(e, plait.PlaitError):
+        return e
+    for plait_cls, torch_cls in _MAP:
+        if isinstance(e, plait_cls):
+            err = torch_cls(f"{where}: {e}" if where else str(e))
+            err.__cause__ = e
+            return err
+    return e  # pragma: no cover - _MAP ends with the base class
+
+
+def mapped(fn):
+    """Raises plait errors out of a group method as torch errors naming the group and the call."""
+    def method(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except plait.PlaitError as e:
+            raise to_torch(e, f"plait {fn.__name__} on {self._label}") from None
+    method.__name__ = fn.__name__
+    method.__doc__ = fn.__doc__
+    return method

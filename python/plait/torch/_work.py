@@ -1,0 +1,195 @@
+"""Works, futures and the completion thread of a process group.
+
+A torch call becomes one _Op: the plait handles it issued (in order), the steps to run once
+they are done (copy a temporary back into a non-contiguous output, divide for an integer AVG,
+...), and the value its Future carries (the output tensors, as gloo's do).
+
+The Future must complete when the collective does even if nobody calls wait(): DDP's reducer
+only ever waits on get_future(). So each group has one completion thread that waits on the ops
+in issue order (blocked in C++ with the GIL released) and completes them; the futures'
+callbacks run on it. A callback that issues a collective gets it completed before the call
+returns (the callback may then wait on its future: nobody else would complete it). A callback
+must not block on the future of an op issued elsewhere that is still running: that op's
+completion waits behind the callback.
+
+Work.wait() does not queue behind that thread: it waits on the plait handles itself and
+completes the op if it gets there first, which saves a thread hop on every waited call. A
+synchronous call (opts.asyncOp False, i.e. dist.* without async_op) runs inline and its op is
+complete before its Work exists.
+"""
+import queue
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import _errors
+
+_PENDING, _OK, _FAILED = 0, 1, 2
+
+
+class _Op:
+    handles = after = ()
+    _fut = None
+    _error = None
+    _lock = None
+
+    def __init__(self, where, value):
+        self.handles = []
+        self.after = []
+        self.value = value
+        self.where = where
+        self._state = _PENDING
+        self._lock = threading.Lock()
+
+    @property
+    def fut(self):
+        if self._fut is None:
+            with self._lock or threading.Lock():  # no lock: completed at birth, nothing races
+                if self._fut is None:
+                    fut = torch.futures.Future()
+                    if self._state == _OK:
+                        fut.set_result(self.value)
+                    elif self._state == _FAILED:
+                        fut.set_exception(self._error)
+                    self._fut = fut
+        return self._fut
+
+    def finish(self):
+        """Completes the op once its handles are done; exactly once, whichever thread calls first."""
+        with self._lock:
+            if self._state != _PENDING:
+                return
+            try:
+                for h in self.handles:
+                    h.wait()
+                for step in self.after:
+                    step()
+                self._state = _OK
+            except BaseException as e:  # noqa: BLE001 - it belongs to the Work
+                self._error = _errors.to_torch(e, self.where)
+                self._state = _FAILED
+            self.handles, self.after = (), ()
+            fut = self._fut
+        if fut is not None:  # outside the lock: set_result runs the future's callbacks
+            if self._state == _OK:
+                fut.set_result(self.value)
+            else:
+                fut.set_exception(self._error)
+
+    def wait_handles(self, timeout_s=None):
+        """Waits for the plait calls (not for finish()); False when timeout_s passed first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for h in self.handles:
+            if deadline is None:
+                try:
+                    h.wait()
+                except Exception:  # noqa: BLE001 - finish() reports it
+                    return True
+                continue
+            try:
+                h.wait(max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - the call failed (finish() reports it) or is still running
+                if not h.done():
+                    return False
+                return True
+        return True
+
+
+def completed(where, value):
+    """An op that finished before its Work was made (a synchronous call)."""
+    op = _Op.__new__(_Op)
+    op.where, op.value, op._state = where, value, _OK
+    return op
+
+
+class Work(dist.Work):
+    """A c10d Work over an _Op; what every collective of the plait group returns."""
+
+    def __init__(self, op):
+        super().__init__()
+        self._op = op
+
+    def wait(self, timeout=None):
+        op = self._op
+        if op._state == _PENDING:
+            secs = None if timeout is None else timeout.total_seconds()
+            if not op.wait_handles(secs if secs and secs > 0 else None):
+                raise _errors.PlaitTimeoutError(f"{op.where}: Work.wait timed out after {secs:g} s "
+                                                "(the call goes on)")
+            op.finish()
+            fut = op._fut
+            if fut is not None and not fut.done():  # the completion thread is setting it now
+                try:
+                    fut.wait()
+                except Exception:  # noqa: BLE001 - raised below as the op's error
+                    pass
+        if op._state == _FAILED:
+            raise op._error
+        return True
+
+    def is_completed(self):
+        return self._op._state != _PENDING
+
+    def is_success(self):
+        return self._op._state == _OK
+
+    def exception(self):
+        return self._op._error
+
+    def get_future(self):
+        return self._op.fut
+
+    def result(self):
+        self.wait()
+        return self._op.value
+
+    def synchronize(self):
+        pass
+
+
+class Completer:
+    """The completion thread of one group: finishes ops in issue order. Started on first use."""
+
+    def __init__(self, name):
+        self._name = name
+        self._q = queue.SimpleQueue()
+        self._thread = None
+        self._ident = None
+        self._mu = threading.Lock()
+
+    def submit(self, op):
+        if threading.get_ident() == self._ident:
+            # Issued by a Future callback running on this very thread (PowerSGD's hook issues
+            # an all-reduce and waits on its future there): nobody else would complete it, so
+            # finish it now, before the callback can block on it.
+            op.wait_handles()
+            op.finish()
+            return
+        if self._thread is None:
+            with self._mu:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                    self._thread.start()
+        self._q.put(op)
+
+    def _loop(self):
+        self._ident = threading.get_ident()
+        while True:
+            op = self._q.get()
+            if op is None:
+                return
+            op.wait_handles()
+            op.finish()
+
+    def close(self, timeout_s=None):
+        """Stops the thread after the ops already submitted; True if it ended in time."""
+        with self._mu:
+            thread, self._thread = self._thread, None
+            self._ident = None
+        if thread is None:
+            return True
+        self._q.put(None)
+        thread.join(timeout_s)
+        return not thread.is_alive()
