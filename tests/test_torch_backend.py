@@ -90,6 +90,11 @@ def _basics(rank, n, store_dir):
         dist.all_reduce(b)
     cm.wait()
     assert torch.equal(a, torch.full((3,), float(n))) and torch.equal(b, torch.full((2,), 2.0 * n))
+    # the group's own overloads: a bare tensor, a bare ReduceOp
+    v = torch.full((2,), float(rank))
+    pg.allreduce(v).wait()
+    pg.allreduce([v], dist.ReduceOp.MAX).wait()
+    assert torch.equal(v, torch.full((2,), float(n * (n - 1) // 2)))
     with pytest.raises(NotImplementedError, match="any source"):
         dist.recv(torch.empty(1))
     dist.destroy_process_group()

@@ -6,10 +6,11 @@ runs the whole matrix inside a single process group; each rank collects wrong re
 of stopping, so the ranks stay in step and a failure lists every wrong case.
 """
 import pytest
-import torch
-import torch.distributed as dist
 
-from test_torch_backend import init_pg, run_torch
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+from test_torch_backend import init_pg, run_torch  # noqa: E402
 
 R = dist.ReduceOp
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -26,9 +27,10 @@ def data(r, dtype, n=N, shape=None):
         v = ((i + r) % 3) == 0
     elif dtype.is_complex:
         v = torch.complex((r + 1) * (i % 5 + 1.0), (r - 1) * (i % 3 + 0.0)).to(dtype)
-    else:
-        v = ((r + 1) * (i % 5 + 1) - (3 if dtype.is_floating_point or dtype in (torch.int8, torch.int16, torch.int32, torch.int64) else 0))
-        v = v.to(dtype) if dtype not in UINTS else v.abs().to(torch.int64).to(dtype)
+    elif dtype in UINTS or dtype == torch.uint8:
+        v = ((r + 1) * (i % 5 + 1)).to(dtype)
+    else:  # signed: some negative values
+        v = ((r + 1) * (i % 5 + 1) - 3).to(dtype)
     return v if shape is None else v.reshape(shape)
 
 
@@ -99,10 +101,8 @@ class Checker:
         assert not self.wrong, "\n".join(self.wrong[:20]) + f"\n({len(self.wrong)} wrong)"
 
 
-def _op_arg(op, dtype, factor):
-    if op != R.PREMUL_SUM:
-        return op
-    return dist._make_nccl_premul_sum(factor if dtype.is_floating_point or dtype.is_complex else factor)
+def _op_arg(op, factor):
+    return dist._make_nccl_premul_sum(factor) if op == R.PREMUL_SUM else op
 
 
 def reductions(rank, n, store_dir):
@@ -113,27 +113,27 @@ def reductions(rank, n, store_dir):
         want = reference(torch.stack([data(r, dt) for r in range(n)]), op, n, dt, factor)
         what = f"{dt} {op}"
         x = data(rank, dt)
-        dist.all_reduce(x, op=_op_arg(op, dt, factor))
+        dist.all_reduce(x, op=_op_arg(op, factor))
         c.eq(x, want, "all_reduce " + what)
         # async, and a non-contiguous view with its neighbours checked untouched
         big = torch.stack([data(rank, dt), data(rank + 7, dt)], 1)  # (N, 2): column 0 is ours
-        w = dist.all_reduce(big[:, 0], op=_op_arg(op, dt, factor), async_op=True)
+        w = dist.all_reduce(big[:, 0], op=_op_arg(op, factor), async_op=True)
         w.wait()
         c.eq(big[:, 0], want, "async strided all_reduce " + what)
         c.eq(big[:, 1], data(rank + 7, dt), "neighbour column of " + what)
         # reduce to root 1 % n; other ranks keep their tensor
         y = data(rank, dt)
-        dist.reduce(y, dst=1 % n, op=_op_arg(op, dt, factor))
+        dist.reduce(y, dst=1 % n, op=_op_arg(op, factor))
         c.eq(y, want if rank == 1 % n else data(rank, dt), "reduce " + what)
         # reduce_scatter_tensor: rank r gets block r of the reduction of (n*N) inputs
         xs = torch.cat([data(rank * 3 + b, dt) for b in range(n)])
         full = reference(torch.stack([torch.cat([data(r * 3 + b, dt) for b in range(n)]) for r in range(n)]),
                          op, n, dt, factor)
         out = torch.empty(N, dtype=dt)
-        dist.reduce_scatter_tensor(out, xs, op=_op_arg(op, dt, factor))
+        dist.reduce_scatter_tensor(out, xs, op=_op_arg(op, factor))
         c.eq(out, full[rank * N:(rank + 1) * N], "reduce_scatter_tensor " + what)
         out2 = torch.empty(N, dtype=dt)
-        dist.reduce_scatter(out2, list(xs.clone().chunk(n)), op=_op_arg(op, dt, factor))
+        dist.reduce_scatter(out2, list(xs.clone().chunk(n)), op=_op_arg(op, factor))
         c.eq(out2, full[rank * N:(rank + 1) * N], "reduce_scatter " + what)
     # PREMUL_SUM with a tensor factor, and in-place reduce_scatter (output is the input's block)
     x = data(rank, torch.float32)

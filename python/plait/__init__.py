@@ -72,8 +72,8 @@ def init(rank=None, size=None, *, store=None, timeout=None, buffer_bytes=None, i
     if init_timeout is None:
         init_timeout = max(float(timeout), 60.0)
     keep = []
-    if isinstance(store, _store.Store):
-        client = store
+    if isinstance(store, _store.Store) or all(hasattr(store, m) for m in ("add", "set", "get")):
+        client = store  # plait's client, or an adapter (the torch backend wraps torch's store)
     else:
         if store is None:
             host, port, serve = _store.store_from_env(rank)

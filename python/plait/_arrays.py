@@ -15,6 +15,33 @@ def _module_of(obj):
     return type(obj).__module__.split(".", 1)[0]
 
 
+class _TensorWindow:
+    """A numpy view of a torch tensor's bytes that keeps the tensor alive.
+
+    Not tensor.numpy(): that marks the tensor's storage non-resizable for good, which breaks
+    FSDP (it frees and re-allocates parameters by resizing their storage).
+    """
+
+    __slots__ = ("__array_interface__", "_owner")
+
+    def __init__(self, t, typestr):
+        self._owner = t
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (t.numel(),),
+                                    "typestr": typestr, "version": 3}
+
+
+_TORCH_TYPESTR = None
+
+
+def _torch_typestr(torch, dtype):
+    global _TORCH_TYPESTR
+    if _TORCH_TYPESTR is None:
+        _TORCH_TYPESTR = {torch.float16: "<f2", torch.bfloat16: "<u2", torch.float32: "<f4",
+                          torch.float64: "<f8", torch.int8: "|i1", torch.uint8: "|u1",
+                          torch.int32: "<i4", torch.int64: "<i8", torch.bool: "|b1"}
+    return _TORCH_TYPESTR.get(dtype)
+
+
 def to_numpy(obj, name):
     """(numpy view, dtype override or "") of a numpy array or torch CPU tensor."""
     if type(obj) is np.ndarray:
@@ -26,9 +53,14 @@ def to_numpy(obj, name):
             raise _errors.InvalidArgument(
                 f"{name} is a torch tensor on {obj.device}: this plait build has no GPU path "
                 f"(plait.build_info()['cuda'] is False); pass CPU tensors")
-        if obj.dtype == torch.bfloat16:
-            return obj.view(torch.int16).numpy(), "bfloat16"
-        return obj.numpy(), ""
+        if not obj.is_contiguous():
+            raise _errors.InvalidArgument(f"{name} is not contiguous (call .contiguous() first)")
+        typestr = _torch_typestr(torch, obj.dtype)
+        if typestr is None:
+            raise _errors.InvalidArgument(f"{name} has unsupported dtype {obj.dtype}")
+        view = (np.asarray(_TensorWindow(obj, typestr)) if obj.numel()
+                else np.empty(0, dtype=typestr))
+        return view, "bfloat16" if obj.dtype == torch.bfloat16 else ""
     if mod == "cupy" or hasattr(obj, "__cuda_array_interface__"):
         raise _errors.InvalidArgument(
             f"{name} is a GPU array but this plait build has no GPU path "

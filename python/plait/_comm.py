@@ -12,6 +12,7 @@ _ALLREDUCE, _REDUCE_SCATTER, _ALLGATHER = _CODE["allreduce"], _CODE["reduce_scat
 _BROADCAST, _REDUCE, _ALLTOALL = _CODE["broadcast"], _CODE["reduce"], _CODE["alltoall"]
 _BARRIER, _SEND, _RECV = _CODE["barrier"], _CODE["send"], _CODE["recv"]
 
+_ndarray = np.ndarray
 DEFAULT_BUFFER_BYTES = 4 << 20
 _RECORD = 256  # bytes of the split's segment announcement
 
@@ -108,6 +109,11 @@ class Communicator:
         """out = x reduced over all ranks with `op`; `out=x` works in place."""
         if out is None:
             out = _arrays.empty_like(x)
+        if type(x) is _ndarray and type(out) is _ndarray and not async_op and dtype is None:
+            # The small-message path: one Python frame, straight into C++.
+            self._c.call(_ALLREDUCE, x, out, op, 0, -1, 0, algorithm, 0.0 if timeout is None else timeout,
+                         False, "")
+            return out
         return self._call(_ALLREDUCE, x, out, op, 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def reduce_scatter(self, x, out=None, *, op="sum", algorithm="auto", timeout=None, async_op=False,

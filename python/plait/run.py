@@ -152,6 +152,7 @@ def main(argv=None):
                GROUP_RANK="0", MASTER_ADDR=args.master_addr,
                MASTER_PORT=str(args.master_port or _free_port(args.master_addr)),
                PLAIT_STORE=f"{server.host}:{server.port}")
+    env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks x all-core thread pools oversubscribe
     if args.tee_prefix:
         env.setdefault("PYTHONUNBUFFERED", "1")  # otherwise lines arrive only when a rank exits
     procs, pumps, lock, signals = [], [], threading.Lock(), []

@@ -23,6 +23,7 @@ from ._store import TorchStore
 from ._work import Completer, Work, _Op, completed
 
 _ZERO = timedelta(0)
+_AllreduceOptions = dist.AllreduceOptions
 _ids = itertools.count()
 _live = weakref.WeakSet()  # groups not shut down yet (released at exit, see __init__.py)
 
@@ -235,7 +236,8 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         # The fast path (one contiguous CPU tensor of a plait dtype, an op plait has): what DDP
         # buckets and most dist.all_reduce calls are. Everything else goes through plan().
-        if opts is not None and len(tensors) == 1 and self._comm is not None:
+        if type(opts) is _AllreduceOptions and type(tensors) is list and len(tensors) == 1 \
+                and self._comm is not None:
             t = tensors[0]
             fast = _reduce.FAST.get((opts.reduceOp.op.value, t.dtype))
             if fast is not None and t.is_cpu and t.is_contiguous():

@@ -21,9 +21,9 @@ _PLAIT = {SUM: "sum", AVG: "avg", PRODUCT: "prod", MIN: "min", MAX: "max", PREMU
 _BITWISE = {BAND: torch.bitwise_and, BOR: torch.bitwise_or, BXOR: torch.bitwise_xor}
 _ADDITIVE = (SUM, AVG, PREMUL_SUM)
 
-# (kind's int value, dtype) -> (plait op, dtype name) for the reductions plait does on the tensor as it is.
+# (kind's int value, dtype) -> (plait op, dtype name): reductions plait does on the tensor as is.
 FAST = {}
-for _dt, _name in _tensors.NATIVE.items():
+for _dt in _tensors.NATIVE:
     for _k in (SUM, PRODUCT, MIN, MAX) + ((AVG,) if _dt.is_floating_point else ()):
         FAST[(_k.value, _dt)] = (_PLAIT[_k], "bfloat16" if _dt == torch.bfloat16 else None)
 
@@ -34,7 +34,7 @@ class Red:
     __slots__ = ("kind", "factor")
 
     def __init__(self, op):
-        if isinstance(op, ReduceOp):
+        if type(op) is not _T:  # a ReduceOp (isinstance says yes for a RedOpType too)
             self.kind = op.op
             self.factor = op.factor if self.kind == PREMUL_SUM else None
         else:  # a bare RedOpType, e.g. dist.ReduceOp.SUM
