@@ -55,13 +55,17 @@ const std::vector<const Algorithm*>& algorithms_for(Coll c) {
   return unsigned(c) < unsigned(Coll::kCount) ? per_coll[size_t(c)] : none;
 }
 
-// Thresholds from plait-bench sweeps on the 2-core development VM (bench/RESULTS.md): one_shot
-// wins while its n-fold read stays in cache and one synchronisation dominates; above that the
-// two-shot's smaller traffic wins. Ring and tree never beat them on one host but stay available.
+// Thresholds measured with `plait-bench -n N -c allreduce -b 8 -e 8M -f 4 -a all` on the 2-core
+// development VM (bench/RESULTS.md, 2026-12-02). Two ranks (a core each): one_shot wins up to
+// 32-64 KiB, where its single synchronisation dominates; from 128 KiB the ring, which pipelines
+// through four slots and syncs with one neighbour, beats two_shot by 5-25%. Three or more ranks
+// (oversubscribed here): one_shot up to 16 KiB, then two_shot, whose two syncs per chunk cost
+// less than the ring's 2(n-1) hand-offs when ranks share cores. Tree never won on one host.
 int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes) {
   if (c != Coll::allreduce) return 0;
   const size_t one_shot_max = world <= 2 ? 64 * 1024 : 16 * 1024;
-  return bytes <= one_shot_max && bytes <= staging_bytes / 2 ? 0 : 1;
+  if (bytes <= one_shot_max && bytes <= staging_bytes / 2) return 0;  // one_shot
+  return world <= 2 ? 2 : 1;                                          // ring : two_shot
 }
 
 }  // namespace plait
