@@ -141,6 +141,7 @@ class ShmTransport final : public Transport {
  private:
   void verify(int peer);
   void meet(int peer);
+  void arrive();
   [[noreturn]] void on_deadline(int peer);
   std::atomic<uint64_t>& post_ctr(int r, int ch) {
     return ch == 0 ? seg_.ctl(r)->post0 : seg_.ctl(r)->post1;
@@ -150,6 +151,7 @@ class ShmTransport final : public Transport {
   const WaitPolicy& policy_;
   size_t half_ = 0;
   uint64_t seq_ = 0, epoch_ = 0;
+  bool arrived_ = true;
   const CallArgs* call_ = nullptr;
   const char* algo_name_ = "";
   double deadline_ = 0;
