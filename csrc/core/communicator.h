@@ -40,7 +40,7 @@ struct Options {
 
 class Task {
  public:
-  Task(const CallArgs& a, uint32_t spin) : args(a), spin_(spin) {}
+  explicit Task(const CallArgs& a) : args(a) {}
   // Waits up to timeout_s (< 0: forever); true when finished. Throws the call's error.
   bool wait(double timeout_s);
   bool done() const { return state_.load(std::memory_order_acquire) != 0; }
@@ -53,7 +53,6 @@ class Task {
   std::mutex m_;
   std::condition_variable cv_;
   std::atomic<int> state_{0};  // 0 pending, 1 ok, 2 failed
-  uint32_t spin_;              // pause loops before sleeping on the condition variable
   ErrorKind kind_ = ErrorKind::none;
   std::string msg_;
 };
@@ -118,7 +117,6 @@ class Communicator {
   std::condition_variable q_cv_;
   std::deque<std::shared_ptr<Task>> queue_;
   std::atomic<int> pending_{0};  // queued or running on the progress thread
-  std::atomic<int> queued_{0};   // in queue_, readable without q_mu_
   bool stop_ = false;
   std::thread thread_;
   std::mutex ready_mu_;

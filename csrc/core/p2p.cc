@@ -96,7 +96,6 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
                (queue_.front()->args.coll == Coll::send || queue_.front()->args.coll == Coll::recv)) {
           auto t = queue_.front();
           queue_.pop_front();
-          queued_.fetch_sub(1, std::memory_order_relaxed);
           ops.push_back(P2P{&t->args, t});
           ops.back().deadline = now_s() + t->args.timeout_s;
         }
