@@ -353,8 +353,7 @@ def test_fsdp_matches_gloo(which, tmp_path):
 
 @pytest.mark.parametrize("launcher", ["plait-run", "torchrun"])
 def test_example_ddp_train(launcher):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ)  # the plait under test: installed, or on the caller's PYTHONPATH
     script = os.path.join(ROOT, "examples", "ddp_train.py")
     if launcher == "plait-run":
         cmd = [sys.executable, "-m", "plait.run", "-n", "2", script, "--epochs", "2"]
