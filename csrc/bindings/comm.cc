@@ -98,9 +98,43 @@ py::object call(Communicator& c, Coll coll, const py::object& x, const py::objec
   return py::none();
 }
 
+// The small-message entry point, called as fast_call(comm, coll, x, out, op, algorithm) with
+// positional arguments only: METH_FASTCALL without pybind11's overload dispatch, which measured
+// ~0.2 us of a 0.4 us call. Everything else (validation, errors) is shared with call().
+PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    if (nargs != 6) throw InvalidArgument("fast_call takes (comm, coll, x, out, op, algorithm)");
+    Communicator& c = py::handle(args[0]).cast<Communicator&>();
+    const long coll = PyLong_AsLong(args[1]);
+    if (coll < 0 || coll >= long(Coll::kCount)) throw InvalidArgument("bad collective code");
+    Py_ssize_t n_op = 0, n_algo = 0;
+    const char* op = PyUnicode_AsUTF8AndSize(args[4], &n_op);
+    const char* algo = PyUnicode_AsUTF8AndSize(args[5], &n_algo);
+    if (!op || !algo) throw InvalidArgument("op and algorithm must be strings");
+    call(c, Coll(coll), py::reinterpret_borrow<py::object>(args[2]),
+         py::reinterpret_borrow<py::object>(args[3]), std::string(op, size_t(n_op)), 0, -1, 0,
+         std::string(algo, size_t(n_algo)), 0.0, false, "");
+    Py_RETURN_NONE;
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::exception& e) {
+    // Let pybind11's registered translators (plait's error classes) turn it into Python's.
+    try {
+      throw;
+    } catch (...) {
+      py::detail::try_translate_exceptions();
+    }
+  }
+  return nullptr;
+}
+
+PyMethodDef fast_call_def = {"fast_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_call)),
+                             METH_FASTCALL, "fast_call(comm, coll, x, out, op, algorithm)"};
+
 }  // namespace
 
 void bind_comm(py::module_& m) {
+  m.attr("fast_call") = py::reinterpret_steal<py::object>(PyCFunction_New(&fast_call_def, nullptr));
   py::class_<Segment, std::shared_ptr<Segment>>(m, "Segment")
       .def_static("bytes_needed", &Segment::bytes_needed)
       .def("unlink", &Segment::unlink);

@@ -13,6 +13,7 @@ _BROADCAST, _REDUCE, _ALLTOALL = _CODE["broadcast"], _CODE["reduce"], _CODE["all
 _BARRIER, _SEND, _RECV = _CODE["barrier"], _CODE["send"], _CODE["recv"]
 
 _ndarray = np.ndarray
+_fast_call = _C.fast_call
 DEFAULT_BUFFER_BYTES = 4 << 20
 _RECORD = 256  # bytes of the split's segment announcement
 
@@ -109,10 +110,9 @@ class Communicator:
         """out = x reduced over all ranks with `op`; `out=x` works in place."""
         if out is None:
             out = _arrays.empty_like(x)
-        if type(x) is _ndarray and type(out) is _ndarray and not async_op and dtype is None:
-            # The small-message path: one Python frame, straight into C++.
-            self._c.call(_ALLREDUCE, x, out, op, 0, -1, 0, algorithm, 0.0 if timeout is None else timeout,
-                         False, "")
+        if type(x) is _ndarray and type(out) is _ndarray and not async_op and dtype is None and timeout is None:
+            # The small-message path: one Python frame, then C++ without pybind11's dispatch.
+            _fast_call(self._c, _ALLREDUCE, x, out, op, algorithm)
             return out
         return self._call(_ALLREDUCE, x, out, op, 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
