@@ -58,6 +58,29 @@ struct Ctx {
   }
 };
 
+// The staging area cut into `count` pipeline slots used round-robin by 1-based step number:
+// step s writes slot (s-1) % count, and may do so once its readers acked step s - count.
+struct Slots {
+  Slots(Transport& tp, int count) : tp_(tp), count_(count), bytes(tp.staging_bytes() / size_t(count)) {}
+  size_t offset(int64_t step) const { return size_t((step - 1) % count_) * bytes; }
+  char* at(int rank, int64_t step) const { return tp_.staging(rank) + offset(step); }
+  int count() const { return count_; }
+
+ private:
+  Transport& tp_;
+  int count_;
+
+ public:
+  const size_t bytes;
+};
+
+// Ring neighbours, and block b (mod n) of `n` equal blocks of `m` elements as an element offset.
+struct Ring {
+  Ring(int rank, int n) : n(n), left((rank + n - 1) % n), right((rank + 1) % n) {}
+  int64_t block(int b, int64_t m) const { return int64_t(((b % n) + n) % n) * m; }
+  int n, left, right;
+};
+
 struct Algorithm {
   Coll coll;
   const char* name;

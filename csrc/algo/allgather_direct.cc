@@ -10,17 +10,16 @@ namespace plait {
 void allgather_direct(Ctx& c) {
   Transport& tp = c.tp;
   const int n = c.size, r = c.rank;
-  constexpr int kSlots = 2;
-  const size_t slot_bytes = tp.staging_bytes() / kSlots;
-  const int64_t piece = c.elems_in(slot_bytes);
+  const Slots slots(tp, 2);
+  const int64_t piece = c.elems_in(slots.bytes);
   const int64_t m = c.a.count;
   int64_t round = 0;
   for (int64_t off = 0; off < m; off += piece) {
     const int64_t len = std::min(piece, m - off);
     const size_t bytes = size_t(len) * c.esize;
     ++round;
-    const size_t slot = size_t((round - 1) % kSlots) * slot_bytes;
-    tp.wait_ack_all(0, round - kSlots);
+    const size_t slot = slots.offset(round);
+    tp.wait_ack_all(0, round - slots.count());
     std::memcpy(tp.staging(r) + slot, c.in_at(off), bytes);
     tp.post(0, round);
     char* own = c.out_at(int64_t(r) * m + off);

@@ -10,9 +10,8 @@ namespace plait {
 
 void allreduce_one_shot(Ctx& c) {
   Transport& tp = c.tp;
-  constexpr int kSlots = 2;
-  const size_t slot_bytes = tp.staging_bytes() / kSlots;
-  const int64_t chunk = c.elems_in(slot_bytes);
+  const Slots slots(tp, 2);
+  const int64_t chunk = c.elems_in(slots.bytes);
   const void* srcs[64];
   std::vector<const void*> many;
   const void** src = c.size <= 64 ? srcs : (many.resize(size_t(c.size)), many.data());
@@ -20,8 +19,8 @@ void allreduce_one_shot(Ctx& c) {
   for (int64_t off = 0; off < c.a.count; off += chunk) {
     const int64_t n = std::min(chunk, c.a.count - off);
     ++step;
-    const size_t slot = size_t((step - 1) % kSlots) * slot_bytes;
-    tp.wait_ack_all(0, step - kSlots);
+    const size_t slot = slots.offset(step);
+    tp.wait_ack_all(0, step - slots.count());
     std::memcpy(tp.staging(c.rank) + slot, c.in_at(off), size_t(n) * c.esize);
     tp.post(0, step);
     tp.wait_post_all(0, step);

@@ -14,13 +14,11 @@ namespace plait {
 void allreduce_ring(Ctx& c) {
   Transport& tp = c.tp;
   const int n = c.size, r = c.rank;
-  const int left = (r + n - 1) % n, right = (r + 1) % n;
-  constexpr int kSlots = 4;
-  const size_t slot_bytes = tp.staging_bytes() / kSlots;
-  const int64_t block = c.elems_in(slot_bytes);
+  const Ring ring(r, n);
+  const Slots slots(tp, 4);
+  const int64_t block = c.elems_in(slots.bytes);
   const int64_t chunk = block * n;
-  int64_t step = 0;  // one step per hop; slot = step % kSlots
-  auto slot = [&](int rank, int64_t s) { return tp.staging(rank) + size_t((s - 1) % kSlots) * slot_bytes; };
+  int64_t step = 0;  // one step per hop
   for (int64_t off = 0; off < c.a.count; off += chunk) {
     const int64_t len = std::min(chunk, c.a.count - off);
     auto blk = [&](int b, int64_t* lo) {
@@ -32,17 +30,17 @@ void allreduce_ring(Ctx& c) {
     // Hop 0 sends this rank's own input block r.
     int64_t cnt = blk(r, &lo);
     ++step;
-    tp.wait_ack(right, 0, step - kSlots);
-    std::memcpy(slot(r, step), c.in_at(lo), size_t(cnt) * c.esize);
+    tp.wait_ack(ring.right, 0, step - slots.count());
+    std::memcpy(slots.at(r, step), c.in_at(lo), size_t(cnt) * c.esize);
     tp.post(0, step);
     for (int h = 0; h < 2 * n - 2; ++h) {
       // Receive what the left neighbour sent at this hop: block (r - h - 1).
       cnt = blk(r - h - 1, &lo);
-      tp.wait_post(left, 0, step);
-      const char* got = slot(left, step);
+      tp.wait_post(ring.left, 0, step);
+      const char* got = slots.at(ring.left, step);
       const bool last = h == 2 * n - 3;
-      if (!last) tp.wait_ack(right, 0, step + 1 - kSlots);
-      char* fwd = last ? nullptr : slot(r, step + 1);
+      if (!last) tp.wait_ack(ring.right, 0, step + 1 - slots.count());
+      char* fwd = last ? nullptr : slots.at(r, step + 1);
       if (h < n - 1) {
         const void* src[2] = {got, c.in_at(lo)};
         const bool finished = h == n - 2;

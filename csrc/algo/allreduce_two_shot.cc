@@ -15,19 +15,18 @@ namespace plait {
 void allreduce_two_shot(Ctx& c) {
   Transport& tp = c.tp;
   const int n = c.size, r = c.rank;
-  constexpr int kSlots = 2;
-  const size_t slot_bytes = tp.staging_bytes() / kSlots;
+  const Slots slots(tp, 2);
   // A slot holds the chunk's parts for peers plus this rank's reduced part (at most chunk/n + 1).
-  int64_t chunk = c.elems_in((slot_bytes - 128) / size_t(n + 1) * size_t(n));
+  int64_t chunk = c.elems_in((slots.bytes - 128) / size_t(n + 1) * size_t(n));
   const size_t result_off = (size_t(chunk) * c.esize + 63) / 64 * 64;
   std::vector<const void*> src(static_cast<size_t>(n));
   int64_t round = 0;
   for (int64_t off = 0; off < c.a.count; off += chunk) {
     const int64_t len = std::min(chunk, c.a.count - off);
     ++round;
-    const size_t slot = size_t((round - 1) % kSlots) * slot_bytes;
+    const size_t slot = slots.offset(round);
     char* mine = tp.staging(r) + slot;
-    tp.wait_ack_all(0, round - kSlots);
+    tp.wait_ack_all(0, round - slots.count());
     for (int q = 0; q < n; ++q) {
       if (q == r) continue;
       const int64_t b = part_begin(len, n, q), e = part_begin(len, n, q + 1);
@@ -39,7 +38,7 @@ void allreduce_two_shot(Ctx& c) {
     for (int p = 0; p < n; ++p)
       src[size_t(p)] = p == r ? static_cast<const void*>(c.in_at(off + b))
                               : tp.staging(p) + slot + size_t(b) * c.esize;
-    tp.wait_ack_all(1, round - kSlots);
+    tp.wait_ack_all(1, round - slots.count());
     c.reduce(mine + result_off, src.data(), n, e - b, true);
     tp.ack(0, round);
     tp.post(1, round);

@@ -11,17 +11,16 @@ namespace plait {
 void alltoall_direct(Ctx& c) {
   Transport& tp = c.tp;
   const int n = c.size, r = c.rank;
-  constexpr int kSlots = 2;
-  const size_t slot_bytes = tp.staging_bytes() / kSlots;
-  const int64_t piece = c.elems_in(slot_bytes / size_t(n));
+  const Slots slots(tp, 2);
+  const int64_t piece = c.elems_in(slots.bytes / size_t(n));
   const int64_t m = c.a.count;
   int64_t round = 0;
   for (int64_t off = 0; off < m; off += piece) {
     const size_t bytes = size_t(std::min(piece, m - off)) * c.esize;
     ++round;
-    const size_t slot = size_t((round - 1) % kSlots) * slot_bytes;
+    const size_t slot = slots.offset(round);
     const size_t stride = size_t(piece) * c.esize;
-    tp.wait_ack_all(0, round - kSlots);
+    tp.wait_ack_all(0, round - slots.count());
     for (int q = 0; q < n; ++q)
       if (q != r) std::memcpy(tp.staging(r) + slot + size_t(q) * stride, c.in_at(int64_t(q) * m + off), bytes);
     tp.post(0, round);

@@ -10,16 +10,15 @@ namespace plait {
 void broadcast_direct(Ctx& c) {
   Transport& tp = c.tp;
   const int root = c.a.root;
-  constexpr int kSlots = 2;
-  const size_t slot_bytes = tp.staging_bytes() / kSlots;
-  const int64_t chunk = c.elems_in(slot_bytes);
+  const Slots slots(tp, 2);
+  const int64_t chunk = c.elems_in(slots.bytes);
   int64_t step = 0;
   for (int64_t off = 0; off < c.a.count; off += chunk) {
     const size_t bytes = size_t(std::min(chunk, c.a.count - off)) * c.esize;
     ++step;
-    const size_t slot = size_t((step - 1) % kSlots) * slot_bytes;
+    const size_t slot = slots.offset(step);
     if (c.rank == root) {
-      tp.wait_ack_all(0, step - kSlots);
+      tp.wait_ack_all(0, step - slots.count());
       std::memcpy(tp.staging(root) + slot, c.in_at(off), bytes);
       tp.post(0, step);
       if (c.out_at(off) != c.in_at(off)) std::memcpy(c.out_at(off), c.in_at(off), bytes);

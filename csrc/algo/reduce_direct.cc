@@ -11,17 +11,16 @@ namespace plait {
 void reduce_direct(Ctx& c) {
   Transport& tp = c.tp;
   const int root = c.a.root, n = c.size;
-  constexpr int kSlots = 2;
-  const size_t slot_bytes = tp.staging_bytes() / kSlots;
-  const int64_t chunk = c.elems_in(slot_bytes);
+  const Slots slots(tp, 2);
+  const int64_t chunk = c.elems_in(slots.bytes);
   std::vector<const void*> src(static_cast<size_t>(n));
   int64_t step = 0;
   for (int64_t off = 0; off < c.a.count; off += chunk) {
     const int64_t len = std::min(chunk, c.a.count - off);
     ++step;
-    const size_t slot = size_t((step - 1) % kSlots) * slot_bytes;
+    const size_t slot = slots.offset(step);
     if (c.rank != root) {
-      tp.wait_ack(root, 0, step - kSlots);
+      tp.wait_ack(root, 0, step - slots.count());
       std::memcpy(tp.staging(c.rank) + slot, c.in_at(off), size_t(len) * c.esize);
       tp.post(0, step);
     } else {

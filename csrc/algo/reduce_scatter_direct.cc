@@ -12,17 +12,16 @@ namespace plait {
 void reduce_scatter_direct(Ctx& c) {
   Transport& tp = c.tp;
   const int n = c.size, r = c.rank;
-  constexpr int kSlots = 2;
-  const size_t slot_bytes = tp.staging_bytes() / kSlots;
-  const int64_t piece = c.elems_in(slot_bytes / size_t(n));
+  const Slots slots(tp, 2);
+  const int64_t piece = c.elems_in(slots.bytes / size_t(n));
   const int64_t m = c.a.count;
   std::vector<const void*> src(static_cast<size_t>(n));
   int64_t round = 0;
   for (int64_t off = 0; off < m; off += piece) {
     const int64_t len = std::min(piece, m - off);
     ++round;
-    const size_t slot = size_t((round - 1) % kSlots) * slot_bytes;
-    tp.wait_ack_all(0, round - kSlots);
+    const size_t slot = slots.offset(round);
+    tp.wait_ack_all(0, round - slots.count());
     for (int q = 0; q < n; ++q)
       if (q != r)
         std::memcpy(tp.staging(r) + slot + size_t(q) * size_t(piece) * c.esize,
