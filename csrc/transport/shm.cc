@@ -337,6 +337,10 @@ void ShmTransport::throw_if_aborted() {
   char buf[sizeof h->abort_msg + 1];
   std::memcpy(buf, h->abort_msg, sizeof h->abort_msg);
   buf[sizeof h->abort_msg] = 0;
+  // The text comes from shared memory that any rank may have scribbled over: plait writes only
+  // ASCII there, so anything else becomes '?' (Python would fail to decode it as UTF-8).
+  for (char* c = buf; *c; ++c)
+    if ((*c < 0x20 && *c != '\n' && *c != '\t') || *c == 0x7f || (unsigned char)*c >= 0x80) *c = '?';
   ErrorKind kind = k <= uint32_t(ErrorKind::peer_lost) ? ErrorKind(k) : ErrorKind::generic;
   throw_error(kind, buf);
 }

@@ -81,9 +81,16 @@ class Communicator:
         self._buffer_bytes = buffer_bytes
         self._world_size = world_size
         self._keep = list(keep)  # e.g. the rendezvous store server rank 0 hosts
+        # (task, arrays) of async calls: the progress thread writes into the arrays until the call
+        # is done, even if the caller dropped its Handle. After _c, so that when this object goes
+        # away the native communicator finishes its calls before the arrays are freed.
+        self._inflight = []
 
     # -- internals ---------------------------------------------------------------------------
     def _call(self, code, x, out, op, root, peer, tag, algorithm, timeout, async_op, dtype, result):
+        if type(root) is not int or type(peer) is not int or type(tag) is not int or not (
+                -(1 << 31) <= root < 1 << 31 and -(1 << 31) <= peer < 1 << 31):
+            root, peer, tag = self._int(root, "root"), self._int(peer, "peer"), self._int(tag, "tag")
         xo = out_o = None
         if x is not None and type(x) is not np.ndarray:
             xo = x
@@ -96,8 +103,28 @@ class Communicator:
         t = self._c.call(code, x, out, op, root, peer, tag, algorithm,
                          0.0 if timeout is None else float(timeout), async_op, dtype or "")
         if async_op:
-            return Handle(t, (x, out, xo, out_o), result)
+            keep = (x, out, xo, out_o)
+            if len(self._inflight) >= 32:
+                self._inflight = [p for p in self._inflight if not p[0].done()]
+            self._inflight.append((t, keep))
+            return Handle(t, keep, result)
         return result
+
+    def _new_out(self, x, shape=None):
+        """A fresh output for x; input that is no array aborts the call on every rank."""
+        if type(x) is not _ndarray and not hasattr(x, "shape"):
+            self._c.fail(f"rank {self.rank}: input must be a numpy array or a torch CPU tensor, "
+                         f"got {type(x).__name__}")
+        return _arrays.empty_like(x, None if shape is None else shape())
+
+    def _int(self, v, name):
+        """root / peer / tag as the C int the core takes; anything else aborts the call everywhere."""
+        if type(v) is not int and not isinstance(v, (int, np.integer)):
+            self._c.fail(f"rank {self.rank}: {name} must be an integer, got {type(v).__name__}")
+        limit = 1 << 63 if name == "tag" else 1 << 31
+        if not -limit <= int(v) < limit:
+            self._c.fail(f"rank {self.rank}: {name} {v} is out of range")
+        return int(v)
 
     def _np(self, obj, name):
         try:
@@ -109,7 +136,7 @@ class Communicator:
     def allreduce(self, x, out=None, *, op="sum", algorithm="auto", timeout=None, async_op=False, dtype=None):
         """out = x reduced over all ranks with `op`; `out=x` works in place."""
         if out is None:
-            out = _arrays.empty_like(x)
+            out = self._new_out(x)
         if type(x) is _ndarray and type(out) is _ndarray and not async_op and dtype is None and timeout is None:
             # The small-message path: one Python frame, then C++ without pybind11's dispatch.
             _fast_call(self._c, _ALLREDUCE, x, out, op, algorithm)
@@ -120,13 +147,13 @@ class Communicator:
                        dtype=None):
         """Block r of the reduced x (x holds `size` equal blocks) lands in rank r's out."""
         if out is None:
-            out = _arrays.empty_like(x, (_arrays.size_of(x) // self.size,))
+            out = self._new_out(x, lambda: (_arrays.size_of(x) // self.size,))
         return self._call(_REDUCE_SCATTER, x, out, op, 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def allgather(self, x, out=None, *, algorithm="auto", timeout=None, async_op=False, dtype=None):
         """out[r] = rank r's x; default out shape (size, *x.shape)."""
         if out is None:
-            out = _arrays.empty_like(x, (self.size,) + tuple(x.shape))
+            out = self._new_out(x, lambda: (self.size,) + tuple(x.shape))
         return self._call(_ALLGATHER, x, out, "sum", 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def broadcast(self, x, root=0, *, out=None, timeout=None, async_op=False, dtype=None):
@@ -138,7 +165,7 @@ class Communicator:
     def reduce(self, x, root=0, *, out=None, op="sum", timeout=None, async_op=False, dtype=None):
         """The reduced x lands in the root's out; other ranks get None."""
         if self.rank == root and out is None:
-            out = _arrays.empty_like(x)
+            out = self._new_out(x)
         if self.rank != root:
             out = None
         return self._call(_REDUCE, x, out, op, root, -1, 0, "auto", timeout, async_op, dtype, out)
@@ -146,7 +173,7 @@ class Communicator:
     def alltoall(self, x, out=None, *, timeout=None, async_op=False, dtype=None):
         """Block j of x goes to rank j; block j of out came from rank j."""
         if out is None:
-            out = _arrays.empty_like(x)
+            out = self._new_out(x)
         return self._call(_ALLTOALL, x, out, "sum", 0, -1, 0, "auto", timeout, async_op, dtype, out)
 
     def send(self, x, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
@@ -201,6 +228,7 @@ class Communicator:
     def finalize(self):
         """Finishes queued calls and leaves; peers that wait on this rank afterwards get PeerLostError."""
         self._c.finalize()
+        self._inflight = []
         for k in self._keep:
             close = getattr(k, "close", None)
             if close:
