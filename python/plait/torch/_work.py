@@ -48,13 +48,19 @@ class _Op:
         if self._fut is None:
             with self._lock or threading.Lock():  # no lock: completed at birth, nothing races
                 if self._fut is None:
-                    fut = torch.futures.Future()
-                    if self._state == _OK:
-                        fut.set_result(self.value)
-                    elif self._state == _FAILED:
-                        fut.set_exception(self._error)
-                    self._fut = fut
-        return self._fut
+                    # The Future users see is a then() of a private trigger, and an error is
+                    # raised inside that callback: torch 2.13's DDP reducer segfaults on a Python
+                    # Future failed with set_exception(), but reports a callback's error cleanly.
+                    trigger = torch.futures.Future()
+                    self._fut = (trigger, trigger.then(self._outcome))
+                    if self._state != _PENDING:
+                        trigger.set_result(None)
+        return self._fut[1]
+
+    def _outcome(self, _):
+        if self._state == _FAILED:
+            raise self._error
+        return self.value
 
     def finish(self):
         """Completes the op once its handles are done; exactly once, whichever thread calls first."""
@@ -73,10 +79,7 @@ class _Op:
             self.handles, self.after = (), ()
             fut = self._fut
         if fut is not None:  # outside the lock: set_result runs the future's callbacks
-            if self._state == _OK:
-                fut.set_result(self.value)
-            else:
-                fut.set_exception(self._error)
+            fut[0].set_result(None)
 
     def wait_handles(self, timeout_s=None):
         """Waits for the plait calls (not for finish()); False when timeout_s passed first."""
@@ -119,7 +122,7 @@ class Work(dist.Work):
                 raise _errors.PlaitTimeoutError(f"{op.where}: Work.wait timed out after {secs:g} s "
                                                 "(the call goes on)")
             op.finish()
-            fut = op._fut
+            fut = op._fut[1] if op._fut is not None else None
             if fut is not None and not fut.done():  # the completion thread is setting it now
                 try:
                     fut.wait()
