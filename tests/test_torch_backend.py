@@ -297,6 +297,20 @@ def test_ddp_matches_gloo(n, hook, tmp_path):
     assert plait_runs[0][1][-1] < plait_runs[0][1][0]  # it trained
 
 
+def _train(model, rank, steps):
+    """SGD on the rank's batches; the loss of every step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(step, rank)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _fsdp2(rank, n, store_dir, backend, steps):
     init_pg(backend, rank, n, store_dir)
     from torch.distributed.fsdp import fully_shard
@@ -308,15 +322,7 @@ def _fsdp2(rank, n, store_dir, backend, steps):
     fully_shard(model, mesh=mesh)
     if backend == "gloo":  # gloo has no AVG: SUM, then divide (what plait's AVG computes)
         model.set_force_sum_reduction_for_comms(True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    for step in range(steps):
-        x, y = _batch(step, rank)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(model, rank, steps)
     full = _plain({k: v.full_tensor() for k, v in model.state_dict().items()})
     dist.destroy_process_group()
     return full, losses
@@ -328,15 +334,7 @@ def _fsdp1(rank, n, store_dir, backend, steps):
     from torch.distributed.fsdp import ShardingStrategy
     model = FSDP(_mlp(0), device_id=torch.device("cpu"), use_orig_params=True,
                  sharding_strategy=ShardingStrategy.FULL_SHARD)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    for step in range(steps):
-        x, y = _batch(step, rank)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(model, rank, steps)
     with FSDP.summon_full_params(model):
         full = _plain(model.state_dict())
     dist.destroy_process_group()
