@@ -364,21 +364,22 @@ def body_allgather(comm, lean, chk):
 
 def body_broadcast(comm, lean, chk):
     n, rank = comm.size, comm.rank
-    assert list(plait.algorithms("broadcast")) == ["direct"]
-    cases = [(root, dt, c, (root + k + ci) % 2) for root in range(n)
-             for k, dt in enumerate(DTYPES) for ci, c in enumerate(COUNTS)]
-    for root, dt, count, mode in thin(cases, lean, 96):
+    algos = list(plait.algorithms("broadcast")) + ["auto"]
+    assert algos[:2] == ["direct", "single_copy"]
+    cases = [(root, algos[(root + k + ci) % len(algos)], dt, c, (root + k + ci // 3) % 2)
+             for root in range(n) for k, dt in enumerate(DTYPES) for ci, c in enumerate(COUNTS)]
+    for root, algo, dt, count, mode in thin(cases, lean, 96):
         x = data(rank, count, dt, salt=root)
         want = data(root, count, dt, salt=root)
-        label = _label("broadcast root=%d" % root, dt, "count=%d" % count,
+        label = _label("broadcast root=%d" % root, algo, dt, "count=%d" % count,
                        "into x" if mode == 0 else "into out")
         with case(label):
             if mode == 0:
-                got = comm.broadcast(x, root, **dtype_kw(dt))
+                got = comm.broadcast(x, root, algorithm=algo, **dtype_kw(dt))
                 chk.true(label + ": did not return x", got is x)
             else:
                 x0, out = x.copy(), np.empty_like(x)
-                got = comm.broadcast(x, root, out=out, **dtype_kw(dt))
+                got = comm.broadcast(x, root, out=out, algorithm=algo, **dtype_kw(dt))
                 chk.true(label + ": did not return out", got is out)
                 chk.eq(label + " (x changed)", x, x0)
         chk.eq(label, got, want, same_on_all_ranks=True)
@@ -842,10 +843,12 @@ def test_algorithm_tables():
         got = list(got)
         return all(w in got for w in want) and [g for g in got if g in want] == list(want)
 
-    assert in_order(plait.algorithms("allreduce"), ["one_shot", "two_shot", "ring", "tree"])
-    assert in_order(plait.algorithms("reduce_scatter"), ["direct", "ring"])
-    assert in_order(plait.algorithms("allgather"), ["direct", "ring"])
-    for name in ("broadcast", "reduce", "alltoall"):
+    assert in_order(plait.algorithms("allreduce"),
+                    ["one_shot", "two_shot", "ring", "tree", "single_copy"])
+    assert in_order(plait.algorithms("reduce_scatter"), ["direct", "ring", "single_copy"])
+    assert in_order(plait.algorithms("allgather"), ["direct", "ring", "single_copy"])
+    assert list(plait.algorithms("broadcast")) == ["direct", "single_copy"]
+    for name in ("reduce", "alltoall"):
         assert list(plait.algorithms(name)) == ["direct"], name
 
 
@@ -873,6 +876,24 @@ def _inplace_views_worker(rank, n, store):
                     got = comm.allgather(out[rank * count:(rank + 1) * count], out,
                                          algorithm=algo)
                 chk.eq(label, got, np.concatenate([data(r, count, "float16") for r in range(n)]))
+        # In place across several chunks: single_copy's peers read this rank's input while it
+        # overwrites the chunks they have finished with (its scratch chunk is 1 MiB / (n-1)).
+        count = 700_001
+        want = reduce_ref([data(r, count, "int32") for r in range(n)], "int32", "sum")
+        for algo in list(plait.algorithms("allreduce")) + ["auto"]:
+            x = data(rank, count, "int32")
+            label = "allreduce %s count=%d in place" % (algo, count)
+            with case(label):
+                got = comm.allreduce(x, x, algorithm=algo)
+            chk.eq(label, got, want, same_on_all_ranks=True)
+        for algo in list(plait.algorithms("reduce_scatter")) + ["auto"]:
+            per = count // n
+            x = data(rank, per * n, "int32")
+            full = reduce_ref([data(r, per * n, "int32") for r in range(n)], "int32", "sum")
+            label = "reduce_scatter %s count=%d in place" % (algo, per)
+            with case(label):
+                got = comm.reduce_scatter(x, x[rank * per:(rank + 1) * per], algorithm=algo)
+            chk.eq(label, got, full[rank * per:(rank + 1) * per])
     return {"digests": chk.done()}
 
 

@@ -2,6 +2,8 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -85,6 +87,7 @@ struct Algorithm {
   Coll coll;
   const char* name;
   void (*run)(Ctx&);
+  bool single_copy = false;  // reads peers' buffers directly: needs Transport::can_read_peers()
 };
 
 // The ordered table: index order is the order plait.algorithms() reports.
@@ -92,7 +95,31 @@ const std::vector<Algorithm>& algorithm_table();
 const std::vector<const Algorithm*>& algorithms_for(Coll c);
 // The algorithm index (into algorithms_for(c)) that "auto" picks for this call. Deterministic
 // in (collective, bytes, world size) so that every rank picks the same one.
-int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes);
+int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes, bool single_copy);
+
+// Private scratch memory of this thread, at least `bytes`, 64-byte aligned; reused by later
+// calls on the same thread (so it grows to the largest request and stays).
+inline char* scratch(size_t bytes) {
+  struct Buf {
+    char* p = nullptr;
+    size_t n = 0;
+    ~Buf() { std::free(p); }
+  };
+  thread_local Buf b;
+  if (b.n < bytes) {
+    std::free(b.p);
+    b.n = (bytes + 63) / 64 * 64;
+    b.p = static_cast<char*>(std::aligned_alloc(64, b.n));
+    if (!b.p) {
+      b.n = 0;
+      throw std::bad_alloc();
+    }
+  }
+  return b.p;
+}
+
+// Chunk of the single-copy reductions: peers' pieces are read into scratch that stays in L2.
+constexpr size_t kSingleCopyScratch = size_t(1) << 20;
 
 // [begin, end) of part q when n elements are split into `parts` near-equal parts.
 inline int64_t part_begin(int64_t n, int parts, int q) { return n * q / parts; }

@@ -14,6 +14,10 @@ void allgather_ring(Ctx&);
 void broadcast_direct(Ctx&);
 void reduce_direct(Ctx&);
 void alltoall_direct(Ctx&);
+void allreduce_single_copy(Ctx&);
+void reduce_scatter_single_copy(Ctx&);
+void allgather_single_copy(Ctx&);
+void broadcast_single_copy(Ctx&);
 
 namespace {
 // Every rank has already arrived (the transport posts arrival before any algorithm runs), so a
@@ -33,11 +37,15 @@ const std::vector<Algorithm>& algorithm_table() {
       {Coll::allreduce, "two_shot", allreduce_two_shot},
       {Coll::allreduce, "ring", allreduce_ring},
       {Coll::allreduce, "tree", allreduce_tree},
+      {Coll::allreduce, "single_copy", allreduce_single_copy, true},
       {Coll::reduce_scatter, "direct", reduce_scatter_direct},
       {Coll::reduce_scatter, "ring", reduce_scatter_ring},
+      {Coll::reduce_scatter, "single_copy", reduce_scatter_single_copy, true},
       {Coll::allgather, "direct", allgather_direct},
       {Coll::allgather, "ring", allgather_ring},
+      {Coll::allgather, "single_copy", allgather_single_copy, true},
       {Coll::broadcast, "direct", broadcast_direct},
+      {Coll::broadcast, "single_copy", broadcast_single_copy, true},
       {Coll::reduce, "direct", reduce_direct},
       {Coll::alltoall, "direct", alltoall_direct},
       {Coll::barrier, "direct", barrier_direct},
@@ -61,8 +69,23 @@ const std::vector<const Algorithm*>& algorithms_for(Coll c) {
 // through four slots and syncs with one neighbour, beats two_shot by 5-25%. Three or more ranks
 // (oversubscribed here): one_shot up to 16 KiB, then two_shot, whose two syncs per chunk cost
 // less than the ring's 2(n-1) hand-offs when ranks share cores. Tree never won on one host.
-int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes) {
-  if (c != Coll::allreduce) return 0;
+int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes, bool single_copy) {
+  // Single copy (bench/RESULTS.md, "single copy"): reading a peer's buffer once beats staging
+  // it and copying it again as soon as a message outweighs the system call per peer, at a few
+  // tens of KiB per rank for the data-movement collectives and a few MiB for allreduce, whose
+  // staged algorithms keep the reduction in cache.
+  switch (c) {
+    case Coll::reduce_scatter:
+    case Coll::allgather:
+      return single_copy && bytes >= 16 * 1024 ? 2 : 0;  // single_copy : direct
+    case Coll::broadcast:
+      return single_copy && bytes >= 64 * 1024 ? 1 : 0;  // single_copy : direct
+    case Coll::allreduce:
+      break;
+    default:
+      return 0;
+  }
+  if (single_copy && bytes >= (world <= 2 ? size_t(2) << 20 : size_t(4) << 20)) return 4;
   const size_t one_shot_max = world <= 2 ? 64 * 1024 : 16 * 1024;
   if (bytes <= one_shot_max && bytes <= staging_bytes / 2) return 0;  // one_shot
   return world <= 2 ? 2 : 1;                                          // ring : two_shot

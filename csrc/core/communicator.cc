@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -53,7 +54,11 @@ Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options
     ready_cv_.wait(lk, [&] { return ready_ != 0; });
   }
   try {
+    const double deadline = now_s() + opt_.init_timeout_s;
     wait_for_all_ranks(opt_.init_timeout_s);
+    const char* sc = getenv("PLAIT_SINGLE_COPY");
+    tp_.probe_peers(!(sc && std::string(sc) == "0"));
+    tp_.agree_on_reads(deadline);
   } catch (...) {
     seg_->unlink();
     finalize();
@@ -196,9 +201,15 @@ void Communicator::rethrow(const PlaitError& e) {
 int Communicator::resolve_algo(Coll c, const std::string& name, size_t bytes) {
   const auto& algos = algorithms_for(c);
   const std::string& want = name == "auto" || name.empty() ? forced_[size_t(c)] : name;
-  if (want.empty()) return auto_select(c, bytes, size_, tp_.staging_bytes());
-  for (size_t i = 0; i < algos.size(); ++i)
-    if (want == algos[i]->name) return int(i);
+  if (want.empty()) return auto_select(c, bytes, size_, tp_.staging_bytes(), tp_.can_read_peers());
+  for (size_t i = 0; i < algos.size(); ++i) {
+    if (want != algos[i]->name) continue;
+    if (algos[i]->single_copy && !tp_.can_read_peers() && size_ > 1)
+      fail(ErrorKind::invalid, "rank " + std::to_string(rank_) + ": " + coll_name(c) + " algorithm '" +
+                                   want + "' is not available on this communicator: " +
+                                   tp_.read_unavailable());
+    return int(i);
+  }
   std::string names;
   for (auto* a : algos) names += std::string(names.empty() ? "" : ", ") + a->name;
   fail(ErrorKind::invalid, "rank " + std::to_string(rank_) + ": " + coll_name(c) +

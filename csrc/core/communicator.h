@@ -65,6 +65,9 @@ class Communicator {
   Communicator& operator=(const Communicator&) = delete;
 
   int rank() const { return rank_; }
+  // Whether single-copy algorithms can run here, and if not, why.
+  bool single_copy() const { return tp_.can_read_peers(); }
+  std::string single_copy_unavailable() const { return single_copy() ? "" : tp_.read_unavailable(); }
   int size() const { return size_; }
   bool closed() const { return closed_; }
 

@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -15,7 +16,7 @@ namespace plait {
 namespace {
 
 constexpr uint64_t kMagic = 0x474553544941504cull;  // "PLAITSEG"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 3;
 constexpr uint32_t kWriting = 0xffffffffu;
 constexpr size_t kPage = 4096;
 constexpr size_t kPairHeader = 64;
@@ -23,6 +24,11 @@ constexpr size_t kPairHeader = 64;
 size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 std::string errno_text(int e) { return std::string(strerror(e)); }
+
+// The word rank r keeps at RankCtl::probe_addr for peers to read.
+uint64_t probe_value(const SegHeader* h, int rank) {
+  return h->token[0] ^ (0x9e3779b97f4a7c15ull * uint64_t(rank + 1));
+}
 
 }  // namespace
 
@@ -151,8 +157,10 @@ ShmTransport::ShmTransport(Segment& seg, int rank, const WaitPolicy& policy)
   rank_ = rank;
   size_ = seg.params().size;
   verified_.assign(size_t(size_), 0);
-  done_seen_.assign(size_t(size_), 0);
   last_live_check_.assign(size_t(size_), 0.0);
+  // Peers read this word to learn whether they can read this process (probe_peers).
+  probe_word_ = probe_value(seg.header(), rank);
+  seg.ctl(rank)->probe_addr = reinterpret_cast<uint64_t>(&probe_word_);
 }
 
 void ShmTransport::post(int ch, int64_t step) {
@@ -167,7 +175,7 @@ void ShmTransport::post(int ch, int64_t step) {
 void ShmTransport::arrive() {
   if (arrived_) return;
   arrived_ = true;
-  seg_.ctl(rank_)->post0.store(epoch_, std::memory_order_release);
+  seg_.ctl(rank_)->post0[seq_ & 1].v.store(epoch_, std::memory_order_release);
 }
 
 void ShmTransport::ack(int ch, int64_t step) {
@@ -179,7 +187,7 @@ void ShmTransport::ack(int ch, int64_t step) {
 // what the other waits for, and must get a MismatchError rather than a timeout.
 void ShmTransport::meet(int peer) {
   arrive();
-  auto& arrival = seg_.ctl(peer)->post0;
+  auto& arrival = seg_.ctl(peer)->post0[seq_ & 1].v;
   if (arrival.load(std::memory_order_acquire) < epoch_)
     wait_until([&] { return arrival.load(std::memory_order_acquire) >= epoch_; }, peer);
   verify(peer);
@@ -214,17 +222,12 @@ void ShmTransport::begin(const CallArgs& a, const char* algo_name, uint64_t seq,
   std::fill(verified_.begin(), verified_.end(), 0);
   verified_[size_t(rank_)] = 1;
   throw_if_aborted();
-  // This call reuses the staging half and fingerprint slot of call seq-2: every peer must be done.
-  if (seq > 2) {
-    for (int p = 0; p < size_; ++p) {
-      if (p == rank_ || done_seen_[size_t(p)] >= seq - 2) continue;
-      auto& d = seg_.ctl(p)->done;
-      wait_until([&] { return (done_seen_[size_t(p)] = d.load(std::memory_order_acquire)) >= seq - 2; }, p);
-    }
-  }
+  // This call reuses the staging half and post line of call seq-2. No wait is needed for that:
+  // every call ends only after every peer has arrived in it (end() meets them all), and a peer
+  // arrives in call seq-1 only after finishing call seq-2.
   RankCtl* me = seg_.ctl(rank_);
   me->cur_seq.store(seq, std::memory_order_relaxed);
-  Fingerprint& f = me->fp[seq & 1];
+  Fingerprint& f = me->post0[seq & 1].fp;
   f.seq = seq;
   f.count = a.count;
   f.root = a.root;
@@ -274,9 +277,9 @@ std::string ShmTransport::describe_call() const {
 }
 
 void ShmTransport::verify(int peer) {
-  const Fingerprint mine = seg_.ctl(rank_)->fp[seq_ & 1];
+  const Fingerprint mine = seg_.ctl(rank_)->post0[seq_ & 1].fp;
   Fingerprint f;
-  std::memcpy(&f, &seg_.ctl(peer)->fp[seq_ & 1], sizeof f);
+  std::memcpy(&f, &seg_.ctl(peer)->post0[seq_ & 1].fp, sizeof f);
   if (std::memcmp(&f, &mine, sizeof f) == 0) {  // the per-call path: no strings, no streams
     verified_[size_t(peer)] = 1;
     return;
@@ -413,6 +416,98 @@ void ShmTransport::on_deadline(int peer) {
     if (late.tellp() > 0) m << "; ranks that have not arrived: " << late.str();
   }
   fail(ErrorKind::timeout, m.str());
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Single copy between address spaces: process_vm_readv (Linux cross-memory attach). The kernel
+// copies straight from the peer's pages into ours, so a peer's input is read once instead of
+// being staged and copied again. Whether the kernel lets us (same user, ptrace access mode,
+// seccomp) is probed once per communicator, and used only if every rank can read every peer.
+
+void ShmTransport::probe_peers(bool allow) {
+  std::string why;
+  if (!allow) why = "disabled by PLAIT_SINGLE_COPY=0";
+  peer_pid_.assign(size_t(size_), 0);
+  for (int p = 0; p < size_ && why.empty(); ++p) {
+    if (p == rank_) continue;
+    RankCtl* c = seg_.ctl(p);
+    peer_pid_[size_t(p)] = c->pid;
+    uint64_t got = 0;
+    iovec local{&got, sizeof got};
+    iovec remote{reinterpret_cast<void*>(c->probe_addr), sizeof got};
+    ssize_t n = process_vm_readv(pid_t(c->pid), &local, 1, &remote, 1, 0);
+    if (n != ssize_t(sizeof got)) {
+      std::ostringstream m;
+      m << "rank " << rank_ << " cannot read rank " << p << " (pid " << c->pid
+        << ") with process_vm_readv: " << (n < 0 ? errno_text(errno) : "short read");
+      why = m.str();
+    } else if (got != probe_value(seg_.header(), p)) {
+      why = "rank " + std::to_string(rank_) + " read an unexpected probe word from rank " + std::to_string(p);
+    }
+  }
+  no_read_why_ = why;
+  seg_.ctl(rank_)->can_read.store(why.empty() ? 1 : 2, std::memory_order_release);
+}
+
+void ShmTransport::agree_on_reads(double deadline) {
+  bool all = true;
+  for (int p = 0; p < size_; ++p) {
+    auto& flag = seg_.ctl(p)->can_read;
+    Backoff b(policy_);
+    while (flag.load(std::memory_order_acquire) == 0) {
+      b.idle([&](double t) {
+        throw_if_aborted();
+        if (t > deadline)
+          fail(ErrorKind::timeout, "rank " + std::to_string(rank_) + ": rank " + std::to_string(p) +
+                                       " did not finish joining the communicator in time");
+      });
+    }
+    if (flag.load(std::memory_order_acquire) != 1) {
+      all = false;
+      if (no_read_why_.empty()) no_read_why_ = "rank " + std::to_string(p) + " cannot read its peers";
+    }
+  }
+  can_read_ = all;
+}
+
+void ShmTransport::expose(const void* in, void* out) {
+  uint64_t* a = seg_.ctl(rank_)->addr[seq_ & 1];
+  a[0] = reinterpret_cast<uint64_t>(in);
+  a[1] = reinterpret_cast<uint64_t>(out);
+}
+
+const char* ShmTransport::peer_in(int p) {
+  return reinterpret_cast<const char*>(seg_.ctl(p)->addr[seq_ & 1][0]);
+}
+
+const char* ShmTransport::peer_out(int p) {
+  return reinterpret_cast<const char*>(seg_.ctl(p)->addr[seq_ & 1][1]);
+}
+
+void ShmTransport::read_peer(int p, void* dst, const char* src, size_t bytes) {
+  // Pieces of a few MiB, so that an abort, the deadline or a dead peer is noticed in between.
+  constexpr size_t kPiece = size_t(4) << 20;
+  char* d = static_cast<char*>(dst);
+  while (bytes) {
+    const size_t want = std::min(bytes, kPiece);
+    iovec local{d, want};
+    iovec remote{const_cast<char*>(src), want};
+    const ssize_t n = process_vm_readv(pid_t(peer_pid_[size_t(p)]), &local, 1, &remote, 1, 0);
+    if (n <= 0) {
+      const int e = n < 0 ? errno : EIO;
+      std::string why;
+      if (e == ESRCH || peer_gone(p, &why))
+        fail(ErrorKind::peer_lost, (why.empty() ? "rank " + std::to_string(p) + " died" : why) +
+                                       " during " + describe_call() + "; noticed by rank " +
+                                       std::to_string(rank_));
+      fail(ErrorKind::generic, "rank " + std::to_string(rank_) + ": " + describe_call() +
+                                   ": reading rank " + std::to_string(p) + "'s buffer failed: " +
+                                   errno_text(e));
+    }
+    d += n, src += n, bytes -= size_t(n);
+    if (bytes) check(now_s(), p);
+  }
 }
 
 }  // namespace plait

@@ -36,15 +36,28 @@ struct alignas(64) Line {
   std::atomic<uint64_t> v;
 };
 
+// Channel 0 of a call: the step counter, the call's fingerprint and a small inline payload on
+// one cache line, one line per call parity (calls s and s+1 may overlap across ranks). A reader
+// that sees the post has the fingerprint and, for tiny messages, the data in the same transfer.
+constexpr size_t kInlineBytes = 32;
+struct alignas(64) PostLine {
+  std::atomic<uint64_t> v;
+  Fingerprint fp;
+  unsigned char data[kInlineBytes];
+};
+static_assert(sizeof(PostLine) == 64, "a post line is one cache line");
+
 struct RankCtl {
-  alignas(64) std::atomic<uint64_t> post0;  // channel 0 posts share a line with the fingerprints:
-  Fingerprint fp[2];                        // a reader gets both in one cache-line transfer
+  PostLine post0[2];                        // at [seq & 1]
   alignas(64) std::atomic<uint64_t> post1;
   alignas(64) std::atomic<uint64_t> ack[2];
   alignas(64) std::atomic<uint64_t> done;   // last call this rank completed
   std::atomic<uint64_t> cur_seq;            // call this rank is in (for timeout reports)
   std::atomic<uint32_t> state;
   int32_t pid;
+  std::atomic<uint32_t> can_read;           // 0 probing, 1 this rank can read every peer, 2 not
+  uint64_t probe_addr;                      // an address in this process holding a known word
+  alignas(64) uint64_t addr[2][2];          // {in, out} exposed by call seq, at [seq & 1]
   alignas(64) pthread_mutex_t alive;        // robust; held by the rank's progress thread
 };
 
@@ -114,6 +127,8 @@ class ShmTransport final : public Transport {
   void wait_post(int peer, int ch, int64_t step) override;
   void ack(int ch, int64_t step) override;
   void wait_ack(int peer, int ch, int64_t step) override;
+  unsigned char* inline_slot(int r) override { return seg_.ctl(r)->post0[seq_ & 1].data; }
+  size_t inline_bytes() const override { return kInlineBytes; }
 
   // Collective calls: begin() waits until the previous-but-one call is finished everywhere,
   // publishes the fingerprint and arrives; end() verifies the left neighbour and marks done.
@@ -138,13 +153,26 @@ class ShmTransport final : public Transport {
   Segment& segment() { return seg_; }
   uint64_t seq() const { return seq_; }
 
+  // Single copy (process_vm_readv). probe_peers() runs once every rank is alive: it tries to
+  // read each peer and publishes the result; agree_on_reads() waits for every rank's result and
+  // enables single copy only if all of them can read all peers. `allow` false (PLAIT_SINGLE_COPY=0)
+  // publishes "no".
+  void probe_peers(bool allow);
+  void agree_on_reads(double deadline);
+  bool can_read_peers() const override { return can_read_; }
+  const std::string& read_unavailable() const { return no_read_why_; }
+  void expose(const void* in, void* out) override;
+  const char* peer_in(int p) override;
+  const char* peer_out(int p) override;
+  void read_peer(int p, void* dst, const char* src, size_t bytes) override;
+
  private:
   void verify(int peer);
   void meet(int peer);
   void arrive();
   [[noreturn]] void on_deadline(int peer);
   std::atomic<uint64_t>& post_ctr(int r, int ch) {
-    return ch == 0 ? seg_.ctl(r)->post0 : seg_.ctl(r)->post1;
+    return ch == 0 ? seg_.ctl(r)->post0[seq_ & 1].v : seg_.ctl(r)->post1;
   }
 
   Segment& seg_;
@@ -157,7 +185,10 @@ class ShmTransport final : public Transport {
   double deadline_ = 0;
   std::vector<double> last_live_check_;
   std::vector<uint8_t> verified_;
-  std::vector<uint64_t> done_seen_;
+  bool can_read_ = false;
+  std::string no_read_why_ = "not probed";
+  uint64_t probe_word_ = 0;
+  std::vector<int32_t> peer_pid_;
 };
 
 // Each call's steps live in the low 24 bits of the counters, its sequence number above them.

@@ -42,6 +42,26 @@ class Transport {
       if (p != rank_) wait_ack(p, channel, step);
   }
 
+  // A few bytes that travel with a channel-0 post (on the same cache line): writing them before
+  // post(0, s) and reading a peer's after wait_post(peer, 0, s) costs no transfer of its own.
+  // inline_bytes() is 0 where the transport has none.
+  virtual unsigned char* inline_slot(int r) { return nullptr; }
+  virtual size_t inline_bytes() const { return 0; }
+
+  // Single copy: reading a peer's own buffers, not a staged copy of them (Linux cross-memory
+  // attach on shared memory). Available to a call only when every rank of the communicator can
+  // read every peer, which all ranks agree on before their first call.
+  virtual bool can_read_peers() const { return false; }
+  // Publishes this call's input and output addresses; peers may use them once this rank has
+  // posted anything on channel 0 of the call. A rank must not return (or touch what peers read)
+  // until its readers say they are done.
+  virtual void expose(const void* in, void* out) {}
+  // The addresses peer p exposed in this call (after a wait_post on p).
+  virtual const char* peer_in(int p) { return nullptr; }
+  virtual const char* peer_out(int p) { return nullptr; }
+  // Copies `bytes` from address `src` in peer p's memory to local `dst`; throws on failure.
+  virtual void read_peer(int p, void* dst, const char* src, size_t bytes) {}
+
  protected:
   int rank_ = 0;
   int size_ = 1;

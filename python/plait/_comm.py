@@ -156,11 +156,12 @@ class Communicator:
             out = self._new_out(x, lambda: (self.size,) + tuple(x.shape))
         return self._call(_ALLGATHER, x, out, "sum", 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
-    def broadcast(self, x, root=0, *, out=None, timeout=None, async_op=False, dtype=None):
+    def broadcast(self, x, root=0, *, out=None, algorithm="auto", timeout=None, async_op=False,
+                  dtype=None):
         """The root's x lands in every rank's out (x itself when out is None)."""
         if out is None:
             out = x
-        return self._call(_BROADCAST, x, out, "sum", root, -1, 0, "auto", timeout, async_op, dtype, out)
+        return self._call(_BROADCAST, x, out, "sum", root, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def reduce(self, x, root=0, *, out=None, op="sum", timeout=None, async_op=False, dtype=None):
         """The reduced x lands in the root's out; other ranks get None."""
@@ -221,6 +222,16 @@ class Communicator:
                             world_size=self._world_size)
 
     # -- lifetime ----------------------------------------------------------------------------
+    @property
+    def single_copy(self):
+        """Whether this communicator's ranks can read each other's memory directly (the
+        "single_copy" algorithms); when False, `single_copy_unavailable` says why."""
+        return self._c.single_copy
+
+    @property
+    def single_copy_unavailable(self):
+        return self._c.single_copy_unavailable
+
     @property
     def closed(self):
         return self._c.closed
