@@ -270,3 +270,25 @@ def test_cli_usage_errors():
     assert _bench("-b", "1X").returncode == 2
     assert _bench("-c", "allscatter").returncode == 2
     assert _bench("-b", 64, "-e", 8).returncode == 2
+
+
+def test_deepspeed_peer_supports_only_what_its_kernel_does():
+    from plait.bench import collectives as C
+    from plait.bench.peers import DeepSpeed
+    ds = DeepSpeed(None, None, "0", "tag", False)
+    ar = C.COLLECTIVES["allreduce"]
+    assert ds.supports(ar, "float32", "sum", True) is None
+    assert ds.supports(ar, "bfloat16", "sum", True) is None
+    assert "in-place" in ds.supports(ar, "float32", "sum", False)
+    assert "sum" in ds.supports(ar, "float32", "max", True)
+    assert "sum" in ds.supports(ar, "int32", "sum", True)
+    assert "allreduce only" in ds.supports(C.COLLECTIVES["allgather"], "float32", "sum", True)
+
+
+def test_deepspeed_peer_missing_is_a_skip_with_the_reason(monkeypatch):
+    import sys
+
+    from plait.bench.peers import Skip, start_deepspeed
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
+    with pytest.raises(Skip, match="pip install deepspeed"):
+        start_deepspeed(0, 2, None)

@@ -78,7 +78,8 @@ def parser():
     g.add_argument("--inplace", action="store_true", help="only in-place calls")
     g.add_argument("--outofplace", action="store_true", help="only out-of-place calls")
     a("--buffer-bytes", type=parse_size, help="plait's staging bytes per rank (plait.init buffer_bytes)")
-    a("--peers", type=lambda t: _names(t, ("gloo", "mpi"), "peer"), default=[], help="gloo,mpi")
+    a("--peers", type=lambda t: _names(t, ("gloo", "mpi", "deepspeed"), "peer"), default=[],
+      help="gloo,mpi,deepspeed")
     a("--json", metavar="FILE", help="write every measurement and the machine info as JSON")
     a("--plot", metavar="FILE.png", help="plot busbw and latency vs size (needs matplotlib)")
     a("--seed", type=int, default=1, help="seed of the check data (default 1)")

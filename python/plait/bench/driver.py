@@ -6,7 +6,7 @@ import time
 
 from . import harness, report
 from .collectives import COLLECTIVES
-from .peers import IN, OUT, Mpi, Skip, plait_impls, start_gloo
+from .peers import IN, OUT, Mpi, Skip, plait_impls, start_deepspeed, start_gloo
 
 ENV_SKIPPED = "PLAIT_BENCH_SKIPPED"  # peers the launcher found unusable, passed to the ranks
 
@@ -63,6 +63,8 @@ def _start_peers(names, rank, size, init_method, mpi, skipped):
         try:
             if name == "gloo":
                 peers.append(start_gloo(rank, size, init_method))
+            elif name == "deepspeed":
+                peers.append(start_deepspeed(rank, size, init_method))
             elif not mpi:
                 raise Skip("the ranks were not started by mpirun (plait-bench -n N --peers mpi does that)")
             else:

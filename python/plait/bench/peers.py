@@ -1,5 +1,5 @@
 """The implementations a sweep times: plait (one per algorithm) and its peers, torch.distributed's
-gloo and MPI through mpi4py. Each turns (collective, x, out) into a zero-argument call over the
+gloo, MPI through mpi4py, and DeepSpeed's shared-memory allreduce. Each turns (collective, x, out) into a zero-argument call over the
 harness's numpy buffers, so every implementation runs under the same timing loop and the same
 result check. A peer that cannot start raises Skip with the reason, which the report prints.
 """
@@ -161,3 +161,69 @@ class Mpi:
 
     def close(self):
         pass
+
+
+class DeepSpeed:
+    """DeepSpeed's CPU shared-memory allreduce (deepspeed.comm.inference_all_reduce, the kernel its
+    inference engine uses between the ranks of one host): float32/bf16/fp16 sum, in place only."""
+
+    name = "deepspeed"
+    _DTYPES = ("float32", "bfloat16", "float16")
+
+    def __init__(self, torch, dcomm, version, shm_tag, own_group):
+        self.torch, self.dcomm, self.version, self._shm_tag = torch, dcomm, version, shm_tag
+        self._own_group = own_group
+
+    def supports(self, coll, dtype, op, inplace):
+        if coll.name != "allreduce":
+            return "DeepSpeed's shared-memory kernel is allreduce only"
+        if dtype not in self._DTYPES or op != "sum":
+            return "DeepSpeed's shared-memory allreduce is sum over float32/bf16/fp16 only"
+        if not inplace:
+            return "DeepSpeed's inference_all_reduce is in-place only"
+        return None
+
+    def prepare(self, coll, x, out, dtype, op, root):
+        t = self.torch.from_numpy(x.view(np.int16)).view(self.torch.bfloat16) if dtype == "bfloat16" \
+            else self.torch.from_numpy(x)
+        f, sop = self.dcomm.inference_all_reduce, self.dcomm.ReduceOp.SUM
+        return lambda: f(t, sop)
+
+    def close(self):
+        # DeepSpeed never unlinks its segments (deepspeed_allreduce_buffer_<...>_<addr>_<port>_<rank>).
+        import glob
+        for path in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*_%s_*" % self._shm_tag):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        if self._own_group and self.torch.distributed.is_initialized():
+            self.torch.distributed.destroy_process_group()
+
+
+def start_deepspeed(rank, size, init_method):
+    """DeepSpeed over the torch.distributed group start_gloo made (or makes)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import torch
+        import deepspeed
+        import deepspeed.comm as dcomm
+    except Exception as e:  # noqa: BLE001
+        raise Skip(f"deepspeed does not import ({type(e).__name__}: {e}); pip install deepspeed") from None
+    if init_method and init_method.startswith("tcp://"):
+        host, port = init_method[len("tcp://"):].rsplit(":", 1)
+        os.environ.setdefault("MASTER_ADDR", host)
+        os.environ.setdefault("MASTER_PORT", port)
+    if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
+        raise Skip("MASTER_ADDR/MASTER_PORT are not set for DeepSpeed")
+    os.environ["LOCAL_SIZE"] = str(size)  # its shared-memory path is taken only when all are local
+    import torch.distributed as dist
+    own_group = not dist.is_initialized()
+    if own_group:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=init_method or "env://", rank=rank, world_size=size)
+    deepspeed.init_distributed(dist_backend="gloo")  # builds (once, ~30 s) and loads the shm op
+    if not hasattr(torch.ops, "deepspeed") or not hasattr(torch.ops.deepspeed, "inference_all_reduce_"):
+        raise Skip("DeepSpeed's shared-memory op did not build here (it needs a C++ compiler)")
+    tag = "%s_%s" % (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    return DeepSpeed(torch, dcomm, deepspeed.__version__, tag, own_group)
