@@ -71,11 +71,12 @@ def comparison(coll, records):
         return []
     lines = [f"# {coll}: time (us), each implementation at its faster of {OUT}/{IN}; "
              f"plait/peer = plait (auto) time / peer time, < 1: plait faster",
-             "#" + ("%11s" % "size") + "".join("%15s" % i for i in impls)
+             "#" + ("%11s" % "size") + "".join(" %*s" % (max(14, len(i)), i) for i in impls)
              + "".join(" %*s" % (max(12, len(p) + 6), f"plait/{p}") for p in peers)]
     for nb in sorted({k[0] for k in best}):
         line = "#%11s" % human(nb) + "".join(
-            "%15s" % (fmt_time(best[(nb, i)]) if (nb, i) in best else "-") for i in impls)
+            " %*s" % (max(14, len(i)), fmt_time(best[(nb, i)]) if (nb, i) in best else "-")
+            for i in impls)
         ref = _plait_ref(best, nb)
         for p in peers:
             ok = ref is not None and (nb, p) in best and best[(nb, p)] > 0
