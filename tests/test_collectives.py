@@ -387,20 +387,21 @@ def body_broadcast(comm, lean, chk):
 
 def body_reduce(comm, lean, chk):
     n, rank = comm.size, comm.rank
-    assert list(plait.algorithms("reduce")) == ["direct"]
-    cases = [(root, dt, op, COUNTS[(root + k) % len(COUNTS)], (root + k) % 3)
-             for root in range(n) for k, (dt, op) in enumerate(PAIRS)]
-    for root, dt, op, count, mode in thin(cases, lean, 96):
+    algos = list(plait.algorithms("reduce")) + ["auto"]
+    assert algos[:2] == ["direct", "single_copy"]
+    cases = [(root, algos[(root + k) % len(algos)], dt, op, COUNTS[(root + k) % len(COUNTS)],
+              (root + k // 3) % 3) for root in range(n) for k, (dt, op) in enumerate(PAIRS)]
+    for root, algo, dt, op, count, mode in thin(cases, lean, 96):
         x = data(rank, count, dt, op)
         x0 = x.copy()
         want = reduce_ref([data(r, count, dt, op) for r in range(n)], dt, op)
         out = None
         if rank == root:
             out = (None, np.empty_like(x), x)[mode]
-        label = _label("reduce root=%d" % root, dt, op, "count=%d" % count,
+        label = _label("reduce root=%d" % root, algo, dt, op, "count=%d" % count,
                        ("out=None", "out given", "in place")[mode])
         with case(label):
-            got = comm.reduce(x, root, out=out, op=op, **dtype_kw(dt))
+            got = comm.reduce(x, root, out=out, op=op, algorithm=algo, **dtype_kw(dt))
         if rank == root:
             chk.true(label + ": did not return out", out is None or got is out)
             chk.eq(label, got, want)
@@ -848,8 +849,8 @@ def test_algorithm_tables():
     assert in_order(plait.algorithms("reduce_scatter"), ["direct", "ring", "single_copy"])
     assert in_order(plait.algorithms("allgather"), ["direct", "ring", "single_copy"])
     assert list(plait.algorithms("broadcast")) == ["direct", "single_copy"]
-    for name in ("reduce", "alltoall"):
-        assert list(plait.algorithms(name)) == ["direct"], name
+    assert list(plait.algorithms("reduce")) == ["direct", "single_copy"]
+    assert list(plait.algorithms("alltoall")) == ["direct"]
 
 
 def _inplace_views_worker(rank, n, store):
@@ -894,6 +895,17 @@ def _inplace_views_worker(rank, n, store):
             with case(label):
                 got = comm.reduce_scatter(x, x[rank * per:(rank + 1) * per], algorithm=algo)
             chk.eq(label, got, full[rank * per:(rank + 1) * per])
+        for algo in list(plait.algorithms("reduce")) + ["auto"]:
+            x = data(rank, count, "int32")
+            root = n - 1
+            label = "reduce %s count=%d root=%d, in place at the root" % (algo, count, root)
+            with case(label):
+                got = comm.reduce(x, root, out=x if rank == root else None, algorithm=algo)
+            if rank == root:
+                chk.eq(label, got, want)
+            else:
+                chk.true(label + ": non-root got a result", got is None)
+                chk.eq(label + " (input changed)", x, data(rank, count, "int32"))
     return {"digests": chk.done()}
 
 

@@ -18,6 +18,7 @@ void allreduce_single_copy(Ctx&);
 void reduce_scatter_single_copy(Ctx&);
 void allgather_single_copy(Ctx&);
 void broadcast_single_copy(Ctx&);
+void reduce_single_copy(Ctx&);
 
 namespace {
 // Every rank has already arrived (the transport posts arrival before any algorithm runs), so a
@@ -47,6 +48,7 @@ const std::vector<Algorithm>& algorithm_table() {
       {Coll::broadcast, "direct", broadcast_direct},
       {Coll::broadcast, "single_copy", broadcast_single_copy, true},
       {Coll::reduce, "direct", reduce_direct},
+      {Coll::reduce, "single_copy", reduce_single_copy, true},
       {Coll::alltoall, "direct", alltoall_direct},
       {Coll::barrier, "direct", barrier_direct},
   };
@@ -79,6 +81,7 @@ int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes, bool sing
     case Coll::allgather:
       return single_copy && bytes >= 16 * 1024 ? 2 : 0;  // single_copy : direct
     case Coll::broadcast:
+    case Coll::reduce:
       return single_copy && bytes >= 64 * 1024 ? 1 : 0;  // single_copy : direct
     case Coll::allreduce:
       break;

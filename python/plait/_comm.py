@@ -163,13 +163,14 @@ class Communicator:
             out = x
         return self._call(_BROADCAST, x, out, "sum", root, -1, 0, algorithm, timeout, async_op, dtype, out)
 
-    def reduce(self, x, root=0, *, out=None, op="sum", timeout=None, async_op=False, dtype=None):
+    def reduce(self, x, root=0, *, out=None, op="sum", algorithm="auto", timeout=None, async_op=False,
+               dtype=None):
         """The reduced x lands in the root's out; other ranks get None."""
         if self.rank == root and out is None:
             out = self._new_out(x)
         if self.rank != root:
             out = None
-        return self._call(_REDUCE, x, out, op, root, -1, 0, "auto", timeout, async_op, dtype, out)
+        return self._call(_REDUCE, x, out, op, root, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def alltoall(self, x, out=None, *, timeout=None, async_op=False, dtype=None):
         """Block j of x goes to rank j; block j of out came from rank j."""
