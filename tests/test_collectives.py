@@ -413,18 +413,21 @@ def body_reduce(comm, lean, chk):
 
 def body_alltoall(comm, lean, chk):
     n, rank = comm.size, comm.rank
-    assert list(plait.algorithms("alltoall")) == ["direct"]
-    cases = [(dt, c, (k + ci) % 3) for k, dt in enumerate(DTYPES) for ci, c in enumerate(COUNTS)]
-    for dt, count, mode in thin(cases, lean, 36):
+    algos = list(plait.algorithms("alltoall")) + ["auto"]
+    assert algos[:2] == ["direct", "single_copy"]
+    cases = [(algos[(k + ci) % len(algos)], dt, c, (k + ci // 2) % 3)
+             for k, dt in enumerate(DTYPES) for ci, c in enumerate(COUNTS)]
+    cases += [(a, "int32", 70_001, mode) for a in algos for mode in range(3)]  # > one chunk
+    for algo, dt, count, mode in thin(cases, lean, 45):
         # block j of rank r's input holds data(r * n + j); it must land in block r of rank j.
         x = np.concatenate([data(rank * n + j, count, dt, salt=5) for j in range(n)])
         x0 = x.copy()
         want = np.concatenate([data(j * n + rank, count, dt, salt=5) for j in range(n)])
         out = (None, np.empty_like(x), x)[mode]
-        label = _label("alltoall", dt, "count=%d" % count,
+        label = _label("alltoall", algo, dt, "count=%d" % count,
                        ("out=None", "out given", "in place")[mode])
         with case(label):
-            got = comm.alltoall(x, out, **dtype_kw(dt))
+            got = comm.alltoall(x, out, algorithm=algo, **dtype_kw(dt))
         chk.true(label + ": did not return out", out is None or got is out)
         chk.eq(label, np.asarray(got).reshape(-1), want)
         if mode != 2:
@@ -850,7 +853,7 @@ def test_algorithm_tables():
     assert in_order(plait.algorithms("allgather"), ["direct", "ring", "single_copy"])
     assert list(plait.algorithms("broadcast")) == ["direct", "single_copy"]
     assert list(plait.algorithms("reduce")) == ["direct", "single_copy"]
-    assert list(plait.algorithms("alltoall")) == ["direct"]
+    assert list(plait.algorithms("alltoall")) == ["direct", "single_copy"]
 
 
 def _inplace_views_worker(rank, n, store):

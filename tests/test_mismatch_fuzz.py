@@ -49,7 +49,8 @@ def trial(seed, n):
         honest["coll"] = rng.choice(("broadcast", "reduce"))
         bad = dict(honest, root=(honest["root"] + rng.randrange(1, n)) % n)
     elif field == "algorithm":
-        honest["coll"] = rng.choice(("allreduce", "reduce_scatter", "allgather"))
+        honest["coll"] = rng.choice(("allreduce", "reduce_scatter", "allgather", "broadcast",
+                                     "reduce", "alltoall"))
         a, b = rng.sample(plait.algorithms(honest["coll"]), 2)
         honest["algorithm"], bad = a, dict(honest, algorithm=b)
     # The next call differs from the first in its count, so a skipped or extra call shows up as
@@ -74,16 +75,16 @@ def issue(comm, spec, salt):
     elif coll == "reduce_scatter":
         got, want = comm.reduce_scatter(x, op=spec["op"], **kw), red
     elif coll == "reduce":
-        got, want = comm.reduce(x, root=spec["root"], op=spec["op"]), red
+        got, want = comm.reduce(x, root=spec["root"], op=spec["op"], **kw), red
         if r != spec["root"]:
             return None
     elif coll == "allgather":
         got = comm.allgather(x, **kw)
         return None if np.array_equal(got, np.repeat(vals, c).reshape(n, c).astype(dt)) else "allgather wrong"
     elif coll == "broadcast":
-        got, want = comm.broadcast(x, root=spec["root"]), spec["root"] + 1 + salt
+        got, want = comm.broadcast(x, root=spec["root"], **kw), spec["root"] + 1 + salt
     else:
-        got = comm.alltoall(x)
+        got = comm.alltoall(x, **kw)
         return None if np.array_equal(got, np.repeat(vals, c // n).astype(dt)) else "alltoall wrong"
     return None if np.array_equal(got, np.full(got.shape, want).astype(dt)) else (
         "%s returned %s, want %s" % (coll, got[:4], want))

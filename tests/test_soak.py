@@ -27,7 +27,8 @@ BUFFER = 8192  # 4 KiB per call: anything above that is multi-chunk
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool")
 COLLS = ("allreduce", "allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall",
          "sendrecv", "barrier")
-ALGOS = {c: ("auto",) + tuple(plait.algorithms(c)) for c in ("allreduce", "reduce_scatter", "allgather")}
+ALGOS = {c: ("auto",) + tuple(plait.algorithms(c))
+         for c in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall")}
 MAX_PENDING = 6
 # (world size, collectives in CI): 11,000 in all.
 RUNS = ((2, 3000), (3, 2000), (4, 2000), (5, 1000), (8, 3000))
@@ -94,20 +95,20 @@ def start(comm, s):
         root = s["root"] % m
         x = data(r, c, dt, op, salt) if r == root else np.zeros(c, st)
         out = None if s["inplace"] else np.zeros(c, st)
-        h = comm.broadcast(x, root=root, out=out, **kw)
+        h = comm.broadcast(x, root=root, out=out, algorithm=s["algo"], **kw)
         return h, lambda: eq(x if out is None else out, data(root, c, dt, op, salt))
     if coll == "reduce":
         root = s["root"] % m
         x = data(r, c, dt, op, salt)
         out = (x if s["inplace"] else np.empty_like(x)) if r == root else None
-        h = comm.reduce(x, root=root, out=out, op=op, **kw)
+        h = comm.reduce(x, root=root, out=out, op=op, algorithm=s["algo"], **kw)
         if r != root:
             return h, lambda: None
         return h, lambda: eq(out, reduce_ref([data(q, c, dt, op, salt) for q in range(m)], dt, op))
     if coll == "alltoall":
         x = data(r, m * c, dt, op, salt)
         out = x if s["inplace"] else np.empty_like(x)
-        h = comm.alltoall(x, out=out, **kw)
+        h = comm.alltoall(x, out=out, algorithm=s["algo"], **kw)
         return h, lambda: eq(out, np.concatenate([data(q, m * c, dt, op, salt)[r * c:(r + 1) * c]
                                                    for q in range(m)]))
     if coll == "sendrecv":

@@ -19,6 +19,7 @@ void reduce_scatter_single_copy(Ctx&);
 void allgather_single_copy(Ctx&);
 void broadcast_single_copy(Ctx&);
 void reduce_single_copy(Ctx&);
+void alltoall_single_copy(Ctx&);
 
 namespace {
 // Every rank has already arrived (the transport posts arrival before any algorithm runs), so a
@@ -50,6 +51,7 @@ const std::vector<Algorithm>& algorithm_table() {
       {Coll::reduce, "direct", reduce_direct},
       {Coll::reduce, "single_copy", reduce_single_copy, true},
       {Coll::alltoall, "direct", alltoall_direct},
+      {Coll::alltoall, "single_copy", alltoall_single_copy, true},
       {Coll::barrier, "direct", barrier_direct},
   };
   return table;
@@ -80,6 +82,8 @@ int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes, bool sing
     case Coll::reduce_scatter:
     case Coll::allgather:
       return single_copy && bytes >= 16 * 1024 ? 2 : 0;  // single_copy : direct
+    case Coll::alltoall:
+      return single_copy && bytes >= 16 * 1024 ? 1 : 0;  // single_copy : direct
     case Coll::broadcast:
     case Coll::reduce:
       return single_copy && bytes >= 64 * 1024 ? 1 : 0;  // single_copy : direct

@@ -172,11 +172,11 @@ class Communicator:
             out = None
         return self._call(_REDUCE, x, out, op, root, -1, 0, algorithm, timeout, async_op, dtype, out)
 
-    def alltoall(self, x, out=None, *, timeout=None, async_op=False, dtype=None):
+    def alltoall(self, x, out=None, *, algorithm="auto", timeout=None, async_op=False, dtype=None):
         """Block j of x goes to rank j; block j of out came from rank j."""
         if out is None:
             out = self._new_out(x)
-        return self._call(_ALLTOALL, x, out, "sum", 0, -1, 0, "auto", timeout, async_op, dtype, out)
+        return self._call(_ALLTOALL, x, out, "sum", 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def send(self, x, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
         """Sends x to `peer`; matched in order with that peer's recv of the same size and tag."""
