@@ -52,6 +52,9 @@ struct Ctx {
   void reduce(void* dst, const void* const* srcs, int n, int64_t count, bool final) const {
     plait::reduce(a.dtype, a.op, dst, srcs, n, size_t(count), final ? size : 0);
   }
+  // Whether `bytes` (> 0) can travel inline on the post line (Transport::inline_slot): tiny
+  // calls then need no staging copy and one cache-line transfer per peer.
+  bool fits_inline(size_t bytes) const { return bytes && bytes <= tp.inline_bytes(); }
   // Elements that fit in `bytes`, rounded down to whole 64-byte lines where possible.
   int64_t elems_in(size_t bytes) const {
     size_t e = bytes / esize;

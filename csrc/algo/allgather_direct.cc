@@ -13,6 +13,19 @@ void allgather_direct(Ctx& c) {
   const Slots slots(tp, 2);
   const int64_t piece = c.elems_in(slots.bytes);
   const int64_t m = c.a.count;
+  if (c.fits_inline(size_t(m) * c.esize)) {  // the input rides the post line
+    const size_t bytes = size_t(m) * c.esize;
+    std::memcpy(tp.inline_slot(r), c.a.in, bytes);
+    tp.post(0, 1);
+    char* own = c.out_at(int64_t(r) * m);
+    if (own != c.in_at(0)) std::memcpy(own, c.in_at(0), bytes);
+    for (int i = 1; i < n; ++i) {
+      const int p = (r + i) % n;
+      tp.wait_post(p, 0, 1);
+      std::memcpy(c.out_at(int64_t(p) * m), tp.inline_slot(p), bytes);
+    }
+    return;
+  }
   int64_t round = 0;
   for (int64_t off = 0; off < m; off += piece) {
     const int64_t len = std::min(piece, m - off);

@@ -18,7 +18,7 @@ void allreduce_one_shot(Ctx& c) {
   std::vector<const void*> many;
   const void** src = c.size <= 64 ? srcs : (many.resize(size_t(c.size)), many.data());
   const size_t bytes = size_t(c.a.count) * c.esize;
-  if (bytes && bytes <= tp.inline_bytes()) {
+  if (c.fits_inline(bytes)) {
     std::memcpy(tp.inline_slot(c.rank), c.a.in, bytes);
     tp.post(0, 1);
     tp.wait_post_all(0, 1);

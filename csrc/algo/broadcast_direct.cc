@@ -12,6 +12,18 @@ void broadcast_direct(Ctx& c) {
   const int root = c.a.root;
   const Slots slots(tp, 2);
   const int64_t chunk = c.elems_in(slots.bytes);
+  const size_t total = size_t(c.a.count) * c.esize;
+  if (c.fits_inline(total)) {  // the root's data rides its post line
+    if (c.rank == root) {
+      std::memcpy(tp.inline_slot(root), c.a.in, total);
+      tp.post(0, 1);
+      if (c.a.out != c.a.in) std::memcpy(c.a.out, c.a.in, total);
+    } else {
+      tp.wait_post(root, 0, 1);
+      std::memcpy(c.a.out, tp.inline_slot(root), total);
+    }
+    return;
+  }
   int64_t step = 0;
   for (int64_t off = 0; off < c.a.count; off += chunk) {
     const size_t bytes = size_t(std::min(chunk, c.a.count - off)) * c.esize;

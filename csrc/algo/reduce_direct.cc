@@ -14,6 +14,18 @@ void reduce_direct(Ctx& c) {
   const Slots slots(tp, 2);
   const int64_t chunk = c.elems_in(slots.bytes);
   std::vector<const void*> src(static_cast<size_t>(n));
+  if (c.fits_inline(size_t(c.a.count) * c.esize)) {  // inputs ride the post lines
+    if (c.rank != root) {
+      std::memcpy(tp.inline_slot(c.rank), c.a.in, size_t(c.a.count) * c.esize);
+      tp.post(0, 1);
+      return;
+    }
+    tp.wait_post_all(0, 1);
+    for (int p = 0; p < n; ++p)
+      src[size_t(p)] = p == root ? static_cast<const void*>(c.a.in) : tp.inline_slot(p);
+    c.reduce(c.a.out, src.data(), n, c.a.count, true);
+    return;
+  }
   int64_t step = 0;
   for (int64_t off = 0; off < c.a.count; off += chunk) {
     const int64_t len = std::min(chunk, c.a.count - off);
