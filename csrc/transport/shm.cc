@@ -437,10 +437,12 @@ void ShmTransport::probe_peers(bool allow) {
     iovec local{&got, sizeof got};
     iovec remote{reinterpret_cast<void*>(c->probe_addr), sizeof got};
     ssize_t n = process_vm_readv(pid_t(c->pid), &local, 1, &remote, 1, 0);
+    // Writing needs the same permission; the probe writes back what it read.
+    if (n == ssize_t(sizeof got)) n = process_vm_writev(pid_t(c->pid), &local, 1, &remote, 1, 0);
     if (n != ssize_t(sizeof got)) {
       std::ostringstream m;
-      m << "rank " << rank_ << " cannot read rank " << p << " (pid " << c->pid
-        << ") with process_vm_readv: " << (n < 0 ? errno_text(errno) : "short read");
+      m << "rank " << rank_ << " cannot read or write rank " << p << " (pid " << c->pid
+        << ") with process_vm_readv/writev: " << (n < 0 ? errno_text(errno) : "short read");
       why = m.str();
     } else if (got != probe_value(seg_.header(), p)) {
       why = "rank " + std::to_string(rank_) + " read an unexpected probe word from rank " + std::to_string(p);
@@ -486,14 +488,22 @@ const char* ShmTransport::peer_out(int p) {
 }
 
 void ShmTransport::read_peer(int p, void* dst, const char* src, size_t bytes) {
+  copy_peer(false, p, static_cast<char*>(dst), const_cast<char*>(src), bytes);
+}
+
+void ShmTransport::write_peer(int p, char* dst, const void* src, size_t bytes) {
+  copy_peer(true, p, static_cast<char*>(const_cast<void*>(src)), dst, bytes);
+}
+
+void ShmTransport::copy_peer(bool write, int p, char* local, char* remote, size_t bytes) {
   // Pieces of a few MiB, so that an abort, the deadline or a dead peer is noticed in between.
-  constexpr size_t kPiece = size_t(4) << 20;
-  char* d = static_cast<char*>(dst);
+  constexpr size_t kPiece = size_t(8) << 20;
   while (bytes) {
     const size_t want = std::min(bytes, kPiece);
-    iovec local{d, want};
-    iovec remote{const_cast<char*>(src), want};
-    const ssize_t n = process_vm_readv(pid_t(peer_pid_[size_t(p)]), &local, 1, &remote, 1, 0);
+    iovec l{local, want};
+    iovec r{remote, want};
+    const pid_t pid = pid_t(peer_pid_[size_t(p)]);
+    const ssize_t n = write ? process_vm_writev(pid, &l, 1, &r, 1, 0) : process_vm_readv(pid, &l, 1, &r, 1, 0);
     if (n <= 0) {
       const int e = n < 0 ? errno : EIO;
       std::string why;
@@ -501,11 +511,11 @@ void ShmTransport::read_peer(int p, void* dst, const char* src, size_t bytes) {
         fail(ErrorKind::peer_lost, (why.empty() ? "rank " + std::to_string(p) + " died" : why) +
                                        " during " + describe_call() + "; noticed by rank " +
                                        std::to_string(rank_));
-      fail(ErrorKind::generic, "rank " + std::to_string(rank_) + ": " + describe_call() +
-                                   ": reading rank " + std::to_string(p) + "'s buffer failed: " +
-                                   errno_text(e));
+      fail(ErrorKind::generic, "rank " + std::to_string(rank_) + ": " + describe_call() + ": " +
+                                   (write ? "writing" : "reading") + " rank " + std::to_string(p) +
+                                   "'s buffer failed: " + errno_text(e));
     }
-    d += n, src += n, bytes -= size_t(n);
+    local += n, remote += n, bytes -= size_t(n);
     if (bytes) check(now_s(), p);
   }
 }

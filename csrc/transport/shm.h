@@ -165,6 +165,7 @@ class ShmTransport final : public Transport {
   const char* peer_in(int p) override;
   const char* peer_out(int p) override;
   void read_peer(int p, void* dst, const char* src, size_t bytes) override;
+  void write_peer(int p, char* dst, const void* src, size_t bytes) override;
 
  private:
   void verify(int peer);
@@ -189,6 +190,7 @@ class ShmTransport final : public Transport {
   std::string no_read_why_ = "not probed";
   uint64_t probe_word_ = 0;
   std::vector<int32_t> peer_pid_;
+  void copy_peer(bool write, int p, char* local, char* remote, size_t bytes);
 };
 
 // Each call's steps live in the low 24 bits of the counters, its sequence number above them.

@@ -61,6 +61,8 @@ class Transport {
   virtual const char* peer_out(int p) { return nullptr; }
   // Copies `bytes` from address `src` in peer p's memory to local `dst`; throws on failure.
   virtual void read_peer(int p, void* dst, const char* src, size_t bytes) {}
+  // Copies `bytes` from local `src` to address `dst` in peer p's memory; throws on failure.
+  virtual void write_peer(int p, char* dst, const void* src, size_t bytes) {}
 
  protected:
   int rank_ = 0;
