@@ -98,7 +98,8 @@ const std::vector<Algorithm>& algorithm_table();
 const std::vector<const Algorithm*>& algorithms_for(Coll c);
 // The algorithm index (into algorithms_for(c)) that "auto" picks for this call. Deterministic
 // in (collective, bytes, world size) so that every rank picks the same one.
-int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes, bool single_copy);
+int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes, bool single_copy,
+                bool oversubscribed);
 
 // Private scratch memory of this thread, at least `bytes`, 64-byte aligned; reused by later
 // calls on the same thread (so it grows to the largest request and stays).

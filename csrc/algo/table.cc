@@ -67,32 +67,30 @@ const std::vector<const Algorithm*>& algorithms_for(Coll c) {
   return unsigned(c) < unsigned(Coll::kCount) ? per_coll[size_t(c)] : none;
 }
 
-// Thresholds measured with `plait-bench -n N -c allreduce -b 8 -e 8M -f 4 -a all` on the 2-core
-// development VM (bench/RESULTS.md, 2026-12-02). Two ranks (a core each): one_shot wins up to
-// 32-64 KiB, where its single synchronisation dominates; from 128 KiB the ring, which pipelines
-// through four slots and syncs with one neighbour, beats two_shot by 5-25%. Three or more ranks
-// (oversubscribed here): one_shot up to 16 KiB, then two_shot, whose two syncs per chunk cost
-// less than the ring's 2(n-1) hand-offs when ranks share cores. Tree never won on one host.
-int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes, bool single_copy) {
-  // Single copy (bench/RESULTS.md, "single copy"): reading a peer's buffer once beats staging
-  // it and copying it again as soon as a message outweighs the system call per peer, at a few
-  // tens of KiB per rank for the data-movement collectives and a few MiB for allreduce, whose
-  // staged algorithms keep the reduction in cache.
+// The choices below come from `plait-bench -a all` runs on the 2-core development VM (numbers and
+// commands in bench/RESULTS.md). Two ranks, a core each: single copy (one kernel copy from the
+// peer's buffer, and for allreduce the finished chunk pushed into the peer's output from a hot
+// cache, with two synchronisations per call) beats every staged algorithm from 16 KiB for
+// allreduce, from 8-16 KiB per rank for allgather and reduce_scatter; below that one_shot (or
+// direct) wins, its single synchronisation dominating. Broadcast, reduce and alltoall measured no
+// better with single copy (the kernel copies at about half of memcpy's speed here, which eats the
+// saved copy), so they stay staged. When ranks outnumber cores, system calls and their context
+// switches cost more than staging: one_shot up to 16 KiB, then two_shot, whose two
+// synchronisations per chunk cost less than the ring's 2(n-1) hand-offs. Tree never won here.
+int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes, bool single_copy,
+                bool oversubscribed) {
+  const bool sc = single_copy && !oversubscribed;
   switch (c) {
     case Coll::reduce_scatter:
+      return sc && bytes >= 16 * 1024 ? 2 : 0;  // single_copy : direct
     case Coll::allgather:
-      return single_copy && bytes >= 16 * 1024 ? 2 : 0;  // single_copy : direct
-    case Coll::alltoall:
-      return single_copy && bytes >= 16 * 1024 ? 1 : 0;  // single_copy : direct
-    case Coll::broadcast:
-    case Coll::reduce:
-      return single_copy && bytes >= 64 * 1024 ? 1 : 0;  // single_copy : direct
+      return sc && bytes >= 8 * 1024 ? 2 : 0;  // single_copy : direct
     case Coll::allreduce:
       break;
     default:
       return 0;
   }
-  if (single_copy && bytes >= (world <= 2 ? size_t(2) << 20 : size_t(4) << 20)) return 4;
+  if (sc && bytes >= 16 * 1024) return 4;  // single_copy
   const size_t one_shot_max = world <= 2 ? 64 * 1024 : 16 * 1024;
   if (bytes <= one_shot_max && bytes <= staging_bytes / 2) return 0;  // one_shot
   return world <= 2 ? 2 : 1;                                          // ring : two_shot

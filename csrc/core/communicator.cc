@@ -201,7 +201,8 @@ void Communicator::rethrow(const PlaitError& e) {
 int Communicator::resolve_algo(Coll c, const std::string& name, size_t bytes) {
   const auto& algos = algorithms_for(c);
   const std::string& want = name == "auto" || name.empty() ? forced_[size_t(c)] : name;
-  if (want.empty()) return auto_select(c, bytes, size_, tp_.staging_bytes(), tp_.can_read_peers());
+  if (want.empty()) return auto_select(c, bytes, size_, tp_.staging_bytes(), tp_.can_read_peers(),
+                                           opt_.oversubscribed);
   for (size_t i = 0; i < algos.size(); ++i) {
     if (want != algos[i]->name) continue;
     if (algos[i]->single_copy && !tp_.can_read_peers() && size_ > 1)
