@@ -44,6 +44,24 @@ bool infer_dtype(const py::array& a, DType* out) {
   }
 }
 
+// Releases the GIL at construction (now) or at the first long wait, and takes it back when the
+// call is over, exceptions included (pybind11 translates them with the GIL held).
+class LazyGilRelease final : public LongWaitHook {
+ public:
+  explicit LazyGilRelease(bool now) {
+    if (now) on_long_wait();
+  }
+  ~LazyGilRelease() {
+    if (saved_) PyEval_RestoreThread(saved_);
+  }
+  void on_long_wait() override {
+    if (!saved_) saved_ = PyEval_SaveThread();
+  }
+
+ private:
+  PyThreadState* saved_ = nullptr;
+};
+
 struct Call {
   std::string err;
   Buffer to_buffer(const py::object& o, const char* name, const std::string& dtype) {
@@ -91,7 +109,11 @@ py::object call(Communicator& c, Coll coll, const py::object& x, const py::objec
     c.fail(ErrorKind::invalid, "rank " + std::to_string(c.rank()) + ": " + coll_name(coll) + ": " + k.err);
   std::shared_ptr<Task> t;
   {
-    py::gil_scoped_release nogil;
+    // Small synchronous calls keep the GIL unless they have to wait (see LongWaitHook); large
+    // ones copy and reduce for long enough that other Python threads must be let in at once.
+    constexpr size_t kKeepGilBytes = 64 * 1024;
+    LazyGilRelease gil(!async && in.bytes + o.bytes > kKeepGilBytes);
+    LongWaitScope scope(&gil);
     t = c.call(coll, in, o, rop, root, peer, tag, algo, timeout, async);
   }
   if (t) return py::cast(t);

@@ -329,7 +329,11 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
   if (reported_abort_) throw PlaitError("communicator aborted after an earlier error: " + first_error_);
   CallArgs a = validate(c, in, out, op, root, peer, tag, algo, timeout_s);
   if (!async) {
-    std::unique_lock<std::mutex> ex(exec_mu_);
+    std::unique_lock<std::mutex> ex(exec_mu_, std::try_to_lock);
+    if (!ex.owns_lock()) {  // another thread is in a call: this may take long
+      notify_long_wait();
+      ex.lock();
+    }
     if (pending_.load(std::memory_order_acquire) == 0) {
       try {
         if (c == Coll::send || c == Coll::recv) {
@@ -348,6 +352,7 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
   enqueue(t);
   if (async) return t;
   try {
+    notify_long_wait();
     t->wait(-1);
   } catch (const PlaitError& e) {
     rethrow(e);
