@@ -153,7 +153,8 @@ class HierCommunicator:
     def _abort_all(self, err):
         if self._error is None:
             self._error = f"{type(err).__name__}: {err}"
-            self._abort.set(f"rank {self.rank}: {err}")
+            text = str(err)
+            self._abort.set(err, text if text.startswith(f"rank {self.rank}") else f"rank {self.rank}: {text}")
             try:
                 self.local._c.fail(f"rank {self.rank} (hierarchical communicator): {err}")
             except _errors.PlaitError:
@@ -175,9 +176,20 @@ class HierCommunicator:
             except BaseException as e:
                 if isinstance(e, _errors.PlaitError) and str(e).startswith("communicator aborted"):
                     raise
+                if isinstance(e, _errors.PlaitError) and self._error is None:
+                    # The local communicator reports a failure elsewhere as invalid usage: raise
+                    # what the rank that failed first recorded (peer lost, timeout, ...).
+                    first = self._abort.origin()
+                    if first is not None and not first[1].startswith(f"rank {self.rank}:"):
+                        e = first[0](f"rank {self.rank}: {name}: another rank failed: {first[1]}")
+                if isinstance(e, _errors.PlaitError) and "inter-host" not in str(e) and \
+                        "another rank failed" not in str(e):
+                    lay = self.layout  # the local communicator names its own ranks
+                    e = type(e)(f"{e} [host {lay.h}: local ranks 0..{len(lay.hosts[lay.h]) - 1} are "
+                                f"global ranks {lay.hosts[lay.h]}]")
                 self._abort_all(e)
                 if isinstance(e, _errors.PlaitError):
-                    raise
+                    raise e
                 raise _errors.PlaitError(f"rank {self.rank}: {name}: {type(e).__name__}: {e}") from e
         if not async_op and self._pending == 0:
             return call()

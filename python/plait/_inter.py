@@ -15,6 +15,7 @@ rank computes the same bytes.
 """
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -42,11 +43,24 @@ class Abort:
                 msg = self._client.get(self._key + "/msg", timeout=5).decode()
             except _errors.PlaitError:
                 msg = "(no message)"
-            raise _errors.PeerLostError(f"{what}: aborted because another rank failed: {msg}")
+            raise _errors.PeerLostError(f"{what}: aborted because another rank failed: "
+                                        f"{msg.partition('|')[2]}")
 
-    def set(self, msg):
+    def origin(self):
+        """(error class, message) of the first failure recorded, or None."""
         try:
-            self._client.set(self._key + "/msg", msg.encode()[:4000])
+            if self._client.add(self._key, 0) <= 0:
+                return None
+            kind, _, msg = self._client.get(self._key + "/msg", timeout=5).decode().partition("|")
+        except _errors.PlaitError:
+            return None
+        cls = getattr(_errors, kind, _errors.PlaitError)
+        return (cls if isinstance(cls, type) and issubclass(cls, _errors.PlaitError) else _errors.PlaitError), msg
+
+    def set(self, err, msg):
+        kind = type(err).__name__ if isinstance(err, _errors.PlaitError) else "PlaitError"
+        try:
+            self._client.set(self._key + "/msg", f"{kind}|{msg}".encode()[:4000])
             self._client.add(self._key, 1)
         except Exception:  # noqa: BLE001 - the store may be gone too; peers then see that
             pass
@@ -148,8 +162,15 @@ class GlooGroup(_Group):
         t = self._torch.from_numpy(a.reshape(-1))
         return t.view(self._torch.bfloat16) if bf16 else t
 
-    def _wait(self, work, coll, deadline):
+    def _wait(self, work, coll, deadline, p2p=False):
         try:
+            if p2p:  # gloo's send/recv works complete only inside wait(): wait on a helper thread
+                done, err = threading.Event(), []
+                threading.Thread(target=_wait_in_thread, args=(work, done, err), daemon=True).start()
+                self._poll(done.is_set, coll, deadline)
+                if err:
+                    raise err[0]
+                return
             self._poll(work.is_completed, coll, deadline)
             work.wait()
         except RuntimeError as e:
@@ -193,11 +214,11 @@ class GlooGroup(_Group):
 
     def send(self, a, peer, tag, deadline):
         if a.size:
-            self._wait(self._pg.send([self._t(a)], peer, tag), "send", deadline)
+            self._wait(self._pg.send([self._t(a)], peer, tag), "send", deadline, p2p=True)
 
     def recv(self, a, peer, tag, deadline):
         if a.size:
-            self._wait(self._pg.recv([self._t(a)], peer, tag), "recv", deadline)
+            self._wait(self._pg.recv([self._t(a)], peer, tag), "recv", deadline, p2p=True)
 
     def close(self, aborted=False):
         pg, self._pg = getattr(self, "_pg", None), None
@@ -206,6 +227,14 @@ class GlooGroup(_Group):
                 pg.abort()  # closes the pairs: an op blocked on a live but failed peer ends now
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _wait_in_thread(work, done, err):
+    try:
+        work.wait()
+    except BaseException as e:  # noqa: BLE001 - handed to the polling thread
+        err.append(e)
+    done.set()
 
 
 def _gloo_device(pgg):
