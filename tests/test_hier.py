@@ -164,3 +164,44 @@ def test_rank_killed_on_one_host_raises_on_all_others(layout, victim):
         kind, when, msg = got
         assert kind in ("PeerLostError", "TimeoutError"), (r, kind, msg)
         assert when - start < 20, (r, when - start, msg)  # well inside the 30 s deadline
+
+
+def _late(rank, n, addr, hosts):
+    comm = _init(rank, hosts, timeout=2)
+    comm.allreduce(np.ones(4))
+    if rank == 3:
+        time.sleep(4)  # past the others' deadline
+    start = time.monotonic()
+    try:
+        comm.allreduce(np.ones(4))
+    except plait.PlaitError as e:
+        return type(e).__name__, time.monotonic() - start, str(e)
+    return "no error", 0, ""
+
+
+def test_late_rank_on_another_host_is_a_timeout():
+    res = run_ranks(_late, 4, timeout=60, args=(LAYOUTS["2x2"],))
+    for r, (kind, took, msg) in enumerate(res[:3]):
+        assert kind in ("TimeoutError", "PeerLostError"), (r, kind, msg)
+        assert took < 6, (r, took, msg)
+    assert "TimeoutError" in [k for k, _, _ in res[:3]], res
+    assert res[3][0] != "no error"  # the late rank finds the communicator aborted
+
+
+def _bad_input(rank, n, addr, hosts):
+    comm = _init(rank, hosts)
+    x = np.ones(8, dtype=np.int32)
+    start = time.monotonic()
+    try:
+        comm.allreduce(x, op="avg" if rank == 2 else "sum")
+    except plait.PlaitError as e:
+        return type(e).__name__, time.monotonic() - start, str(e)
+    return "no error", 0, ""
+
+
+def test_bad_input_on_one_host_raises_everywhere():
+    res = run_ranks(_bad_input, 4, timeout=60, args=(LAYOUTS["2x2"],))
+    assert res[2][0] == "InvalidArgument" and "avg needs a floating-point dtype" in res[2][2]
+    for r in (0, 1, 3):
+        kind, took, msg = res[r]
+        assert kind == "InvalidArgument" and "rank 2" in msg and took < 10, (r, res[r])

@@ -60,6 +60,7 @@ def _mpirun(tmp_path, hosts):
     assert not left, left
 
 
-@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "b", "c"]], ids=["2x2", "3x1"])
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "b", "c"], ["a", "a", "b"]],
+                         ids=["2x2", "3x1", "uneven-2+1"])
 def test_mpi_engine_exact(tmp_path, hosts):
     _mpirun(tmp_path, hosts)

@@ -129,6 +129,21 @@ def _divide(a, n, bf16):
         a /= a.dtype.type(n)
 
 
+def _aborts_on_error(method):
+    """Bad arguments on one rank abort the call on every rank, as in the flat communicator."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kw):
+        try:
+            return method(self, *args, **kw)
+        except _errors.PlaitError as e:
+            if self._error is None and not self._closed:
+                self._abort_all(e)
+            raise
+    return wrapper
+
+
 class HierCommunicator:
     """Same methods and semantics as plait.Communicator, for ranks that span hosts."""
 
@@ -166,9 +181,10 @@ class HierCommunicator:
     def _run(self, name, fn, timeout, async_op, keep=()):
         if self._closed:
             raise _errors.PlaitError(f"{name}: the communicator is finalized")
-        deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
+        budget = self.timeout if timeout is None else float(timeout)
 
         def call():
+            deadline = time.monotonic() + budget  # from when the call starts, as the flat path
             if self._error is not None:
                 raise _errors.PlaitError(f"communicator aborted after an earlier error: {self._error}")
             try:
@@ -241,6 +257,7 @@ class HierCommunicator:
         return _arrays.empty_like(x, shape)
 
     # -- collectives ---------------------------------------------------------------------------
+    @_aborts_on_error
     def allreduce(self, x, out=None, *, op="sum", algorithm="auto", timeout=None, async_op=False, dtype=None):
         if out is None:
             out = self._new_out(x, None)
@@ -283,6 +300,7 @@ class HierCommunicator:
             self.local.broadcast(out, 0, dtype=dt, timeout=self._left(deadline))
             return out
 
+    @_aborts_on_error
     def reduce_scatter(self, x, out=None, *, op="sum", algorithm="auto", timeout=None, async_op=False,
                        dtype=None):
         from . import _arrays
@@ -322,6 +340,7 @@ class HierCommunicator:
         out[...] = mine
         return out
 
+    @_aborts_on_error
     def allgather(self, x, out=None, *, algorithm="auto", timeout=None, async_op=False, dtype=None):
         if out is None:
             out = self._new_out(x, (self.size,) + tuple(x.shape))
@@ -358,6 +377,7 @@ class HierCommunicator:
             dst[members] = rows[h, :len(members)]
         return out
 
+    @_aborts_on_error
     def broadcast(self, x, root=0, *, out=None, timeout=None, async_op=False, dtype=None):
         if out is None:
             out = x
@@ -391,6 +411,7 @@ class HierCommunicator:
             self.local.broadcast(out, 0, timeout=self._left(deadline))
         return out
 
+    @_aborts_on_error
     def reduce(self, x, root=0, *, out=None, op="sum", timeout=None, async_op=False, dtype=None):
         root = self._peer(root, "root", allow_self=True)
         if self.rank == root and out is None:
@@ -412,6 +433,7 @@ class HierCommunicator:
             return out
         return self._async("reduce", run, timeout, async_op, out, (x, out))
 
+    @_aborts_on_error
     def alltoall(self, x, out=None, *, timeout=None, async_op=False, dtype=None):
         if out is None:
             out = self._new_out(x, None)
@@ -429,11 +451,13 @@ class HierCommunicator:
             return out
         return self._async("alltoall", run, timeout, async_op, out, (x, out))
 
+    @_aborts_on_error
     def send(self, x, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
         peer = self._peer(peer, "peer")
         xa, dt, _ = self._arr(x, "input", dtype)
         return self._async("send", lambda d: self._p2p(True, xa, dt, peer, tag, d), timeout, async_op, None, (x,))
 
+    @_aborts_on_error
     def recv(self, out, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
         peer = self._peer(peer, "peer")
         oa, dt, _ = self._arr(out, "output", dtype, writable=True)
