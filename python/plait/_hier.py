@@ -21,6 +21,7 @@ Avg sums everything, then divides once by the world size. Leaders layout: local 
 leader, leaders' allreduce, local broadcast.
 """
 import concurrent.futures
+import json
 import os
 import socket
 import threading
@@ -74,14 +75,16 @@ class Layout:
 
 
 def exchange(client, prefix, rank, size, timeout):
-    """Every rank's (host id, machine id), through the store."""
+    """Every rank's (host id, machine id), through the store: rank 0 gathers the table and
+    publishes it under one key, so the store serves O(size) requests, not O(size^2)."""
     mine = f"{host_id()}\n{machine_id()}"
-    client.set(f"{prefix}/host/{rank}", mine.encode())
-    out = []
-    for r in range(size):
-        v = mine if r == rank else client.get(f"{prefix}/host/{r}", timeout=timeout).decode()
-        out.append(tuple(v.split("\n", 1)))
-    return out
+    if rank != 0:
+        client.set(f"{prefix}/host/{rank}", mine.encode())
+        table = json.loads(client.get(f"{prefix}/hosts", timeout=timeout))
+    else:
+        table = [mine] + [client.get(f"{prefix}/host/{r}", timeout=timeout).decode() for r in range(1, size)]
+        client.set(f"{prefix}/hosts", json.dumps(table).encode())
+    return [tuple(v.split("\n", 1)) for v in table]
 
 
 class _Task:
