@@ -12,7 +12,7 @@ import pytest
 
 import plait
 from conftest import run_ranks
-from plait import _hier
+from plait import _hosts
 
 import hier_checks as hc
 
@@ -33,10 +33,10 @@ def _init(rank, hosts, **kw):
 
 
 def test_layout_order_and_permutation():
-    lay = _hier.Layout(["b", "a", "b", "a"], rank=3)
+    lay = _hosts.Layout(["b", "a", "b", "a"], rank=3)
     assert lay.hosts == [[0, 2], [1, 3]] and (lay.h, lay.i) == (1, 1) and lay.uniform
     assert lay.perm.tolist() == [0, 1, 2, 3]  # perm[i * H + h] = hosts[h][i]
-    lay = _hier.Layout(["x", "x", "y"], rank=2)
+    lay = _hosts.Layout(["x", "x", "y"], rank=2)
     assert not lay.uniform and lay.perm is None and (lay.h, lay.i) == (1, 0)
 
 

@@ -1,6 +1,5 @@
 """plait-run --nnodes: two launchers on this machine as two simulated hosts (PLAIT_HOST_ID per node)."""
 import json
-import os
 import socket
 import subprocess
 import sys

@@ -11,7 +11,7 @@ import os
 
 import numpy as np  # noqa: F401  (the facade's one dependency; arrays cross as numpy views)
 
-from . import _C, _comm, _errors, _hier, _shm, _store
+from . import _C, _comm, _errors, _hier, _hosts, _shm, _store
 from ._comm import Communicator, Handle
 from ._hier import HierCommunicator
 from ._errors import InvalidArgument, MismatchError, PeerLostError, PlaitError, TimeoutError
@@ -130,7 +130,7 @@ def _init_in(client, prefix, rank, size, *, timeout, init_timeout, buffer_bytes,
         # Every init of a job draws the next generation number, so a store can serve many inits.
         gen = (client.add(f"{prefix}/arrivals", 1) - 1) // size
         base = f"{prefix}/{gen}"
-        ids = _hier.exchange(client, base, rank, size, init_timeout) if size > 1 else None
+        ids = _hosts.exchange(client, base, rank, size, init_timeout) if size > 1 else None
         if ids is None or len({h for h, _ in ids}) == 1:
             native, info = _join_shm(client, base, rank, size, timeout, init_timeout, buffer_bytes,
                                      size > _comm._cpus())
