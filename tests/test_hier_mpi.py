@@ -36,7 +36,7 @@ sub = comm.split(color=comm.rank % 2)
 n += hc.reductions(sub, 5, dtypes=["float32"])
 sub.finalize()
 comm.finalize()
-with open(os.path.join(sys.argv[2], f"checks-{comm.rank}"), "w") as f:  # not stdout: mpirun may interleave
+with open(os.path.join(sys.argv[2], f"checks-{{comm.rank}}"), "w") as f:  # not stdout: mpirun may interleave
     f.write(str(n))
 """
 
