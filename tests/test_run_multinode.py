@@ -34,6 +34,8 @@ except plait.PlaitError as e:
     rec["message"] = str(e)
 with open(f"{out}/rank-{RANK}.json", "w") as f:
     json.dump(rec, f)
+if "error" in rec:
+    time.sleep(2)  # so that the launchers see the failing rank's exit first, even on a loaded machine
 sys.exit(1 if "error" in rec else 0)
 """
 
