@@ -116,6 +116,8 @@ time.sleep(60)
 def test_rank_killed_by_signal(tmp_path):
     prog = script(tmp_path, RECORD_PID + """
 if RANK == 0:
+    while not os.path.exists(f"{out}/pid-1"):  # else rank 1 may be stopped before it records its pid
+        time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGKILL)
 time.sleep(60)
 """)

@@ -11,13 +11,14 @@ import os
 
 import numpy as np  # noqa: F401  (the facade's one dependency; arrays cross as numpy views)
 
-from . import _C, _comm, _errors, _shm, _store
+from . import _C, _comm, _errors, _hier, _hosts, _shm, _store
 from ._comm import Communicator, Handle
+from ._hier import HierCommunicator
 from ._errors import InvalidArgument, MismatchError, PeerLostError, PlaitError, TimeoutError
 
 __all__ = [
     "init", "finalize", "get_default", "is_initialized", "algorithms", "build_info",
-    "cuda_available", "Communicator", "Handle",
+    "cuda_available", "Communicator", "HierCommunicator", "Handle",
     "allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "send", "recv",
     "barrier", "split", "PlaitError", "InvalidArgument", "MismatchError", "TimeoutError",
     "PeerLostError",
@@ -61,6 +62,11 @@ def init(rank=None, size=None, *, store=None, timeout=None, buffer_bytes=None, i
     shared staging per rank (PLAIT_BUFFER_BYTES, else 4 MiB).
     """
     global _default
+    if "OMPI_COMM_WORLD_SIZE" in os.environ:  # under mpirun: its ranks, unless a launcher set ours
+        for ours, theirs in (("RANK", "RANK"), ("WORLD_SIZE", "SIZE"), ("LOCAL_RANK", "LOCAL_RANK"),
+                             ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")):
+            if f"OMPI_COMM_WORLD_{theirs}" in os.environ:
+                os.environ.setdefault(ours, os.environ[f"OMPI_COMM_WORLD_{theirs}"])
     rank = _env_int("RANK") if rank is None else int(rank)
     size = _env_int("WORLD_SIZE") if size is None else int(size)
     if rank is None or size is None:
@@ -76,48 +82,97 @@ def init(rank=None, size=None, *, store=None, timeout=None, buffer_bytes=None, i
         client = store  # plait's client, or an adapter (the torch backend wraps torch's store)
     else:
         if store is None:
-            host, port, serve = _store.store_from_env(rank)
+            host, port, serve = _mpirun_store(rank) or _store.store_from_env(rank)
             if serve:
-                keep.append(_store.StoreServer(host, port))
+                keep.append(_store.StoreServer(host if serve is True else serve, port))
         else:
             host, port = store
         client = _store.Store(host, port, timeout=init_timeout)
         keep.append(client)
-    try:
-        # Every init of a job draws the next generation number, so a store can serve many inits.
-        gen = (client.add("plait/arrivals", 1) - 1) // size
-        key = f"plait/{gen}/segment"
-        if rank == 0:
-            try:
-                _shm.sweep_stale()
-                info = _comm.new_segment_info(size, buffer_bytes)
-                seg = _comm.create_segment(info)
-            except Exception as e:
-                # The other ranks wait for the segment's name: tell them why none is coming.
-                client.set(key, json.dumps({"error": str(e), "kind": type(e).__name__}).encode())
-                raise
-            client.set(key, json.dumps(info).encode())
-        else:
-            info = json.loads(client.get(key, timeout=init_timeout))
-            if "error" in info:
-                cls = getattr(_errors, info["kind"], PlaitError)
-                cls = cls if isinstance(cls, type) and issubclass(cls, PlaitError) else PlaitError
-                raise cls(f"rank {rank}: rank 0 could not create the communicator: {info['error']}")
-            seg = _comm.open_segment(info)
-        native = _C.Communicator(seg, rank, float(timeout), os.environ.get("PLAIT_ALGO", ""),
-                                 size > _comm._cpus(), float(init_timeout))
-        del seg
-    except BaseException:
-        for k in keep:
-            k.close()
-        raise
-    comm = Communicator(native, timeout=float(timeout), buffer_bytes=info["staging"], world_size=size,
-                        keep=keep)
+    comm = _init_in(client, "plait", rank, size, timeout=float(timeout), init_timeout=float(init_timeout),
+                    buffer_bytes=buffer_bytes, keep=keep)
     if set_default:
         if _default is not None and not _default.closed:
             _default.finalize()
         _default = comm
     return comm
+
+
+def _join_shm(client, prefix, rank, size, timeout, init_timeout, buffer_bytes, oversubscribed):
+    """The native shared-memory communicator of `size` ranks that rendezvous under `prefix`."""
+    key = f"{prefix}/segment"
+    if rank == 0:
+        try:
+            _shm.sweep_stale()
+            info = _comm.new_segment_info(size, buffer_bytes)
+            seg = _comm.create_segment(info)
+        except Exception as e:
+            # The other ranks wait for the segment's name: tell them why none is coming.
+            client.set(key, json.dumps({"error": str(e), "kind": type(e).__name__}).encode())
+            raise
+        client.set(key, json.dumps(info).encode())
+    else:
+        info = json.loads(client.get(key, timeout=init_timeout))
+        if "error" in info:
+            cls = getattr(_errors, info["kind"], PlaitError)
+            cls = cls if isinstance(cls, type) and issubclass(cls, PlaitError) else PlaitError
+            raise cls(f"rank {rank}: rank 0 could not create the communicator: {info['error']}")
+        seg = _comm.open_segment(info)
+    native = _C.Communicator(seg, rank, float(timeout), os.environ.get("PLAIT_ALGO", ""),
+                             oversubscribed, float(init_timeout))
+    return native, info
+
+
+def _init_in(client, prefix, rank, size, *, timeout, init_timeout, buffer_bytes, keep, ctx=None):
+    """init's rendezvous under a key prefix: the flat communicator when every rank is on one host,
+    else a hierarchical one (plait/_hier.py). `keep` is closed with the communicator."""
+    try:
+        # Every init of a job draws the next generation number, so a store can serve many inits.
+        gen = (client.add(f"{prefix}/arrivals", 1) - 1) // size
+        base = f"{prefix}/{gen}"
+        ids = _hosts.exchange(client, base, rank, size, init_timeout) if size > 1 else None
+        if ids is None or len({h for h, _ in ids}) == 1:
+            native, info = _join_shm(client, base, rank, size, timeout, init_timeout, buffer_bytes,
+                                     size > _comm._cpus())
+            return Communicator(native, timeout=timeout, buffer_bytes=info["staging"], world_size=size,
+                                keep=keep)
+
+        def join_local(pfx, lrank, lsize, oversubscribed):
+            native, info = _join_shm(client, pfx, lrank, lsize, timeout, init_timeout, buffer_bytes,
+                                     oversubscribed)
+            return Communicator(native, timeout=timeout, buffer_bytes=info["staging"], world_size=lsize)
+        return _hier.create(client, base, rank, size, ids, timeout=timeout, init_timeout=init_timeout,
+                            buffer_bytes=buffer_bytes, keep=keep, ctx=ctx, join_local=join_local)
+    except BaseException:
+        for k in keep:
+            k.close()
+        raise
+
+
+def _mpirun_store(rank):
+    """Under mpirun with no store named: (host, port, bind address) of a store rank 0 serves on a
+    free port, its address broadcast with mpi4py. None when not under mpirun or a store is named."""
+    if "OMPI_COMM_WORLD_SIZE" not in os.environ or os.environ.get("PLAIT_STORE") or \
+            os.environ.get("MASTER_PORT"):
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise InvalidArgument("plait under mpirun without PLAIT_STORE or MASTER_ADDR/MASTER_PORT needs "
+                              "mpi4py to share the store's address (pip install mpi4py)") from None
+    import socket
+    addr = None
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        import contextlib
+        with contextlib.closing(socket.socket()) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        host = os.environ.get("MASTER_ADDR") or (
+            "127.0.0.1" if int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", 0) or 0) ==
+            int(os.environ["OMPI_COMM_WORLD_SIZE"]) else socket.gethostname())
+        addr = (host, port)
+    host, port = MPI.COMM_WORLD.bcast(addr, root=0)
+    return host, port, "0.0.0.0" if rank == 0 else False
 
 
 def is_initialized():

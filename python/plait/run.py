@@ -3,10 +3,13 @@ down as soon as one fails.
 
     plait-run -n N [--master-addr A] [--master-port P] [--tee-prefix] [--] program [args...]
     plait-run -n N -m module [args...]
+    plait-run --nnodes 2 --node-rank K --master-addr A --master-port P -n N program   (on each host)
 
 The ranks get RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK,
 ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torch's own store; plait leaves it alone) and
-PLAIT_STORE=host:port, the store this launcher serves.
+PLAIT_STORE=host:port, the store this launcher serves (node 0's launcher, at MASTER_PORT+1, with
+several nodes). With several nodes every launcher watches a failure flag in that store: a rank
+failing on any node stops the ranks of every node, each launcher naming the node and rank.
 """
 import argparse
 import ctypes
@@ -22,7 +25,9 @@ from . import _shm, _store
 
 _PR_SET_PDEATHSIG = 1
 _VALUE_OPTIONS = {"-n", "--nproc", "--nproc-per-node", "--nproc_per_node", "--master-addr",
-                  "--master_addr", "--master-port", "--master_port", "--grace"}
+                  "--master_addr", "--master-port", "--master_port", "--grace", "--nnodes",
+                  "--node-rank", "--node_rank"}
+_FAILED, _DONE = "plait-run/failed", "plait-run/done"  # keys of the multi-node launchers
 
 
 def _parser():
@@ -31,7 +36,10 @@ def _parser():
         description="Run N local ranks of a plait (or torch.distributed) program.")
     p.add_argument("-n", "--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int,
                    required=True, help="number of ranks")
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (hosts), one plait-run each")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's index")
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1",
+                   help="address of node 0 (its launcher serves plait's store at MASTER_PORT+1)")
     p.add_argument("--master-port", "--master_port", type=int, default=None,
                    help="MASTER_PORT for the ranks (default: a free port)")
     p.add_argument("-m", "--module", action="store_true", help="the program is a Python module")
@@ -53,6 +61,10 @@ def _parse(argv):
         p.error("no program given")
     if args.nproc < 1:
         p.error("-n must be at least 1")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        p.error(f"--node-rank {args.node_rank} is not a node of --nnodes {args.nnodes}")
+    if args.nnodes > 1 and args.master_port is None:
+        p.error("--nnodes > 1 needs --master-port (the same on every node)")
     args.program, args.args = rest[0], rest[1:]
     return args
 
@@ -128,30 +140,91 @@ def _take_down(procs, grace):
             pass
 
 
-def _supervise(procs, grace):
+def _supervise(procs, grace, first=0, nodes=None):
+    """Waits for the ranks (global ranks first, first+1, ...); nodes: the multi-node store client."""
+    where = f"node {nodes[1]}: " if nodes else ""
+    next_check = 0.0
     while True:
         running = False
-        for rank, p in enumerate(procs):
+        for i, p in enumerate(procs):
             rc = p.poll()
             running |= rc is None
             if rc:
                 what, code = _describe(rc)
-                print(f"plait-run: rank {rank} (pid {p.pid}) failed: {what}", file=sys.stderr, flush=True)
+                msg = f"{where}rank {first + i} (pid {p.pid}) failed: {what}"
+                print(f"plait-run: {msg}", file=sys.stderr, flush=True)
+                if nodes:
+                    _flag(nodes[0], msg)
                 _take_down(procs, grace)
                 return code
         if not running:
             return 0
+        if nodes and time.monotonic() >= next_check:
+            next_check = time.monotonic() + 0.2
+            other = _flagged(nodes[0])
+            if other is not None:
+                print(f"plait-run: {where}stopping its ranks: {other}", file=sys.stderr, flush=True)
+                _take_down(procs, grace)
+                return 1
         time.sleep(0.02)
+
+
+def _flag(client, msg):
+    try:
+        client.set(_FAILED + "/msg", msg.encode())
+        client.add(_FAILED, 1)
+    except Exception:  # noqa: BLE001 - the store (node 0) may be gone; the ranks notice anyway
+        pass
+
+
+def _flagged(client):
+    """The failure another node's launcher reported, or None."""
+    try:
+        if client.add(_FAILED, 0) <= 0:
+            return None
+        return client.get(_FAILED + "/msg", timeout=5).decode()
+    except Exception as e:  # noqa: BLE001
+        return f"the plait store on node 0 is gone ({e})"
+
+
+def _wait_for_nodes(client, nnodes):
+    """Node 0 keeps serving the store until every node's launcher is done (or one failed)."""
+    while True:
+        try:
+            if client.add(_DONE, 0) >= nnodes or client.add(_FAILED, 0) > 0:
+                return
+        except Exception:  # noqa: BLE001
+            return
+        time.sleep(0.1)
 
 
 def main(argv=None):
     args = _parse(sys.argv[1:] if argv is None else list(argv))
     n, cmd = args.nproc, _command(args)
-    server = _store.StoreServer("127.0.0.1", 0)
-    env = dict(os.environ, WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), ROLE_WORLD_SIZE=str(n),
-               GROUP_RANK="0", MASTER_ADDR=args.master_addr,
+    world, first = n * args.nnodes, n * args.node_rank
+    server = nodes = None
+    if args.nnodes == 1:
+        server = _store.StoreServer("127.0.0.1", 0)
+        store_addr = f"{server.host}:{server.port}"
+    else:
+        if args.node_rank == 0:
+            try:
+                server = _store.StoreServer(args.master_addr, args.master_port + 1)
+            except Exception:  # noqa: BLE001 - e.g. a name of this host that is not bound locally
+                server = _store.StoreServer("0.0.0.0", args.master_port + 1)
+        store_addr = f"{args.master_addr}:{args.master_port + 1}"
+        try:
+            nodes = (_store.Store(args.master_addr, args.master_port + 1, timeout=300), args.node_rank)
+        except Exception as e:  # noqa: BLE001
+            print(f"plait-run: node {args.node_rank}: cannot reach node 0's store at {store_addr}: {e}",
+                  file=sys.stderr, flush=True)
+            if server is not None:
+                server.close()
+            return 1
+    env = dict(os.environ, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(n), ROLE_WORLD_SIZE=str(world),
+               GROUP_RANK=str(args.node_rank), MASTER_ADDR=args.master_addr,
                MASTER_PORT=str(args.master_port or _free_port(args.master_addr)),
-               PLAIT_STORE=f"{server.host}:{server.port}")
+               PLAIT_STORE=store_addr)
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks x all-core thread pools oversubscribe
     if args.tee_prefix:
         env.setdefault("PYTHONUNBUFFERED", "1")  # otherwise lines arrive only when a rank exits
@@ -166,8 +239,9 @@ def main(argv=None):
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
     try:
         setup = _die_with_parent()
-        for rank in range(n):
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+        for local in range(n):
+            rank = first + local
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(local), ROLE_RANK=str(rank))
             pipe = subprocess.PIPE if args.tee_prefix else None
             try:
                 # Spawned from this (main) thread on purpose: PDEATHSIG fires when the creating
@@ -185,14 +259,23 @@ def main(argv=None):
                                          daemon=True)
                     t.start()
                     pumps.append(t)
-        code = _supervise(procs, args.grace)
+        code = _supervise(procs, args.grace, first, nodes)
+        if nodes and code == 0 and not signals:
+            nodes[0].add(_DONE, 1)
+            if args.node_rank == 0:
+                _wait_for_nodes(nodes[0], args.nnodes)
+        elif nodes and signals:
+            _flag(nodes[0], f"node {args.node_rank}: plait-run stopped by signal {signals[0]}")
         return 128 + signals[0] if code == 0 and signals else code
     finally:
         if any(p.poll() is None for p in procs):  # only on an unexpected error in here
             _take_down(procs, args.grace)
         for s, h in old.items():
             signal.signal(s, h)
-        server.close()
+        if nodes:
+            nodes[0].close()
+        if server is not None:
+            server.close()
         _shm.sweep_stale()
         for t in pumps:
             t.join(timeout=1)  # a rank's leftover children may hold the pipe open

@@ -78,6 +78,8 @@ def parser():
     g.add_argument("--inplace", action="store_true", help="only in-place calls")
     g.add_argument("--outofplace", action="store_true", help="only out-of-place calls")
     a("--buffer-bytes", type=parse_size, help="plait's staging bytes per rank (plait.init buffer_bytes)")
+    a("--hosts", type=int, default=0, help="also time plait's hierarchical path with the ranks split "
+      "into this many simulated hosts (PLAIT_HOST_ID; consecutive ranks per host), as peer hier-<engine>")
     a("--peers", type=lambda t: _names(t, ("gloo", "mpi", "deepspeed"), "peer"), default=[],
       help="gloo,mpi,deepspeed")
     a("--json", metavar="FILE", help="write every measurement and the machine info as JSON")

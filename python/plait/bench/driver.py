@@ -78,7 +78,11 @@ def _start_peers(names, rank, size, init_method, mpi, skipped):
 def _run(args, argv, rank, size, local, mpi):
     import plait
     store, init_method, server = _rendezvous(mpi, rank)
+    hosts = getattr(args, "hosts", 0)
+    if hosts:  # the flat communicator first, on this one machine, then the simulated hosts'
+        os.environ.pop("PLAIT_HOST_ID", None)
     comm = plait.init(rank, size, store=store, buffer_bytes=args.buffer_bytes)
+    hier = _hier_comm(plait, rank, size, store, args.buffer_bytes, hosts) if hosts else None
     # Pinned only now: plait.init reads the affinity mask to decide whether ranks outnumber cores,
     # and a rank already pinned to one core would look oversubscribed to it.
     cpus = len(os.sched_getaffinity(0))
@@ -98,6 +102,9 @@ def _run(args, argv, rank, size, local, mpi):
         f" x{args.stepfactor}; {args.dtype}; op {args.op}; root {args.root}; {cfg.trials} trials of "
         + (f"{cfg.iters} iterations" if cfg.iters else f"~{cfg.time_s / cfg.trials * 1e3:.0f} ms")
         + f"; warm-up {cfg.warmup}; algorithm {args.algorithm}")
+    if hier is not None:
+        say(f"# {hier.name}: plait over {hosts} simulated hosts (PLAIT_HOST_ID=sim<rank*{hosts}//{size}>), "
+            f"{hier.comm.engine} between them: {hier.comm.layout.describe()}")
     for p in args.peers:
         say(f"# peer {p}: " + (f"skipped: {skipped[p]}" if p in skipped else
                                 next(x.version for x in peers if x.name == p)))
@@ -105,6 +112,7 @@ def _run(args, argv, rank, size, local, mpi):
     progress = _Progress(rank == 0, len(args.collectives) * len(args.sizes))
     for cname in args.collectives:
         impls, notes = plait_impls(comm, cname, args.algorithm, plait.algorithms(cname))
+        impls += [hier] if hier is not None else []
         mine = _sweep(comm, COLLECTIVES[cname], impls + peers, cfg, notes, skips, progress, say)
         results += mine
         summaries.append(report.summary(cname, mine))
@@ -124,10 +132,22 @@ def _run(args, argv, rank, size, local, mpi):
                   file=sys.stderr, flush=True)
     for p in peers:
         p.close()
+    if hier is not None:
+        hier.comm.finalize()
     comm.finalize()
     if server is not None:
         server.close()
     return 1 if wrong else 0
+
+
+def _hier_comm(plait, rank, size, store, buffer_bytes, hosts):
+    """The hierarchical contender: the same ranks as `hosts` simulated hosts of consecutive ranks."""
+    from .peers import Plait
+    if not 1 < hosts <= size:
+        raise SystemExit(f"plait-bench: --hosts {hosts} needs 2..{size} (the number of ranks)")
+    os.environ["PLAIT_HOST_ID"] = f"sim{rank * hosts // size}"
+    c = plait.init(rank, size, store=store, buffer_bytes=buffer_bytes, set_default=False)
+    return Plait(c, name=f"hier-{c.engine}")
 
 
 def _sweep(comm, coll, impls, cfg, notes, skips, progress, say):

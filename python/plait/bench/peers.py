@@ -15,9 +15,10 @@ class Skip(Exception):
 
 
 class Plait:
-    def __init__(self, comm, algorithm="auto"):
+    def __init__(self, comm, algorithm="auto", name=None):
         self.comm, self.algorithm = comm, algorithm
-        self.name = "plait" if algorithm == "auto" else f"plait:{algorithm}"
+        self.name = name or ("plait" if algorithm == "auto" else f"plait:{algorithm}")
+        self.version = getattr(comm, "engine", "")
 
     def supports(self, coll, dtype, op, inplace):
         return None

@@ -1,0 +1,61 @@
+"""Which ranks share a host: identities exchanged at rendezvous, and the layout derived from them."""
+import json
+import os
+import socket
+
+import numpy as np
+
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def machine_id():
+    try:
+        with open(_BOOT_ID) as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def host_id():
+    """This process's host identity: PLAIT_HOST_ID (tests simulate hosts with it), else the machine."""
+    return os.environ.get("PLAIT_HOST_ID") or machine_id()
+
+
+class Layout:
+    """Which global ranks share a host. hosts[h] = global ranks of host h in order."""
+
+    def __init__(self, ids, rank):
+        order = []
+        for r, hid in enumerate(ids):
+            if hid not in order:
+                order.append(hid)
+        self.hosts = [[r for r, x in enumerate(ids) if x == hid] for hid in order]
+        self.host_of = [order.index(x) for x in ids]
+        self.local_of = [self.hosts[self.host_of[r]].index(r) for r in range(len(ids))]
+        self.h, self.i = self.host_of[rank], self.local_of[rank]
+        self.uniform = len({len(m) for m in self.hosts}) == 1
+        L, H = len(self.hosts[0]), len(self.hosts)
+        # perm[i * H + h] = global rank of local rank i on host h (uniform layout only)
+        self.perm = np.array([self.hosts[h][i] for i in range(L) for h in range(H)], dtype=np.int64) \
+            if self.uniform else None
+
+    @property
+    def nhosts(self):
+        return len(self.hosts)
+
+    def describe(self):
+        return "; ".join(f"host {h}: ranks {m}" for h, m in enumerate(self.hosts))
+
+
+def exchange(client, prefix, rank, size, timeout):
+    """Every rank's (host id, machine id), through the store: rank 0 gathers the table and
+    publishes it under one key, so the store serves O(size) requests, not O(size^2)."""
+    mine = f"{host_id()}\n{machine_id()}"
+    if rank != 0:
+        client.set(f"{prefix}/host/{rank}", mine.encode())
+        table = json.loads(client.get(f"{prefix}/hosts", timeout=timeout))
+    else:
+        table = [mine] + [client.get(f"{prefix}/host/{r}", timeout=timeout).decode() for r in range(1, size)]
+        client.set(f"{prefix}/hosts", json.dumps(table).encode())
+    return [tuple(v.split("\n", 1)) for v in table]

@@ -1,0 +1,207 @@
+"""Hierarchical collectives on simulated hosts (PLAIT_HOST_ID per rank) with gloo between them.
+
+Each layout runs every collective, dtype and op in one run_ranks call and checks exact results
+(hier_checks.py). torch is imported here, before run_ranks forks, so ranks do not each pay for it.
+"""
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import plait
+from conftest import run_ranks
+from plait import _hosts
+
+import hier_checks as hc
+
+torch = pytest.importorskip("torch")
+import torch.distributed  # noqa: E402,F401 - imported once in the parent, inherited by the forks
+
+LAYOUTS = {
+    "2x2": ["a", "a", "b", "b"],
+    "3x1": ["a", "b", "c"],
+    "2x2-interleaved": ["a", "b", "a", "b"],
+    "uneven-2+1": ["a", "a", "b"],
+}
+
+
+def _init(rank, hosts, **kw):
+    os.environ["PLAIT_HOST_ID"] = hosts[rank]
+    return plait.init(timeout=kw.pop("timeout", 30), **kw)
+
+
+def test_layout_order_and_permutation():
+    lay = _hosts.Layout(["b", "a", "b", "a"], rank=3)
+    assert lay.hosts == [[0, 2], [1, 3]] and (lay.h, lay.i) == (1, 1) and lay.uniform
+    assert lay.perm.tolist() == [0, 1, 2, 3]  # perm[i * H + h] = hosts[h][i]
+    lay = _hosts.Layout(["x", "x", "y"], rank=2)
+    assert not lay.uniform and lay.perm is None and (lay.h, lay.i) == (1, 0)
+
+
+def _exact(rank, n, addr, hosts):
+    comm = _init(rank, hosts, buffer_bytes=8192)  # small staging: the local steps run multi-chunk
+    assert isinstance(comm, plait.HierCommunicator) and comm.engine == "gloo", repr(comm)
+    checks = 0
+    for count in (0, 1, 7):
+        checks += hc.reductions(comm, count)
+        checks += hc.movements(comm, count)
+    # larger than one staging chunk, and not a multiple of the local size
+    checks += hc.reductions(comm, 3001, dtypes=["float32", "bfloat16", "int8", "bool"], ops=["sum", "max"])
+    checks += hc.reductions(comm, 3001, dtypes=["float16"], ops=["avg", "prod"])
+    checks += hc.movements(comm, 3001, dtypes=["float32"])
+    checks += hc.asynchronous(comm)
+    comm.finalize()
+    return checks
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_collective_dtype_and_op_is_exact(layout):
+    hosts = LAYOUTS[layout]
+    checks = run_ranks(_exact, len(hosts), timeout=120, args=(hosts,))
+    assert len(set(checks)) == 1 and checks[0] > 700, checks
+
+
+def _torch_tensors(rank, n, addr, hosts):
+    comm = _init(rank, hosts)
+    t = torch.full((5,), float(rank + 1), dtype=torch.bfloat16)
+    comm.allreduce(t, out=t, op="avg")
+    g = comm.allgather(torch.tensor([rank], dtype=torch.int64))
+    comm.finalize()
+    return t.tolist(), g.tolist()
+
+
+def test_torch_tensors_and_avg():
+    hosts = LAYOUTS["2x2"]
+    for t, g in run_ranks(_torch_tensors, 4, timeout=60, args=(hosts,)):
+        assert t == [2.5] * 5 and g == [[0], [1], [2], [3]]
+
+
+def _split(rank, n, addr, hosts):
+    comm = _init(rank, hosts)
+    by_host = comm.split(color=comm.layout.h, key=-rank)   # one host each: flat shm communicators
+    across = comm.split(color=comm.layout.i)               # one rank per host: hierarchical
+    none = comm.split(color=None)
+    out = (type(by_host).__name__, by_host.rank, by_host.allreduce(np.array([rank]))[0],
+           type(across).__name__, across.rank, across.allgather(np.array([rank])).ravel().tolist(), none)
+    for c in (by_host, across, comm):
+        c.finalize()
+    return out
+
+
+def test_split_within_and_across_hosts():
+    res = run_ranks(_split, 4, timeout=60, args=(LAYOUTS["2x2"],))
+    assert res == [("Communicator", 1, 1, "HierCommunicator", 0, [0, 2], None),
+                   ("Communicator", 0, 1, "HierCommunicator", 0, [1, 3], None),
+                   ("Communicator", 1, 5, "HierCommunicator", 1, [0, 2], None),
+                   ("Communicator", 0, 5, "HierCommunicator", 1, [1, 3], None)]
+
+
+def _one_host(rank, n, addr):
+    os.environ.pop("PLAIT_HOST_ID", None)
+    comm = plait.init(timeout=30)
+    kind = type(comm).__name__
+    comm.finalize()
+    return kind
+
+
+def test_one_host_stays_flat():
+    assert run_ranks(_one_host, 3, timeout=60) == ["Communicator"] * 3
+
+
+def _no_engine(rank, n, addr, hosts):
+    from plait import _inter
+    _inter._have = lambda mod: False  # as on a machine with neither torch nor mpi4py
+    try:
+        _init(rank, hosts)
+    except plait.InvalidArgument as e:
+        return str(e)
+    return "no error"
+
+
+def test_no_engine_is_a_clear_error_on_every_rank():
+    for msg in run_ranks(_no_engine, 4, timeout=60, args=(LAYOUTS["2x2"],)):
+        assert "span 2 hosts" in msg and "pip install torch" in msg and "mpi4py" in msg, msg
+
+
+def _mpi_without_mpirun(rank, n, addr, hosts):
+    os.environ["PLAIT_INTER"] = "mpi"
+    try:
+        _init(rank, hosts)
+    except plait.InvalidArgument as e:
+        return str(e)
+    return "no error"
+
+
+def test_forced_engine_that_is_missing():
+    for msg in run_ranks(_mpi_without_mpirun, 3, timeout=60, args=(LAYOUTS["3x1"],)):
+        assert "PLAIT_INTER=mpi needs mpi4py and a job started by mpirun" in msg, msg
+
+
+def _killed(rank, n, addr, hosts, victim):
+    comm = _init(rank, hosts, timeout=30)
+    x = np.ones(1000, dtype=np.float32)
+    for i in range(1000000):
+        if rank == victim and i == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            comm.allreduce(x, out=np.empty_like(x)) if i % 2 else comm.allgather(x)
+        except (plait.PeerLostError, plait.TimeoutError) as e:
+            return type(e).__name__, time.monotonic(), str(e)
+    return "no error", time.monotonic(), ""
+
+
+@pytest.mark.parametrize("layout,victim", [("2x2", 3), ("3x1", 1), ("2x2", 0)])
+def test_rank_killed_on_one_host_raises_on_all_others(layout, victim):
+    hosts = LAYOUTS[layout]
+    start = time.monotonic()
+    res = run_ranks(_killed, len(hosts), timeout=60, args=(hosts, victim), may_die=(victim,))
+    for r, got in enumerate(res):
+        if r == victim:
+            assert got is None
+            continue
+        kind, when, msg = got
+        assert kind in ("PeerLostError", "TimeoutError"), (r, kind, msg)
+        assert when - start < 20, (r, when - start, msg)  # well inside the 30 s deadline
+
+
+def _late(rank, n, addr, hosts):
+    comm = _init(rank, hosts, timeout=2)
+    comm.allreduce(np.ones(4))
+    if rank == 3:
+        time.sleep(4)  # past the others' deadline
+    start = time.monotonic()
+    try:
+        comm.allreduce(np.ones(4))
+    except plait.PlaitError as e:
+        return type(e).__name__, time.monotonic() - start, str(e)
+    return "no error", 0, ""
+
+
+def test_late_rank_on_another_host_is_a_timeout():
+    res = run_ranks(_late, 4, timeout=60, args=(LAYOUTS["2x2"],))
+    for r, (kind, took, msg) in enumerate(res[:3]):
+        assert kind in ("TimeoutError", "PeerLostError"), (r, kind, msg)
+        assert took < 6, (r, took, msg)
+    assert "TimeoutError" in [k for k, _, _ in res[:3]], res
+    assert res[3][0] != "no error"  # the late rank finds the communicator aborted
+
+
+def _bad_input(rank, n, addr, hosts):
+    comm = _init(rank, hosts)
+    x = np.ones(8, dtype=np.int32)
+    start = time.monotonic()
+    try:
+        comm.allreduce(x, op="avg" if rank == 2 else "sum")
+    except plait.PlaitError as e:
+        return type(e).__name__, time.monotonic() - start, str(e)
+    return "no error", 0, ""
+
+
+def test_bad_input_on_one_host_raises_everywhere():
+    res = run_ranks(_bad_input, 4, timeout=60, args=(LAYOUTS["2x2"],))
+    assert res[2][0] == "InvalidArgument" and "avg needs a floating-point dtype" in res[2][2]
+    for r in (0, 1, 3):
+        kind, took, msg = res[r]
+        assert kind == "InvalidArgument" and "rank 2" in msg and took < 10, (r, res[r])
