@@ -59,6 +59,18 @@ int device_count() {
 void bind_gpu(py::module_& m) {
   m.attr("CUDA_COMPILED") = bool(PLAIT_WITH_CUDA);
   m.def("cuda_device_count", &device_count, "CUDA devices visible to this process (0: none, no driver, or a CPU-only build).");
+  m.def("cuda_pointer_device", [](uintptr_t ptr) {
+#if PLAIT_WITH_CUDA
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, reinterpret_cast<const void*>(ptr)) != cudaSuccess) {
+      cudaGetLastError();
+      return -1;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? a.device : -1;
+#else
+    return -1;
+#endif
+  }, py::arg("ptr"), "The CUDA device a pointer lives on, or -1 (host memory, no driver, CPU-only build).");
   m.def("gpu_plan_chunks", [](int64_t count, int64_t chunk) {
     std::vector<std::pair<int64_t, int64_t>> v;
     for (const Span& s : chunk_plan(count, chunk)) v.emplace_back(s.offset, s.count);
