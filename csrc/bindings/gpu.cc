@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/gpu_comm.h"
+#include "reduce/reduce_cuda.h"
 #endif
 
 namespace py = pybind11;
@@ -115,6 +116,14 @@ void bind_gpu(py::module_& m) {
     if (e != cudaSuccess) throw PlaitError("cudaGetDeviceProperties(" + std::to_string(device) + "): " + cudaGetErrorString(e));
     return py::bytes(p.uuid.bytes, sizeof p.uuid.bytes);
   }, py::arg("device"));
+  // The kernels alone, for tests/gpu and the bench: device pointers as integers is acceptable
+  // only here, behind a private name, because the callers own and hold the arrays.
+  m.def("_reduce_cuda", [](const std::string& dtype, const std::string& op, uintptr_t dst, uintptr_t a,
+                           uintptr_t b, size_t count, int avg_divisor, uintptr_t stream) {
+    py::gil_scoped_release nogil;
+    reduce_cuda(dtype_named(dtype), op_named(op), reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(a),
+                reinterpret_cast<const void*>(b), count, avg_divisor, reinterpret_cast<cudaStream_t>(stream));
+  });
   m.def("gpu_algorithms", [](const std::string& coll) {
     const Coll c = coll_named(coll);
     std::vector<std::string> names;
