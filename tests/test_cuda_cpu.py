@@ -208,3 +208,9 @@ def test_gpu_input_that_cannot_run_fails_on_every_rank(case, pattern):
         assert __import__("re").search(pattern, msg), f"rank {rank}: {msg}"
     if case == "gpu_input":
         assert "allreduce" in results[1][1] and "float32 x 8" in results[1][1]
+
+
+def test_torch_backend_is_registered_for_cuda_too():
+    dist = pytest.importorskip("torch.distributed")
+    import plait.torch  # noqa: F401 - registers the backend
+    assert set(dist.Backend.backend_capability["plait"]) == {"cpu", "cuda"}
