@@ -61,6 +61,9 @@ function(plait_add_cuda target)
     csrc/reduce/reduce_cuda.cu
     csrc/cuda/nccl_loader.cc
     csrc/cuda/gpu_comm.cc
+    csrc/cuda/ipc.cu
+    csrc/cuda/ipc_comm.cc
+    csrc/algo/ipc_one_shot.cc
     csrc/algo/gpu_table.cc
     csrc/algo/gpu_nccl.cc
     csrc/algo/gpu_ring.cc

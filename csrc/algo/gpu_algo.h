@@ -9,6 +9,7 @@
 
 #include "algo/algo.h"
 #include "algo/gpu_plan.h"
+#include "cuda/ipc.h"
 #include "cuda/nccl_abi.h"
 
 namespace plait {
@@ -51,5 +52,46 @@ struct GpuAlgorithm {
 
 // allreduce: nccl, ring, tree; reduce_scatter: nccl, ring; allgather: nccl, ring.
 const std::vector<GpuAlgorithm>& gpu_algorithm_table();
+
+// The view an algorithm over the CUDA IPC transport works in. Epochs count exchanges over the
+// communicator's life: begin() waits until every peer has finished reading this rank's staging
+// of the previous epoch, publish() posts this rank's staging and waits for every peer's,
+// finish() says this rank is done reading the others'.
+struct IpcCtx {
+  IpcTransport& tp;
+  const CallArgs& a;
+  cudaStream_t stream;
+  size_t esize;
+  int rank, size;
+  uint64_t& epoch;
+  uint64_t timeout_ns;
+
+  uint64_t begin() {
+    const uint64_t e = ++epoch;
+    if (e > 1) tp.wait(IpcTransport::kDone, e - 1, timeout_ns, stream);
+    return e;
+  }
+  void publish(uint64_t e) {
+    tp.post(IpcTransport::kPost, e, stream);
+    tp.wait(IpcTransport::kPost, e, timeout_ns, stream);
+  }
+  void finish(uint64_t e) { tp.post(IpcTransport::kDone, e, stream); }
+  const char* in_at(int64_t e) const { return static_cast<const char*>(a.in) + e * int64_t(esize); }
+  char* out_at(int64_t e) const { return static_cast<char*>(a.out) + e * int64_t(esize); }
+  size_t bytes(int64_t elems) const { return size_t(elems) * esize; }
+  void reduce(void* dst, const void* x, const void* y, int64_t n, bool final) const;
+  void copy(void* dst, const void* src, int64_t n) const;
+  // dst = srcs[0] op srcs[1] op ... in rank order (bitwise the same on every rank); avg divides.
+  void reduce_all(void* dst, const std::vector<const char*>& srcs, int64_t n) const;
+};
+
+struct IpcAlgorithm {
+  Coll coll;
+  const char* name;
+  void (*run)(IpcCtx&);
+};
+
+// allreduce, reduce_scatter, allgather: one_shot.
+const std::vector<IpcAlgorithm>& ipc_algorithm_table();
 
 }  // namespace plait

@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/gpu_comm.h"
+#include "cuda/ipc_comm.h"
 #include "reduce/reduce_cuda.h"
 #endif
 
@@ -54,6 +55,19 @@ int device_count() {
   return 0;
 #endif
 }
+
+#if PLAIT_WITH_CUDA
+// (pointer, bytes, device) from plait._arrays.GpuArray; the caller holds the array.
+GpuBuffer gpu_buffer(const py::tuple& t, const std::string& dtype) {
+  GpuBuffer b;
+  b.ptr = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
+  b.bytes = t[1].cast<size_t>();
+  b.device = t[2].cast<int>();
+  b.dtype = dtype_named(dtype);
+  b.present = true;
+  return b;
+}
+#endif
 
 }  // namespace
 
@@ -139,6 +153,48 @@ void bind_gpu(py::module_& m) {
       }, py::arg("timeout") = -1.0)
       .def("done", &GpuEvent::done);
 
+  m.def("ipc_algorithms", [](const std::string& coll) {
+    const Coll c = coll_named(coll);
+    std::vector<std::string> names;
+    for (const IpcAlgorithm& a : ipc_algorithm_table())
+      if (a.coll == c) names.push_back(a.name);
+    return names;
+  }, py::arg("collective"));
+
+  py::class_<IpcComm, std::shared_ptr<IpcComm>>(m, "IpcCommunicator")
+      .def(py::init([](Communicator& cpu, int device, double timeout, size_t staging_bytes) {
+             GpuOptions o;
+             o.timeout_s = timeout;
+             Communicator* c = &cpu;
+             GpuPeers peers{[c] { c->throw_if_aborted(); }, [c](ErrorKind k, const std::string& msg) { c->fail(k, msg); }};
+             py::gil_scoped_release nogil;
+             return std::make_shared<IpcComm>(cpu.rank(), cpu.size(), device, staging_bytes, o, std::move(peers));
+           }),
+           py::arg("cpu"), py::arg("device"), py::arg("timeout"), py::arg("staging_bytes"), py::keep_alive<1, 2>())
+      .def_property_readonly("device", &IpcComm::device)
+      .def("handle", [](IpcComm& g) { return py::bytes(g.handle()); })
+      .def("open", [](IpcComm& g, const std::vector<py::bytes>& handles) {
+        std::vector<std::string> h;
+        for (const py::bytes& b : handles) h.push_back(b);
+        py::gil_scoped_release nogil;
+        g.open(h);
+      })
+      .def("call", [](IpcComm& g, const std::string& coll, py::tuple in, py::tuple out, const std::string& dtype,
+                      const std::string& op, const std::string& algo, uintptr_t stream, double timeout) {
+        const GpuBuffer i = gpu_buffer(in, dtype), o = gpu_buffer(out, dtype);
+        const Coll c = coll_named(coll);
+        const RedOp r = op_named(op);
+        py::gil_scoped_release nogil;
+        g.call(c, i, o, r, algo, reinterpret_cast<cudaStream_t>(stream), timeout);
+      })
+      .def("record", [](std::shared_ptr<IpcComm> g, uintptr_t stream, double timeout) {
+        return std::make_shared<GpuEvent>(std::static_pointer_cast<GpuWork>(g), reinterpret_cast<cudaStream_t>(stream), timeout);
+      })
+      .def("finalize", [](IpcComm& g) {
+        py::gil_scoped_release nogil;
+        g.finalize();
+      });
+
   py::class_<GpuComm, std::shared_ptr<GpuComm>>(m, "GpuCommunicator")
       .def(py::init([](Communicator& cpu, const py::bytes& uid, int device, double timeout, int64_t chunk_bytes,
                        const std::string& algo, const std::string& nccl_path) {
@@ -160,33 +216,25 @@ void bind_gpu(py::module_& m) {
       .def_property_readonly("device", &GpuComm::device)
       .def("call", [](GpuComm& g, const std::string& coll, py::tuple in, py::tuple out, const std::string& dtype,
                       const std::string& op, const std::string& algo, uintptr_t stream, double timeout) {
-        const auto buf = [&](const py::tuple& t) {
-          GpuBuffer b;
-          b.ptr = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
-          b.bytes = t[1].cast<size_t>();
-          b.device = t[2].cast<int>();
-          b.dtype = dtype_named(dtype);
-          b.present = true;
-          return b;
-        };
-        const GpuBuffer i = buf(in), o = buf(out);
+        const GpuBuffer i = gpu_buffer(in, dtype), o = gpu_buffer(out, dtype);
         const Coll c = coll_named(coll);
         const RedOp r = op_named(op);
         py::gil_scoped_release nogil;
         g.call(c, i, o, r, algo, reinterpret_cast<cudaStream_t>(stream), timeout);
       })
       .def("record", [](std::shared_ptr<GpuComm> g, uintptr_t stream, double timeout) {
-        return std::make_shared<GpuEvent>(g, reinterpret_cast<cudaStream_t>(stream), timeout);
+        return std::make_shared<GpuEvent>(std::static_pointer_cast<GpuWork>(g), reinterpret_cast<cudaStream_t>(stream), timeout);
       })
       .def("finalize", [](GpuComm& g) {
         py::gil_scoped_release nogil;
         g.finalize();
       });
 #else
-  m.def("gpu_algorithms", [](const std::string& coll) {
-    coll_named(coll);
-    return std::vector<std::string>{};
-  }, py::arg("collective"));
+  for (const char* name : {"gpu_algorithms", "ipc_algorithms"})
+    m.def(name, [](const std::string& coll) {
+      coll_named(coll);
+      return std::vector<std::string>{};
+    }, py::arg("collective"));
 #endif
 }
 

@@ -8,36 +8,8 @@
 namespace plait {
 namespace {
 
-double now_s() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
-}
-
-void pause_briefly(double waited_s) {
-  // Enqueue-time waits are short (NCCL connecting, a group settling): spin a little, then yield,
-  // then sleep 100 us, so a rank that waits for a slow peer does not burn a core.
-  if (waited_s < 1e-3) return;
-  if (waited_s < 20e-3) {
-    sched_yield();
-    return;
-  }
-  timespec ts{0, 100000};
-  nanosleep(&ts, nullptr);
-}
-
-// The caller's current device is restored after plait's work (torch and cupy keep their own).
-struct DeviceGuard {
-  int prev = -1;
-  explicit DeviceGuard(int d) {
-    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
-    if (prev != d) cudaSetDevice(d);
-  }
-  ~DeviceGuard() {
-    int cur = -1;
-    if (prev >= 0 && cudaGetDevice(&cur) == cudaSuccess && cur != prev) cudaSetDevice(prev);
-  }
-};
+double now_s() { return gpu_now_s(); }
+void pause_briefly(double waited_s) { gpu_pause(waited_s); }
 
 ErrorKind kind_of(nccl::Result r) {
   switch (r) {
@@ -58,6 +30,34 @@ void cuda_ok(cudaError_t e, const std::string& what) {
 }
 
 }  // namespace
+
+double gpu_now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
+}
+
+void gpu_pause(double waited_s) {
+  // Enqueue-time waits are short (NCCL connecting, a group settling): spin a little, then yield,
+  // then sleep 100 us, so a rank that waits for a slow peer does not burn a core.
+  if (waited_s < 1e-3) return;
+  if (waited_s < 20e-3) {
+    sched_yield();
+    return;
+  }
+  timespec ts{0, 100000};
+  nanosleep(&ts, nullptr);
+}
+
+DeviceGuard::DeviceGuard(int d) {
+  if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+  if (prev != d) cudaSetDevice(d);
+}
+
+DeviceGuard::~DeviceGuard() {
+  int cur = -1;
+  if (prev >= 0 && cudaGetDevice(&cur) == cudaSuccess && cur != prev) cudaSetDevice(prev);
+}
 
 GpuComm::GpuComm(const NcclApi& api, const nccl::UniqueId& id, int rank, int size, int device,
                  const GpuOptions& opt, GpuPeers peers)
@@ -197,7 +197,7 @@ const GpuAlgorithm& GpuComm::select(Coll c, const std::string& algo) {
                         "' (" + (names.empty() ? "this collective has no GPU path yet" : names) + ")");
 }
 
-void GpuComm::validate(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op) {
+void validate_gpu_call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int rank_, int size_, int device_) {
   const std::string head = "rank " + std::to_string(rank_) + ": " + coll_name(c) + " on GPU " + std::to_string(device_);
   if (!in.present || !out.present) throw InvalidArgument(head + ": needs an input and an output");
   const size_t es = dtype_size(in.dtype);
@@ -231,7 +231,7 @@ void GpuComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
   if (peers_.throw_if_aborted) peers_.throw_if_aborted();
   const GpuAlgorithm* alg = nullptr;
   try {
-    validate(c, in, out, op);
+    validate_gpu_call(c, in, out, op, rank_, size_, device_);
     alg = &select(c, algo);
   } catch (const InvalidArgument& e) {
     // Bad input aborts the call on every rank, as on the CPU path; no peer waits on GPU work
@@ -282,11 +282,23 @@ void GpuComm::finalize() {
   api_.CommDestroy(c);
 }
 
-GpuEvent::GpuEvent(std::shared_ptr<GpuComm> comm, cudaStream_t s, double timeout_s) : comm_(std::move(comm)) {
-  DeviceGuard g(comm_->device_);
-  cuda_ok(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming), comm_->who() + ": cudaEventCreate");
-  cuda_ok(cudaEventRecord(ev_, s), comm_->who() + ": cudaEventRecord");
-  deadline_ = now_s() + (timeout_s > 0 ? timeout_s : comm_->opt_.timeout_s);
+void GpuComm::poll_pending(double deadline) {
+  throw_if_failed();
+  if (comm_) {
+    nccl::Result st = nccl::Success;
+    if (api_.CommGetAsyncError(comm_, &st) == nccl::Success && st != nccl::Success && st != nccl::InProgress)
+      check(st, "GPU work in flight");
+  }
+  deadline_ = deadline;
+  cur_algo_ = "wait";
+  poll_once("the GPU work");
+}
+
+GpuEvent::GpuEvent(std::shared_ptr<GpuWork> comm, cudaStream_t s, double timeout_s) : comm_(std::move(comm)) {
+  DeviceGuard g(comm_->device());
+  cuda_ok(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming), "cudaEventCreate");
+  cuda_ok(cudaEventRecord(ev_, s), "cudaEventRecord");
+  deadline_ = now_s() + (timeout_s > 0 ? timeout_s : comm_->default_timeout());
 }
 
 GpuEvent::~GpuEvent() {
@@ -294,27 +306,21 @@ GpuEvent::~GpuEvent() {
 }
 
 bool GpuEvent::done() {
-  DeviceGuard g(comm_->device_);
+  DeviceGuard g(comm_->device());
   return cudaEventQuery(ev_) == cudaSuccess;
 }
 
 bool GpuEvent::wait(double timeout_s) {
-  DeviceGuard g(comm_->device_);
-  GpuComm& c = *comm_;
+  DeviceGuard g(comm_->device());
   const double t0 = now_s(), give_up = timeout_s < 0 ? 1e300 : t0 + timeout_s;
   for (;;) {
     const cudaError_t e = cudaEventQuery(ev_);
-    if (e == cudaSuccess) return true;
-    c.throw_if_failed();
-    if (e != cudaErrorNotReady) c.fail(ErrorKind::generic, c.who() + ": GPU work failed: " + cudaGetErrorString(e));
-    if (c.comm_) {
-      nccl::Result st = nccl::Success;
-      if (c.api_.CommGetAsyncError(c.comm_, &st) == nccl::Success && st != nccl::Success && st != nccl::InProgress)
-        c.check(st, "GPU work in flight");
+    if (e == cudaSuccess) {
+      comm_->check_done();
+      return true;
     }
-    c.deadline_ = deadline_;
-    c.cur_algo_ = "wait";
-    c.poll_once("the GPU work");
+    if (e != cudaErrorNotReady) throw PlaitError(std::string("GPU work failed: ") + cudaGetErrorString(e));
+    comm_->poll_pending(deadline_);
     if (now_s() > give_up) return false;
     pause_briefly(now_s() - t0);
   }

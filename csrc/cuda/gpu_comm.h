@@ -38,12 +38,23 @@ struct GpuPeers {
   std::function<void(ErrorKind, const std::string&)> fail;  // record one (may throw; ignored)
 };
 
-class GpuComm;
+// A GPU communicator (NCCL or CUDA IPC) as a pending event sees it.
+class GpuWork {
+ public:
+  virtual ~GpuWork() = default;
+  virtual int device() const = 0;
+  virtual double default_timeout() const = 0;
+  // While work is pending: throws the communicator's error, a peer's abort, or, past `deadline`,
+  // a TimeoutError after aborting the communicator.
+  virtual void poll_pending(double deadline) = 0;
+  // Once the work has run: throws an error the GPU reported (e.g. a kernel that gave up).
+  virtual void check_done() = 0;
+};
 
 // Completion of the calls enqueued up to a point on one stream.
 class GpuEvent {
  public:
-  GpuEvent(std::shared_ptr<GpuComm> comm, cudaStream_t s, double timeout_s);
+  GpuEvent(std::shared_ptr<GpuWork> comm, cudaStream_t s, double timeout_s);
   ~GpuEvent();
   // Polls until done, the wait's own timeout (false) or the calls' deadline (TimeoutError, after
   // aborting the communicator). Throws the communicator's error.
@@ -51,12 +62,24 @@ class GpuEvent {
   bool done();
 
  private:
-  std::shared_ptr<GpuComm> comm_;
+  std::shared_ptr<GpuWork> comm_;
   cudaEvent_t ev_ = nullptr;
   double deadline_;
 };
 
-class GpuComm final : public GpuOps {
+// The checks every GPU call makes (sizes, dtype, devices, overlap); throws InvalidArgument.
+void validate_gpu_call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int rank, int size, int device);
+double gpu_now_s();
+void gpu_pause(double waited_s);  // spin, then yield, then 100 us naps
+
+// The caller's current device is restored after plait's work (torch and cupy keep their own).
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int d);
+  ~DeviceGuard();
+};
+
+class GpuComm final : public GpuOps, public GpuWork {
  public:
   GpuComm(const NcclApi& api, const nccl::UniqueId& id, int rank, int size, int device,
           const GpuOptions& opt, GpuPeers peers);
@@ -66,7 +89,10 @@ class GpuComm final : public GpuOps {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
-  int device() const { return device_; }
+  int device() const override { return device_; }
+  double default_timeout() const override { return opt_.timeout_s; }
+  void poll_pending(double deadline) override;
+  void check_done() override {}
 
   // Validates and enqueues one collective on `stream`; timeout_s <= 0: the default.
   void call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, const std::string& algo,
@@ -84,13 +110,11 @@ class GpuComm final : public GpuOps {
   void all_gather(const void* in, void* out, size_t bytes) override;
 
  private:
-  friend class GpuEvent;
   void check(nccl::Result r, const std::string& what);
   nccl::Result settle(const std::string& what);  // polls a non-blocking communicator
   void poll_once(const std::string& what);       // deadline and peers' abort
   [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
   void throw_if_failed();
-  void validate(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op);
   const GpuAlgorithm& select(Coll c, const std::string& algo);
   std::string who() const;
 

@@ -30,12 +30,13 @@ _default = None
 def algorithms(collective, device="cpu"):
     """Algorithm names of a collective, in table order ("auto" picks among them).
 
-    device="cuda": the GPU algorithms (empty on a CPU-only build).
+    device="cuda": the GPU algorithms (empty on a CPU-only build): those over NCCL (one GPU per
+    rank), then those over the CUDA IPC transport (ranks sharing a GPU, or PLAIT_GPU_TRANSPORT=ipc).
     """
     if device == "cpu":
         return _C.algorithms(collective)
     if device == "cuda":
-        return _C.gpu_algorithms(collective)
+        return _C.gpu_algorithms(collective) + _C.ipc_algorithms(collective)
     raise InvalidArgument(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 

@@ -1,9 +1,12 @@
 """GPU arrays on a Communicator: the checks, the lazily created GPU communicator, the call.
 
 Every rank creates the GPU communicator inside the same (first) GPU collective. The ranks first
-agree over the CPU communicator (its deadline and abort) that each can load NCCL and which GPU
-each uses, then rank 0's NCCL unique id is broadcast the same way. Input a rank rejects aborts
-the call on every rank through the CPU communicator (`_c.fail`), as on the CPU path.
+agree over the CPU communicator (its deadline and abort) on which GPU each uses and whether each
+loaded NCCL. With one GPU per rank it is NCCL's: rank 0's unique id is broadcast over the CPU
+communicator. When ranks share a GPU (NCCL refuses that), or PLAIT_GPU_TRANSPORT=ipc, it is the
+CUDA IPC transport's: the ranks exchange cudaIpc handles of their staging the same way. Input a
+rank rejects aborts the call on every rank through the CPU communicator (`_c.fail`), as on the
+CPU path.
 """
 import os
 
@@ -12,6 +15,7 @@ import numpy as np
 from . import _C, _arrays, _cuda, _errors
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # PLAIT_GPU_CHUNK_BYTES; a guess until measured on a GPU
+DEFAULT_IPC_BYTES = 8 << 20  # PLAIT_GPU_IPC_BYTES: staging per rank of the IPC transport; a guess too
 
 
 class GpuHandle:
@@ -103,29 +107,46 @@ def _communicator(comm, device, timeout, head):
                          f"of a rank must be on one GPU")
         return g
     t = comm.timeout if timeout is None else float(timeout)
+    transport = os.environ.get("PLAIT_GPU_TRANSPORT", "auto")
+    if transport not in ("auto", "nccl", "ipc"):
+        comm._c.fail(f"{head}: PLAIT_GPU_TRANSPORT={transport!r} (auto, nccl or ipc)")
     err = ""
     try:
-        _cuda.load_nccl()
         uuid = _C.cuda_device_uuid(device)
     except _errors.PlaitError as e:
-        err, uuid = str(e), bytes(16)
+        comm._c.fail(f"{head}: {e}")
+    try:
+        _cuda.load_nccl()
+    except _errors.PlaitError as e:
+        err = str(e)
     mine = np.zeros(24, dtype=np.uint8)
     mine[0] = 0 if err else 1
     mine[8:24] = np.frombuffer(uuid, dtype=np.uint8)
     table = comm.allgather(mine, timeout=t)
-    bad = [r for r in range(comm.size) if not table[r][0]]
-    if bad:
-        raise _errors.PlaitError(f"{head}: rank(s) {bad} could not set up CUDA/NCCL"
-                                 + (f": {err}" if err else " (their own errors say why)"))
-    seen = {}
+    seen, shared = {}, None
     for r in range(comm.size):
         key = bytes(table[r][8:24])
-        if key in seen:
+        if key in seen and shared is None:
+            shared = (seen[key], r, key.hex())
+        seen.setdefault(key, r)
+    if transport == "ipc" or (transport == "auto" and shared is not None):
+        g = _ipc_communicator(comm, device, t, head)
+    else:
+        if shared is not None:
             raise _errors.InvalidArgument(
-                f"{head}: ranks {seen[key]} and {r} use the same GPU (uuid {key.hex()}); NCCL refuses two "
-                f"ranks on one GPU. Give each rank its own GPU (torch.cuda.set_device, cupy.cuda.Device, "
-                f"CUDA_VISIBLE_DEVICES); plait's same-GPU IPC transport is not implemented yet")
-        seen[key] = r
+                f"{head}: ranks {shared[0]} and {shared[1]} use the same GPU (uuid {shared[2]}) and "
+                f"PLAIT_GPU_TRANSPORT=nccl; NCCL refuses two ranks on one GPU (use the IPC transport: "
+                f"PLAIT_GPU_TRANSPORT=auto or ipc)")
+        bad = [r for r in range(comm.size) if not table[r][0]]
+        if bad:
+            raise _errors.PlaitError(f"{head}: rank(s) {bad} could not load NCCL"
+                                     + (f": {err}" if err else " (their own errors say why)"))
+        g = _nccl_communicator(comm, device, t, head)
+    comm._gpu = g
+    return g
+
+
+def _nccl_communicator(comm, device, t, head):
     uid = np.zeros(128, dtype=np.uint8)
     if comm.rank == 0:
         try:
@@ -134,7 +155,21 @@ def _communicator(comm, device, timeout, head):
             comm._c.fail(f"{head}: ncclGetUniqueId: {e}")
     comm.broadcast(uid, 0, timeout=t)
     chunk = int(os.environ.get("PLAIT_GPU_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
-    g = _C.GpuCommunicator(comm._c, uid.tobytes(), device, t, chunk, os.environ.get("PLAIT_GPU_ALGO", ""),
-                           _cuda.nccl_path())
-    comm._gpu = g
+    return _C.GpuCommunicator(comm._c, uid.tobytes(), device, t, chunk, os.environ.get("PLAIT_GPU_ALGO", ""),
+                              _cuda.nccl_path())
+
+
+def _ipc_communicator(comm, device, t, head):
+    staging = int(os.environ.get("PLAIT_GPU_IPC_BYTES", DEFAULT_IPC_BYTES))
+    try:
+        g = _C.IpcCommunicator(comm._c, device, t, staging)
+        mine = np.frombuffer(g.handle(), dtype=np.uint8)
+    except _errors.PlaitError as e:
+        comm._c.fail(f"{head}: setting up the CUDA IPC transport: {e}")
+    handles = comm.allgather(mine, timeout=t)
+    try:
+        g.open([bytes(handles[r]) for r in range(comm.size)])
+    except _errors.PlaitError as e:
+        comm._c.fail(f"{head}: opening the peers' CUDA IPC handles: {e}")
+    comm.barrier(timeout=t)  # every rank mapped every region before anyone posts into them
     return g

@@ -1,8 +1,8 @@
-"""GPU collectives with exact values: every collective x dtype x op x algorithm (nccl, ring, tree),
-in place and not, multi-chunk (PLAIT_GPU_CHUNK_BYTES=4096) and unaligned. World size 1 needs one
-GPU; ring/tree over NCCL with 2-4 ranks need a GPU per rank (NCCL refuses two ranks on one GPU).
-plait's same-GPU IPC transport is not implemented, so nothing here puts two ranks on one GPU
-except the test that this is refused clearly. Ranks are spawned, not forked (CUDA)."""
+"""GPU collectives with exact values: every collective x dtype x op x algorithm (nccl, ring, tree
+over NCCL; one_shot over CUDA IPC), in place and not, multi-chunk (PLAIT_GPU_CHUNK_BYTES=4096,
+PLAIT_GPU_IPC_BYTES=8192) and unaligned. World size 1 needs one GPU; NCCL with 2-4 ranks needs a
+GPU per rank (NCCL refuses two ranks on one GPU); the IPC transport runs 2-4 ranks on one GPU.
+Ranks are spawned, not forked (CUDA)."""
 import pytest
 
 from conftest import run_ranks
@@ -10,15 +10,15 @@ from gpu_util import DEVICES, DTYPES, Device, data, expected, ops_for, skip_reas
 
 pytestmark = pytest.mark.cuda
 RUN_TIMEOUT = 300
-ENV = {"PLAIT_GPU_CHUNK_BYTES": "4096"}
+ENV = {"PLAIT_GPU_CHUNK_BYTES": "4096", "PLAIT_GPU_IPC_BYTES": "8192"}
 COUNTS = (1, 1027, 5000)  # one element; odd (vector tail); several 4 KiB chunks per block
 
 
-def _sweep(rank, n, store, colls, algos):
+def _sweep(rank, n, store, colls, algos, one_gpu=False):
     import numpy as np
 
     import plait
-    dev = Device(rank)
+    dev = Device(0 if one_gpu else rank)
     comm = plait.init(rank, n, store=store)
     bad, runs = [], 0
     for coll in colls:
@@ -78,9 +78,18 @@ def _check(results):
 
 @pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
 @pytest.mark.parametrize("coll", ["allreduce", "reduce_scatter", "allgather"])
-def test_world_of_one(coll):
-    _check(run_ranks(_sweep, 1, RUN_TIMEOUT, args=([coll], ["nccl", "ring", "tree"]), env=ENV,
+@pytest.mark.parametrize("transport", ["nccl", "ipc"])
+def test_world_of_one(coll, transport):
+    algos = ["nccl", "ring", "tree"] if transport == "nccl" else ["one_shot"]
+    _check(run_ranks(_sweep, 1, RUN_TIMEOUT, args=([coll], algos), env=dict(ENV, PLAIT_GPU_TRANSPORT=transport),
                      start_method="spawn"))
+
+
+@pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ipc_ranks_sharing_one_gpu(n):
+    _check(run_ranks(_sweep, n, RUN_TIMEOUT, args=(["allreduce", "reduce_scatter", "allgather"], ["one_shot"], True),
+                     env=ENV, start_method="spawn"))
 
 
 @pytest.mark.skipif(skip_reason(2) is not None, reason=str(skip_reason(2)))
@@ -125,8 +134,9 @@ def _same_gpu(rank, n, store):
 
 
 @pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
-def test_two_ranks_on_one_gpu_are_refused_clearly():
-    for rank, msg in enumerate(run_ranks(_same_gpu, 2, RUN_TIMEOUT, start_method="spawn")):
+def test_nccl_forced_on_one_gpu_is_refused_clearly():
+    for rank, msg in enumerate(run_ranks(_same_gpu, 2, RUN_TIMEOUT, env={"PLAIT_GPU_TRANSPORT": "nccl"},
+                                         start_method="spawn")):
         assert "same GPU" in msg and "ranks 0 and 1" in msg, f"rank {rank}: {msg}"
 
 
@@ -159,30 +169,37 @@ def test_arrays_on_two_gpus_are_refused():
         assert "input on GPU" in msg and "output on GPU" in msg, msg
 
 
-def _late(rank, n, store):
+def _late(rank, n, store, one_gpu):
     import time
 
     import numpy as np
 
     import plait
-    dev = Device(rank)
+    dev = Device(0 if one_gpu else rank)
     comm = plait.init(rank, n, store=store)
     x, _ = dev.put(np.ones(1 << 20, np.float32))
-    comm.allreduce(x, out=x, algorithm="nccl")  # creates the GPU communicator on both ranks
+    comm.allreduce(x, out=x)  # creates the GPU communicator on both ranks
     dev.get(x, "float32")
     if rank == 1:
         time.sleep(8)  # never joins the second call
         return "slept"
     t0 = time.monotonic()
     try:
-        comm.allreduce(x, out=x, algorithm="ring", timeout=2, async_op=True).wait()
+        comm.allreduce(x, out=x, algorithm="one_shot" if one_gpu else "ring", timeout=2, async_op=True).wait()
     except plait.TimeoutError as e:
         return f"{time.monotonic() - t0:.1f} {e}"
     return "no error"
 
 
 @pytest.mark.skipif(skip_reason(2) is not None, reason=str(skip_reason(2)))
-def test_a_missing_peer_times_out_and_aborts():
-    first, _ = run_ranks(_late, 2, RUN_TIMEOUT, start_method="spawn")
+def test_a_missing_peer_times_out_and_aborts_nccl():
+    first, _ = run_ranks(_late, 2, RUN_TIMEOUT, args=(False,), start_method="spawn")
+    took, msg = first.split(" ", 1)
+    assert float(took) < 10 and "aborted" in msg, first
+
+
+@pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
+def test_a_missing_peer_times_out_and_aborts_ipc():
+    first, _ = run_ranks(_late, 2, RUN_TIMEOUT, args=(True,), start_method="spawn")
     took, msg = first.split(" ", 1)
     assert float(took) < 10 and "aborted" in msg, first
