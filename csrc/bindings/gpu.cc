@@ -24,6 +24,7 @@ namespace py = pybind11;
 namespace plait {
 namespace {
 
+#if PLAIT_WITH_CUDA
 DType dtype_named(const std::string& s) {
   for (int t = 0; t < int(DType::kCount); ++t)
     if (s == dtype_name(DType(t))) return DType(t);
@@ -35,6 +36,7 @@ RedOp op_named(const std::string& s) {
     if (s == op_name(RedOp(o))) return RedOp(o);
   throw InvalidArgument("unknown op '" + s + "' (sum, prod, min, max, avg)");
 }
+#endif
 
 Coll coll_named(const std::string& s) {
   for (int c = 0; c < int(Coll::kCount); ++c)

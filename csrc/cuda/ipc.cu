@@ -36,12 +36,14 @@ __global__ void wait_kernel(uint64_t** flags, int which, int self, int n, uint64
   const uint64_t* f = flags[p] + which;
   const uint64_t start = global_ns();
   while (load_acquire(f) < epoch) {
+    // Plain stores, not atomics: atomics on mapped host memory are not atomic over PCIe, and
+    // any of the reasons is a true one.
     if (words[0] != 0) {
-      atomicCAS(const_cast<int*>(words) + 1, 0, int(IpcTransport::aborted));
+      words[1] = int(IpcTransport::aborted);
       return;
     }
     if (global_ns() - start > timeout_ns) {
-      atomicCAS(const_cast<int*>(words) + 1, 0, int(IpcTransport::timed_out));
+      words[1] = int(IpcTransport::timed_out);
       return;
     }
     __nanosleep(200);
