@@ -167,7 +167,7 @@ def _refused(rank, n, store, case):
     import plait as p
     from plait import _cuda as cu
     comm = p.init(rank, n, store=store)
-    if case == "wrong_device":
+    if case in ("wrong_device", "bad_dtype_override"):
         # Pretend to be a CUDA build with two devices: the device check must come first.
         cu.compiled = lambda: True
         cu.device_count = lambda: 2
@@ -179,6 +179,7 @@ def _refused(rank, n, store, case):
         "dlpack_only": lambda: comm.allreduce(FakeDlpack(), out=FakeDlpack()),
         "not_a_gpu_collective": lambda: comm.broadcast(FakeCuda()),
         "wrong_device": lambda: comm.allreduce(FakeCuda(ptr=1 << 40), out=FakeCuda(ptr=2 << 40)),
+        "bad_dtype_override": lambda: comm.allreduce(FakeCuda(ptr=1 << 40), out=FakeCuda(ptr=1 << 40), dtype="bfloat16"),
     }
     try:
         calls[case]()
@@ -193,6 +194,7 @@ def _refused(rank, n, store, case):
     ("dlpack_only", r"offers only DLPack"),
     ("not_a_gpu_collective", r"broadcast.*GPU arrays are taken by allreduce, reduce_scatter, allgather only"),
     ("wrong_device", r"input on GPU 1, output on GPU 2"),
+    ("bad_dtype_override", r"dtype='bfloat16' needs 2-byte elements, the arrays have 4 and 4"),
 ])
 def test_gpu_input_that_cannot_run_fails_on_every_rank(case, pattern):
     if pattern is None:
@@ -214,3 +216,14 @@ def test_torch_backend_is_registered_for_cuda_too():
     dist = pytest.importorskip("torch.distributed")
     import plait.torch  # noqa: F401 - registers the backend
     assert set(dist.Backend.backend_capability["plait"]) == {"cpu", "cuda"}
+
+
+def test_bench_device_cuda_says_why_it_cannot_run():
+    if plait.cuda_available():
+        pytest.skip("this machine has a CUDA device: tests/gpu/run.sh runs the GPU bench")
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "plait.bench", "--device", "cuda", "-n", "1", "-b", "1K", "-e", "1K"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "no CUDA device is visible" in r.stderr or "no CUDA path" in r.stderr, r.stderr

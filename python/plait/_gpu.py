@@ -15,6 +15,8 @@ import numpy as np
 from . import _C, _arrays, _cuda, _errors
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # PLAIT_GPU_CHUNK_BYTES; a guess until measured on a GPU
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1, "int32": 4,
+             "int64": 8, "bool": 1}
 DEFAULT_IPC_BYTES = 8 << 20  # PLAIT_GPU_IPC_BYTES: staging per rank of the IPC transport; a guess too
 
 
@@ -88,8 +90,11 @@ def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result):
     dt = dtype or gx.dtype
     if dtype is None and go.dtype != gx.dtype:
         fail(f"{head}: input is {gx.dtype}, output is {go.dtype}")
-    if dt is None:
-        fail(f"{head}: unsupported dtype (float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool)")
+    if dt not in _ITEMSIZE:
+        fail(f"{head}: unsupported dtype {dt} (float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool)")
+    if gx.itemsize != _ITEMSIZE[dt] or go.itemsize != _ITEMSIZE[dt]:
+        fail(f"{head}: dtype={dt!r} needs {_ITEMSIZE[dt]}-byte elements, the arrays have "
+             f"{gx.itemsize} and {go.itemsize}")
     g = _communicator(comm, gx.device, timeout, head)
     t = 0.0 if timeout is None else float(timeout)
     g.call(coll, (gx.ptr, gx.nbytes, gx.device), (go.ptr, go.nbytes, go.device), dt, op, algorithm,

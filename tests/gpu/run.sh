@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check in one script (for a machine with a GPU; about 5-10 minutes on one H200):
 # builds plait with PLAIT_CUDA=ON, runs the GPU tests (marker cuda) and the CPU-side GPU tests,
-# runs a short `plait-bench --device cuda` sweep (plait ring/tree vs nccl) and prints a summary.
+# runs a short `plait-bench --device cuda` sweep (plait ring/tree vs nccl over NCCL, plait
+# one_shot over CUDA IPC with two ranks on one GPU) and prints a summary.
 # Results also land in $OUT (default build/gpu-results). Exit status: 0 only if all passed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -36,8 +37,9 @@ bench() {  # ranks, then plait-bench arguments
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 : >"$OUT/bench.txt"
-bench 1  # one GPU: NCCL accepts one rank per GPU; plait's same-GPU IPC transport is not built yet
-if [ "$ndev" -ge 2 ]; then bench "$(( ndev < 4 ? ndev : 4 ))"; fi
+bench 1  # NCCL transport: nccl vs plait's ring/tree (a world of one: the path, not the wire)
+bench 2 -e 16M  # two ranks on one GPU: CUDA IPC transport (one_shot); NCCL refuses this
+if [ "$ndev" -ge 2 ]; then bench "$(( ndev < 4 ? ndev : 4 ))"; fi  # a GPU per rank: nccl vs ring/tree
 
 echo "== summary"
 echo "devices: $ndev; tests: $(grep -E '(passed|failed|error)' "$OUT/tests.txt" | tail -1)"

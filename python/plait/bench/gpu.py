@@ -1,6 +1,8 @@
 """plait-bench --device cuda: one rank's GPU sweep, plait's own GPU algorithms against NCCL's.
 
-Each rank uses GPU LOCAL_RANK % devices (NCCL needs one GPU per rank: with one GPU, run -n 1).
+Each rank uses GPU LOCAL_RANK % devices. With a GPU per rank the algorithms are NCCL's and
+plait's over NCCL (nccl, ring, tree); with more ranks than GPUs (or PLAIT_GPU_TRANSPORT=ipc)
+they are plait's over CUDA IPC (one_shot), since NCCL refuses two ranks on one GPU.
 Every (collective, size, algorithm) is timed over `iters` calls on the current stream with one
 synchronisation at the end, after warm-up, median of --trials; the last call's output is checked
 against closed-form values (#wrong). Rank 0 prints an nccl-tests-style table.
@@ -72,11 +74,13 @@ def run_gpu_rank(args):
     xp = _Arrays(local % ndev)
     comm = plait.init()
     rank, n = comm.rank, comm.size
+    transport = os.environ.get("PLAIT_GPU_TRANSPORT", "auto")
+    ipc = transport == "ipc" or (transport == "auto" and int(os.environ.get("LOCAL_WORLD_SIZE", n)) > ndev)
+    listed = _C.ipc_algorithms if ipc else _C.gpu_algorithms
     dtype = np.dtype(args.dtype)
     rows = []
     for coll in [c for c in args.collectives if c in BUSBW]:
-        algos = plait.algorithms(coll, device="cuda") if args.algorithm in ("all", "auto") \
-            else args.algorithm.split(",")
+        algos = listed(coll) if args.algorithm in ("all", "auto") else args.algorithm.split(",")
         for nbytes in args.sizes:
             count = max(1, nbytes // dtype.itemsize // (n if coll == "reduce_scatter" else 1))
             inp, want = _case(coll, count, rank, n, dtype)
@@ -103,7 +107,8 @@ def run_gpu_rank(args):
                 algbw = size / t / 1e9
                 rows.append((coll, size, algo, t * 1e6, algbw, algbw * BUSBW[coll](n), wrong))
     if rank == 0:
-        print(f"# plait-bench --device cuda: {n} rank(s), {args.dtype}, NCCL {plait.build_info()['nccl']}")
+        print(f"# plait-bench --device cuda: {n} rank(s) on {min(n, ndev)} GPU(s), "
+              f"{'CUDA IPC' if ipc else 'NCCL ' + str(plait.build_info()['nccl'])}, {args.dtype}")
         print(f"{'collective':>15} {'bytes':>12} {'algorithm':>9} {'time(us)':>10} {'algbw(GB/s)':>12} "
               f"{'busbw(GB/s)':>12} {'#wrong':>7}")
         for coll, size, algo, us, algbw, busbw, wrong in rows:
