@@ -49,7 +49,7 @@ def test_nccl_loads_from_the_wheel_without_a_gpu():
 
 
 def test_gpu_algorithm_names():
-    want = {"allreduce": ["nccl", "ring", "tree", "one_shot"], "reduce_scatter": ["nccl", "ring", "one_shot"],
+    want = {"allreduce": ["nccl", "ring", "tree", "one_shot", "two_shot"], "reduce_scatter": ["nccl", "ring", "one_shot"],
             "allgather": ["nccl", "ring", "one_shot"], "broadcast": []}
     for coll, names in want.items():
         assert plait.algorithms(coll, device="cuda") == (names if _cuda.compiled() else [])

@@ -16,27 +16,7 @@
 
 namespace plait {
 
-void IpcCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool final) const {
-  reduce_cuda(a.dtype, a.op, dst, x, y, size_t(n), final ? size : 0, stream);
-}
-
-void IpcCtx::copy(void* dst, const void* src, int64_t n) const {
-  if (dst == src || n == 0) return;
-  const cudaError_t e = cudaMemcpyAsync(dst, src, bytes(n), cudaMemcpyDefault, stream);
-  if (e != cudaSuccess)
-    throw PlaitError("rank " + std::to_string(rank) + ": " + coll_name(a.coll) + " over CUDA IPC: cudaMemcpyAsync of " +
-                     std::to_string(bytes(n)) + " bytes failed: " + cudaGetErrorString(e));
-}
-
-void IpcCtx::reduce_all(void* dst, const std::vector<const char*>& srcs, int64_t n) const {
-  if (srcs.size() == 1) return copy(dst, srcs[0], n);  // avg over one rank divides by 1
-  for (size_t k = 1; k < srcs.size(); ++k)
-    reduce(dst, k == 1 ? srcs[0] : dst, srcs[k], n, k + 1 == srcs.size());
-}
-
-namespace {
-
-void allreduce_one_shot(IpcCtx& c) {
+void ipc_allreduce_one_shot(IpcCtx& c) {
   for (const Span& w : chunk_plan(c.a.count, std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize)))) {
     const uint64_t e = c.begin();
     c.copy(c.tp.staging(c.rank), c.in_at(w.offset), w.count);
@@ -48,7 +28,7 @@ void allreduce_one_shot(IpcCtx& c) {
   }
 }
 
-void reduce_scatter_one_shot(IpcCtx& c) {
+void ipc_reduce_scatter_one_shot(IpcCtx& c) {
   const int64_t m = c.a.count, per_block = std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize) / c.size);
   for (const Span& w : chunk_plan(m, per_block)) {
     const uint64_t e = c.begin();
@@ -66,7 +46,7 @@ void reduce_scatter_one_shot(IpcCtx& c) {
   }
 }
 
-void allgather_one_shot(IpcCtx& c) {
+void ipc_allgather_one_shot(IpcCtx& c) {
   const int64_t m = c.a.count;
   for (const Span& w : chunk_plan(m, std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize)))) {
     const uint64_t e = c.begin();
@@ -75,17 +55,6 @@ void allgather_one_shot(IpcCtx& c) {
     for (int p = 0; p < c.size; ++p) c.copy(c.out_at(int64_t(p) * m + w.offset), c.tp.staging(p), w.count);
     c.finish(e);
   }
-}
-
-}  // namespace
-
-const std::vector<IpcAlgorithm>& ipc_algorithm_table() {
-  static const std::vector<IpcAlgorithm> table = {
-      {Coll::allreduce, "one_shot", allreduce_one_shot},
-      {Coll::reduce_scatter, "one_shot", reduce_scatter_one_shot},
-      {Coll::allgather, "one_shot", allgather_one_shot},
-  };
-  return table;
 }
 
 }  // namespace plait

@@ -83,11 +83,16 @@ void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
   const IpcAlgorithm* alg = nullptr;
   try {
     validate_gpu_call(c, in, out, op, rank_, size_, device_);
-    for (const IpcAlgorithm& a : ipc_algorithm_table())
-      if (a.coll == c && (algo.empty() || algo == "auto" || algo == a.name)) alg = &a;
+    std::string names;
+    for (const IpcAlgorithm& a : ipc_algorithm_table()) {
+      if (a.coll != c) continue;
+      if (!alg && (algo.empty() || algo == "auto" || algo == a.name)) alg = &a;  // auto: the first
+      names += std::string(names.empty() ? "" : ", ") + a.name;
+    }
     if (!alg)
       throw InvalidArgument("rank " + std::to_string(rank_) + ": " + coll_name(c) + ": no algorithm '" + algo +
-                            "' over the CUDA IPC transport (one_shot; nccl/ring/tree need one GPU per rank)");
+                            "' over the CUDA IPC transport (" + (names.empty() ? "none" : names) +
+                            "; nccl/ring/tree run over NCCL, with one GPU per rank)");
   } catch (const InvalidArgument& e) {
     fail(ErrorKind::invalid, e.what());
   }
@@ -100,7 +105,7 @@ void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
   a.out = out.ptr;
   a.count = int64_t((c == Coll::allgather ? in.bytes : out.bytes) / dtype_size(in.dtype));
   a.timeout_s = timeout_s > 0 ? timeout_s : opt_.timeout_s;
-  cur_ = std::string(coll_name(c)) + " (one_shot, " + dtype_name(in.dtype) + ", count " + std::to_string(a.count) + ")";
+  cur_ = std::string(coll_name(c)) + " (" + alg->name + ", " + dtype_name(in.dtype) + ", count " + std::to_string(a.count) + ")";
   try {
     cuda_ok(cudaStreamWaitEvent(stream, last_, 0), who() + ": cudaStreamWaitEvent");
     IpcCtx ctx{*tp_, a, stream, dtype_size(in.dtype), rank_, size_, epoch_, uint64_t(a.timeout_s * 1e9)};

@@ -1,5 +1,5 @@
 """GPU collectives with exact values: every collective x dtype x op x algorithm (nccl, ring, tree
-over NCCL; one_shot over CUDA IPC), in place and not, multi-chunk (PLAIT_GPU_CHUNK_BYTES=4096,
+over NCCL; one_shot and two_shot over CUDA IPC), in place and not, multi-chunk (PLAIT_GPU_CHUNK_BYTES=4096,
 PLAIT_GPU_IPC_BYTES=8192) and unaligned. World size 1 needs one GPU; NCCL with 2-4 ranks needs a
 GPU per rank (NCCL refuses two ranks on one GPU); the IPC transport runs 2-4 ranks on one GPU.
 Ranks are spawned, not forked (CUDA)."""
@@ -80,7 +80,7 @@ def _check(results):
 @pytest.mark.parametrize("coll", ["allreduce", "reduce_scatter", "allgather"])
 @pytest.mark.parametrize("transport", ["nccl", "ipc"])
 def test_world_of_one(coll, transport):
-    algos = ["nccl", "ring", "tree"] if transport == "nccl" else ["one_shot"]
+    algos = ["nccl", "ring", "tree"] if transport == "nccl" else ["one_shot", "two_shot"]
     _check(run_ranks(_sweep, 1, RUN_TIMEOUT, args=([coll], algos), env=dict(ENV, PLAIT_GPU_TRANSPORT=transport),
                      start_method="spawn"))
 
@@ -88,7 +88,7 @@ def test_world_of_one(coll, transport):
 @pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ipc_ranks_sharing_one_gpu(n):
-    _check(run_ranks(_sweep, n, RUN_TIMEOUT, args=(["allreduce", "reduce_scatter", "allgather"], ["one_shot"], True),
+    _check(run_ranks(_sweep, n, RUN_TIMEOUT, args=(["allreduce", "reduce_scatter", "allgather"], ["one_shot", "two_shot"], True),
                      env=ENV, start_method="spawn"))
 
 
