@@ -4,6 +4,7 @@
 #include <time.h>
 
 #include <cstring>
+#include <mutex>
 
 namespace plait {
 namespace {
@@ -81,24 +82,37 @@ GpuComm::GpuComm(const NcclApi& api, const nccl::UniqueId& id, int rank, int siz
         forced_[size_t(c)] = eq == std::string::npos ? item : item.substr(eq + 1);
   }
   DeviceGuard g(device_);
-  cuda_ok(cudaEventCreateWithFlags(&last_, cudaEventDisableTiming), who() + ": cudaEventCreate");
-  scratch_bytes_ = 2 * opt_.chunk_bytes;
-  cuda_ok(cudaMalloc(reinterpret_cast<void**>(&scratch_), size_t(scratch_bytes_)),
-          who() + ": cudaMalloc of " + std::to_string(scratch_bytes_) + " bytes of scratch");
-  nccl::Config cfg{sizeof(nccl::Config), nccl::kApiMagic, nccl::kConfigVersion, 0,
-                   nccl::kUndefInt, nccl::kUndefInt, nccl::kUndefInt, nullptr};
-  deadline_ = now_s() + opt_.timeout_s;
-  cur_.coll = Coll::barrier;
-  cur_algo_ = "init";
-  check(api_.CommInitRankConfig(&comm_, size_, id, rank_, &cfg), "ncclCommInitRankConfig");
+  try {
+    cuda_ok(cudaEventCreateWithFlags(&last_, cudaEventDisableTiming), who() + ": cudaEventCreate");
+    scratch_bytes_ = 2 * opt_.chunk_bytes;
+    cuda_ok(cudaMalloc(reinterpret_cast<void**>(&scratch_), size_t(scratch_bytes_)),
+            who() + ": cudaMalloc of " + std::to_string(scratch_bytes_) + " bytes of scratch");
+    nccl::Config cfg{sizeof(nccl::Config), nccl::kApiMagic, nccl::kConfigVersion, 0,
+                     nccl::kUndefInt, nccl::kUndefInt, nccl::kUndefInt, nullptr};
+    deadline_ = now_s() + opt_.timeout_s;
+    cur_.coll = Coll::barrier;
+    cur_algo_ = "init";
+    check(api_.CommInitRankConfig(&comm_, size_, id, rank_, &cfg), "ncclCommInitRankConfig");
+  } catch (...) {
+    release();  // no destructor runs for a constructor that throws
+    throw;
+  }
 }
 
 GpuComm::~GpuComm() {
   DeviceGuard g(device_);
+  release();
+}
+
+void GpuComm::release() {
   // Never a hang: whatever is still in flight is aborted, not waited for (finalize() waits).
+  std::lock_guard<std::mutex> lock(abort_mu_);
   if (comm_) api_.CommAbort(comm_);
+  comm_ = nullptr;
   if (scratch_) cudaFree(scratch_);
+  scratch_ = nullptr;
   if (last_) cudaEventDestroy(last_);
+  last_ = nullptr;
 }
 
 std::string GpuComm::who() const {
@@ -106,16 +120,22 @@ std::string GpuComm::who() const {
 }
 
 void GpuComm::throw_if_failed() {
-  if (failed_) throw PlaitError("GPU communicator aborted after an earlier error: " + first_error_);
+  if (!failed_) return;
+  std::lock_guard<std::mutex> lock(abort_mu_);
+  throw PlaitError("GPU communicator aborted after an earlier error: " + first_error_);
 }
 
 void GpuComm::fail(ErrorKind kind, const std::string& msg) {
-  if (comm_) {
-    api_.CommAbort(comm_);
-    comm_ = nullptr;
+  {
+    // A waiting thread (torch's completion thread) and the issuing thread may both get here.
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    if (comm_) {
+      api_.CommAbort(comm_);  // also ends NCCL work another thread is blocked in
+      comm_ = nullptr;
+    }
+    if (!failed_) first_error_ = msg;
+    failed_ = true;
   }
-  failed_ = true;
-  first_error_ = msg;
   try {
     if (peers_.fail) peers_.fail(kind, msg);
   } catch (const std::exception&) {
@@ -124,7 +144,9 @@ void GpuComm::fail(ErrorKind kind, const std::string& msg) {
   throw_error(kind, msg);
 }
 
-void GpuComm::poll_once(const std::string& what) {
+void GpuComm::poll_once(const std::string& what) { poll_once(what, deadline_); }
+
+void GpuComm::poll_once(const std::string& what, double deadline) {
   if (peers_.throw_if_aborted) {
     try {
       peers_.throw_if_aborted();
@@ -132,10 +154,10 @@ void GpuComm::poll_once(const std::string& what) {
       fail(e.kind(), who() + ": " + what + " given up: another rank aborted the communicator: " + e.what());
     }
   }
-  if (now_s() > deadline_)
+  if (now_s() > deadline)
     fail(ErrorKind::timeout, who() + ": " + coll_name(cur_.coll) + " (" + cur_algo_ + ", " + dtype_name(cur_.dtype) +
-                                 ", count " + std::to_string(cur_.count) + "): " + what + " did not finish within " +
-                                 std::to_string(opt_.timeout_s) + " s; NCCL communicator aborted");
+                                 ", count " + std::to_string(cur_.count) + "): " + what +
+                                 " did not finish before its deadline; NCCL communicator aborted");
 }
 
 nccl::Result GpuComm::settle(const std::string& what) {
@@ -284,14 +306,13 @@ void GpuComm::finalize() {
 
 void GpuComm::poll_pending(double deadline) {
   throw_if_failed();
-  if (comm_) {
-    nccl::Result st = nccl::Success;
-    if (api_.CommGetAsyncError(comm_, &st) == nccl::Success && st != nccl::Success && st != nccl::InProgress)
-      check(st, "GPU work in flight");
+  nccl::Result st = nccl::Success;
+  {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    if (comm_ && api_.CommGetAsyncError(comm_, &st) != nccl::Success) st = nccl::Success;
   }
-  deadline_ = deadline;
-  cur_algo_ = "wait";
-  poll_once("the GPU work");
+  if (st != nccl::Success && st != nccl::InProgress) check(st, "GPU work in flight");
+  poll_once("waiting for the GPU work", deadline);  // this call's deadline; never the issuer's state
 }
 
 GpuEvent::GpuEvent(std::shared_ptr<GpuWork> comm, cudaStream_t s, double timeout_s) : comm_(std::move(comm)) {

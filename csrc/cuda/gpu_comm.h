@@ -7,7 +7,9 @@
 #pragma once
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <functional>
+#include <mutex>
 #include <memory>
 #include <string>
 
@@ -112,7 +114,9 @@ class GpuComm final : public GpuOps, public GpuWork {
  private:
   void check(nccl::Result r, const std::string& what);
   nccl::Result settle(const std::string& what);  // polls a non-blocking communicator
-  void poll_once(const std::string& what);       // deadline and peers' abort
+  void poll_once(const std::string& what);       // the call's deadline and peers' abort
+  void poll_once(const std::string& what, double deadline);
+  void release();
   [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
   void throw_if_failed();
   const GpuAlgorithm& select(Coll c, const std::string& algo);
@@ -127,7 +131,8 @@ class GpuComm final : public GpuOps, public GpuWork {
   char* scratch_ = nullptr;
   int64_t scratch_bytes_ = 0;
   cudaEvent_t last_ = nullptr;  // recorded after every call: the next call's stream waits for it
-  bool failed_ = false;
+  std::mutex abort_mu_;            // comm_ and first_error_ against a concurrent fail()
+  std::atomic<bool> failed_{false};
   std::string first_error_;
   // The call in progress (for messages and deadlines).
   CallArgs cur_;

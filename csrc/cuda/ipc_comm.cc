@@ -1,5 +1,7 @@
 #include "cuda/ipc_comm.h"
 
+#include <mutex>
+
 namespace plait {
 namespace {
 
@@ -36,13 +38,19 @@ void IpcComm::open(const std::vector<std::string>& handles) {
 }
 
 void IpcComm::throw_if_failed() {
-  if (failed_) throw PlaitError("GPU communicator aborted after an earlier error: " + first_error_);
+  if (!failed_) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  throw PlaitError("GPU communicator aborted after an earlier error: " + first_error_);
 }
 
 void IpcComm::fail(ErrorKind kind, const std::string& msg) {
   tp_->abort();
-  failed_ = true;
-  first_error_ = msg;
+  {
+    // A waiting thread (torch's completion thread) and the issuing thread may both get here.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failed_) first_error_ = msg;
+    failed_ = true;
+  }
   try {
     if (peers_.fail) peers_.fail(kind, msg);
   } catch (const std::exception&) {

@@ -4,7 +4,9 @@
 // call's deadline passes or another rank aborted the CPU communicator; either way every rank
 // raises and the communicator is dead afterwards.
 #pragma once
+#include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -41,9 +43,10 @@ class IpcComm final : public GpuWork {
   std::unique_ptr<IpcTransport> tp_;
   uint64_t epoch_ = 0;
   cudaEvent_t last_ = nullptr;
-  bool failed_ = false;
+  std::mutex mu_;  // first_error_ against a concurrent fail()
+  std::atomic<bool> failed_{false};
   std::string first_error_;
-  std::string cur_ = "idle";
+  std::string cur_ = "idle";  // written by the issuing thread only
 };
 
 }  // namespace plait
