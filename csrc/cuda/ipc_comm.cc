@@ -28,8 +28,9 @@ IpcComm::~IpcComm() {
   }
 }
 
-std::string IpcComm::who() const {
-  return "rank " + std::to_string(rank_) + " (GPU " + std::to_string(device_) + ", CUDA IPC)";
+std::string IpcComm::who() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return "rank " + std::to_string(rank_) + " (GPU " + std::to_string(device_) + ", CUDA IPC): " + cur_;
 }
 
 void IpcComm::open(const std::vector<std::string>& handles) {
@@ -63,10 +64,10 @@ void IpcComm::check_done() {
   switch (tp_->error()) {
     case IpcTransport::ok: return;
     case IpcTransport::timed_out:
-      fail(ErrorKind::timeout, who() + ": " + cur_ + ": a peer did not reach the same step within the deadline "
+      fail(ErrorKind::timeout, who() + ": a peer did not reach the same step within the deadline "
                                "(the waiting kernel gave up); communicator aborted");
     default:
-      fail(ErrorKind::generic, who() + ": " + cur_ + ": the GPU work was aborted");
+      fail(ErrorKind::generic, who() + ": the GPU work was aborted");
   }
 }
 
@@ -76,11 +77,11 @@ void IpcComm::poll_pending(double deadline) {
     try {
       peers_.throw_if_aborted();
     } catch (const PlaitError& e) {
-      fail(e.kind(), who() + ": " + cur_ + " given up: another rank aborted the communicator: " + e.what());
+      fail(e.kind(), who() + ": given up: another rank aborted the communicator: " + e.what());
     }
   }
   if (gpu_now_s() > deadline)
-    fail(ErrorKind::timeout, who() + ": " + cur_ + " did not finish within its deadline; communicator aborted");
+    fail(ErrorKind::timeout, who() + ": did not finish within its deadline; communicator aborted");
 }
 
 void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, const std::string& algo,
@@ -113,7 +114,10 @@ void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
   a.out = out.ptr;
   a.count = int64_t((c == Coll::allgather ? in.bytes : out.bytes) / dtype_size(in.dtype));
   a.timeout_s = timeout_s > 0 ? timeout_s : opt_.timeout_s;
-  cur_ = std::string(coll_name(c)) + " (" + alg->name + ", " + dtype_name(in.dtype) + ", count " + std::to_string(a.count) + ")";
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cur_ = std::string(coll_name(c)) + " (" + alg->name + ", " + dtype_name(in.dtype) + ", count " + std::to_string(a.count) + ")";
+  }
   try {
     cuda_ok(cudaStreamWaitEvent(stream, last_, 0), who() + ": cudaStreamWaitEvent");
     IpcCtx ctx{*tp_, a, stream, dtype_size(in.dtype), rank_, size_, epoch_, uint64_t(a.timeout_s * 1e9)};
@@ -128,7 +132,10 @@ void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
 void IpcComm::finalize() {
   if (failed_) return;
   DeviceGuard g(device_);
-  cur_ = "finalize";
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cur_ = "finalize";
+  }
   cudaStream_t s = nullptr;
   cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), who() + ": cudaStreamCreate");
   cuda_ok(cudaStreamWaitEvent(s, last_, 0), who() + ": cudaStreamWaitEvent");

@@ -35,7 +35,7 @@ class IpcComm final : public GpuWork {
  private:
   [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
   void throw_if_failed();
-  std::string who() const;
+  std::string who();  // rank, GPU and the call in progress
 
   int rank_, size_, device_;
   GpuOptions opt_;
@@ -43,10 +43,10 @@ class IpcComm final : public GpuWork {
   std::unique_ptr<IpcTransport> tp_;
   uint64_t epoch_ = 0;
   cudaEvent_t last_ = nullptr;
-  std::mutex mu_;  // first_error_ against a concurrent fail()
+  std::mutex mu_;  // first_error_ and cur_: a waiting thread reads them
   std::atomic<bool> failed_{false};
   std::string first_error_;
-  std::string cur_ = "idle";  // written by the issuing thread only
+  std::string cur_ = "idle";
 };
 
 }  // namespace plait
