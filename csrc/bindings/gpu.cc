@@ -137,6 +137,10 @@ void bind_gpu(py::module_& m) {
   m.def("_reduce_cuda", [](const std::string& dtype, const std::string& op, uintptr_t dst, uintptr_t a,
                            uintptr_t b, size_t count, int avg_divisor, uintptr_t stream) {
     py::gil_scoped_release nogil;
+    cudaPointerAttributes at;
+    if (cudaPointerGetAttributes(&at, reinterpret_cast<const void*>(dst)) != cudaSuccess || at.device < 0)
+      throw InvalidArgument("_reduce_cuda: dst is not device memory");
+    DeviceGuard g(at.device);  // launch on the GPU that holds the data, as torch/cupy chose it
     reduce_cuda(dtype_named(dtype), op_named(op), reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(a),
                 reinterpret_cast<const void*>(b), count, avg_divisor, reinterpret_cast<cudaStream_t>(stream));
   });

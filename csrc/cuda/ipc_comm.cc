@@ -26,6 +26,7 @@ IpcComm::~IpcComm() {
     cudaEventSynchronize(last_);
     cudaEventDestroy(last_);
   }
+  tp_.reset();  // frees and unmaps with this GPU current, before the guard restores the caller's
 }
 
 std::string IpcComm::who() {
