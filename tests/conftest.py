@@ -75,7 +75,7 @@ def _describe_exit(code):
     return "exited with code %d" % code
 
 
-def run_ranks(fn, n, timeout=60, args=(), env=None, *, may_die=()):
+def run_ranks(fn, n, timeout=60, args=(), env=None, *, may_die=(), start_method="fork"):
     """Runs fn(rank, n, (host, port), *args) on n forked ranks; returns their return values.
 
     Fails the test naming each rank that raised (with its traceback), died, or had not finished
@@ -86,7 +86,9 @@ def run_ranks(fn, n, timeout=60, args=(), env=None, *, may_die=()):
     from plait._store import StoreServer
 
     before = _segment_names()
-    ctx = mp.get_context("fork")
+    # start_method="spawn" for ranks that use CUDA: a forked child cannot use CUDA once the parent has
+    # initialised it (and plait.build_info() does).
+    ctx = mp.get_context(start_method)
     procs, pending, answers, problems = [], {}, {}, []
     server = StoreServer()
     start = time.monotonic()

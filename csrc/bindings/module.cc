@@ -10,6 +10,7 @@ namespace py = pybind11;
 
 namespace plait {
 void bind_comm(py::module_& m);
+void bind_gpu(py::module_& m);
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -44,10 +45,12 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("collective"), "Algorithm names of a collective, in table order.");
   m.def("build_info", [] {
     py::dict d;
-    d["cuda"] = false;
-    d["transports"] = std::vector<std::string>{"shm"};
+    // cuda: compiled with the CUDA path (whether a device is present is cuda_devices).
+    d["cuda"] = bool(PLAIT_WITH_CUDA);
+    d["transports"] = PLAIT_WITH_CUDA ? std::vector<std::string>{"shm", "nccl"} : std::vector<std::string>{"shm"};
     d["reduce_isa"] = reduce_isa();
     return d;
   });
   bind_comm(m);
+  bind_gpu(m);
 }

@@ -78,6 +78,9 @@ class Communicator {
   // Aborts the communicator on every rank with this error (used for input the Python layer
   // rejects before it reaches call()).
   [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
+  // Throws the communicator-wide abort if any rank recorded one. Reads only the shared segment,
+  // so other threads may call it (the GPU communicator polls it while it waits).
+  void throw_if_aborted() { tp_.throw_if_aborted(); }
   void finalize();
 
  private:

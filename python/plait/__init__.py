@@ -11,7 +11,7 @@ import os
 
 import numpy as np  # noqa: F401  (the facade's one dependency; arrays cross as numpy views)
 
-from . import _C, _comm, _errors, _hier, _hosts, _shm, _store
+from . import _C, _comm, _cuda, _errors, _hier, _hosts, _shm, _store
 from ._comm import Communicator, Handle
 from ._hier import HierCommunicator
 from ._errors import InvalidArgument, MismatchError, PeerLostError, PlaitError, TimeoutError
@@ -28,18 +28,36 @@ __version__ = "0.1.0"
 _default = None
 
 
-def algorithms(collective):
-    """Algorithm names of a collective, in table order ("auto" picks among them)."""
-    return _C.algorithms(collective)
+def algorithms(collective, device="cpu"):
+    """Algorithm names of a collective, in table order ("auto" picks among them).
+
+    device="cuda": the GPU algorithms (empty on a CPU-only build): those over NCCL (one GPU per
+    rank), then those over the CUDA IPC transport (ranks sharing a GPU, or PLAIT_GPU_TRANSPORT=ipc).
+    """
+    if device == "cpu":
+        return _C.algorithms(collective)
+    if device == "cuda":
+        return _C.gpu_algorithms(collective) + _C.ipc_algorithms(collective)
+    raise InvalidArgument(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 
 def build_info():
-    """What this build has: {'cuda': bool, 'transports': [...], 'reduce_isa': 'avx512'|...}."""
-    return _C.build_info()
+    """What this build and machine have.
+
+    {'cuda': compiled with the CUDA path, 'cuda_devices': CUDA devices visible now (0 without a
+    driver), 'nccl': NCCL's version when it loads, else None, 'nccl_path': where plait looks,
+    'transports': [...], 'reduce_isa': 'avx512'|'avx2'|'portable'}
+    """
+    info = dict(_C.build_info())
+    info["cuda_devices"] = _cuda.device_count()
+    info["nccl"] = _cuda.nccl_version()
+    info["nccl_path"] = _cuda.nccl_path() or None
+    return info
 
 
 def cuda_available():
-    return bool(_C.build_info()["cuda"])
+    """True when this build has the CUDA path and this process sees at least one CUDA device."""
+    return _cuda.compiled() and _cuda.device_count() > 0
 
 
 def _env_int(name):

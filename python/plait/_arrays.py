@@ -1,8 +1,10 @@
 """The one place that knows numpy, torch and cupy buffers.
 
-Everything crosses into the native core as a numpy array (a view, never a copy) plus an optional
-dtype name for element types numpy lacks (bfloat16). torch and cupy are imported lazily, only
-when such an object is passed.
+Host arrays cross into the native core as a numpy array (a view, never a copy) plus an optional
+dtype name for element types numpy lacks (bfloat16). Device arrays (cupy and anything with
+__cuda_array_interface__, torch CUDA tensors) become a GpuArray: pointer, bytes, device, dtype
+and the stream to order the work on, holding the array so it outlives the call. torch and cupy
+are imported lazily, only when such an object is passed.
 """
 import numpy as np
 
@@ -51,8 +53,7 @@ def to_numpy(obj, name):
         import torch
         if obj.device.type != "cpu":
             raise _errors.InvalidArgument(
-                f"{name} is a torch tensor on {obj.device}: this plait build has no GPU path "
-                f"(plait.build_info()['cuda'] is False); pass CPU tensors")
+                f"{name} is a torch tensor on {obj.device}: plait takes CPU tensors and CUDA tensors")
         if not obj.is_contiguous():
             raise _errors.InvalidArgument(f"{name} is not contiguous (call .contiguous() first)")
         typestr = _torch_typestr(torch, obj.dtype)
@@ -61,10 +62,8 @@ def to_numpy(obj, name):
         view = (np.asarray(_TensorWindow(obj, typestr)) if obj.numel()
                 else np.empty(0, dtype=typestr))
         return view, "bfloat16" if obj.dtype == torch.bfloat16 else ""
-    if mod == "cupy" or hasattr(obj, "__cuda_array_interface__"):
-        raise _errors.InvalidArgument(
-            f"{name} is a GPU array but this plait build has no GPU path "
-            f"(plait.build_info()['cuda'] is False)")
+    if is_gpu(obj):
+        raise _errors.InvalidArgument(f"{name} is a GPU array where a host array was expected")
     if isinstance(obj, np.ndarray):
         return obj, ""
     raise _errors.InvalidArgument(
@@ -72,14 +71,117 @@ def to_numpy(obj, name):
 
 
 def empty_like(x, shape=None):
-    """A new output of x's kind (numpy or torch) and dtype."""
+    """A new output of x's kind (numpy, torch on x's device, cupy on x's device) and dtype."""
     if type(x) is np.ndarray:
         return np.empty(x.shape if shape is None else shape, dtype=x.dtype)
-    if _module_of(x) == "torch":
+    mod = _module_of(x)
+    if mod == "torch":
         import torch
-        return torch.empty(tuple(x.shape) if shape is None else shape, dtype=x.dtype)
+        return torch.empty(tuple(x.shape) if shape is None else shape, dtype=x.dtype, device=x.device)
+    if mod == "cupy":
+        import cupy
+        with x.device:
+            return cupy.empty(x.shape if shape is None else shape, dtype=x.dtype)
+    if is_gpu(x):
+        raise _errors.InvalidArgument(
+            f"cannot allocate an output like a {type(x).__name__}: pass out= (a cupy array or a torch CUDA tensor)")
     return np.empty(x.shape if shape is None else shape, dtype=x.dtype)
 
 
 def size_of(x):
     return int(x.size) if type(x) is np.ndarray else int(x.numel()) if _module_of(x) == "torch" else int(x.size)
+
+
+# -- device arrays ------------------------------------------------------------------------------
+_DLPACK_GPU = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+_TYPESTR_DTYPE = {"<f2": "float16", "<f4": "float32", "<f8": "float64", "|i1": "int8", "<i1": "int8",
+                  "|u1": "uint8", "<u1": "uint8", "<i4": "int32", "<i8": "int64", "|b1": "bool"}
+_TORCH_DTYPE = None
+
+
+class GpuArray:
+    """A device array as plait's GPU path takes it. `owner` keeps the memory alive."""
+
+    __slots__ = ("ptr", "nbytes", "itemsize", "device", "dtype", "stream", "owner", "kind", "count")
+
+    def __init__(self, ptr, nbytes, itemsize, device, dtype, stream, owner, kind):
+        self.ptr, self.nbytes, self.itemsize, self.device = int(ptr), int(nbytes), int(itemsize), int(device)
+        self.dtype, self.stream, self.owner, self.kind = dtype, int(stream), owner, kind
+        self.count = self.nbytes // self.itemsize if self.itemsize else 0
+
+    def describe(self):
+        where = f"GPU {self.device}" if self.device >= 0 else "an unknown GPU"
+        return f"{self.kind} {self.dtype or 'unsupported dtype'} x {self.count} on {where}"
+
+
+def is_gpu(obj):
+    """True for objects that live on a CUDA device (without importing any GPU library)."""
+    if type(obj) is np.ndarray:
+        return False
+    if _module_of(obj) == "torch":
+        return getattr(getattr(obj, "device", None), "type", None) == "cuda"
+    if hasattr(obj, "__cuda_array_interface__"):
+        return True
+    dl = getattr(obj, "__dlpack_device__", None)
+    if dl is not None:
+        try:
+            return int(dl()[0]) in _DLPACK_GPU
+        except Exception:  # noqa: BLE001 - a broken protocol method is not a device array
+            return False
+    return False
+
+
+def _c_contiguous(shape, strides, itemsize):
+    if strides is None:
+        return True
+    expect = itemsize
+    for n, st in zip(reversed(shape), reversed(strides)):
+        if n != 1 and st != expect:
+            return False
+        expect *= n
+    return True
+
+
+def gpu_array(obj, name, pointer_device):
+    """GpuArray for a device array; raises InvalidArgument saying what is wrong with it.
+
+    pointer_device(ptr) -> device index, for __cuda_array_interface__ objects that do not say.
+    """
+    mod = _module_of(obj)
+    if mod == "torch":
+        import torch
+        global _TORCH_DTYPE
+        if _TORCH_DTYPE is None:
+            _TORCH_DTYPE = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+                            torch.float64: "float64", torch.int8: "int8", torch.uint8: "uint8",
+                            torch.int32: "int32", torch.int64: "int64", torch.bool: "bool"}
+        if not obj.is_contiguous():
+            raise _errors.InvalidArgument(f"{name} is not contiguous (call .contiguous() first)")
+        dev = obj.device.index if obj.device.index is not None else torch.cuda.current_device()
+        return GpuArray(obj.data_ptr(), obj.numel() * obj.element_size(), obj.element_size(), dev,
+                        _TORCH_DTYPE.get(obj.dtype), torch.cuda.current_stream(dev).cuda_stream, obj, "torch")
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        ptr, _readonly = cai["data"]
+        shape = tuple(cai["shape"])
+        typestr = cai["typestr"]
+        itemsize = int(typestr[2:]) if typestr[2:].isdigit() else 0
+        if not _c_contiguous(shape, cai.get("strides"), itemsize):
+            raise _errors.InvalidArgument(f"{name} is not C-contiguous")
+        count = 1
+        for n in shape:
+            count *= int(n)
+        dtype = _TYPESTR_DTYPE.get(typestr)
+        if typestr[1:] == "V2" and "bfloat16" in str(getattr(obj, "dtype", "")):
+            dtype = "bfloat16"
+        if mod == "cupy":
+            import cupy
+            device, stream = int(obj.device.id), cupy.cuda.get_current_stream().ptr
+        else:
+            # CAI v3: "stream" is the producer's stream (None: already synchronised); order on it.
+            s = cai.get("stream")
+            device, stream = (pointer_device(ptr) if ptr else 0), (int(s) if s else 0)
+        return GpuArray(ptr, count * itemsize, itemsize, device, dtype, stream, obj, mod)
+    raise _errors.InvalidArgument(
+        f"{name} is a CUDA array that offers only DLPack ({type(obj).__name__}); plait reads cupy arrays, "
+        f"torch CUDA tensors and objects with __cuda_array_interface__")

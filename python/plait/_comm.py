@@ -5,12 +5,13 @@ import secrets
 
 import numpy as np
 
-from . import _C, _arrays, _errors, _shm
+from . import _C, _arrays, _errors, _gpu, _shm
 
 _CODE = _C.COLLECTIVES
 _ALLREDUCE, _REDUCE_SCATTER, _ALLGATHER = _CODE["allreduce"], _CODE["reduce_scatter"], _CODE["allgather"]
 _BROADCAST, _REDUCE, _ALLTOALL = _CODE["broadcast"], _CODE["reduce"], _CODE["alltoall"]
 _BARRIER, _SEND, _RECV = _CODE["barrier"], _CODE["send"], _CODE["recv"]
+_NAME = {code: name for name, code in _CODE.items()}
 
 _ndarray = np.ndarray
 _fast_call = _C.fast_call
@@ -85,12 +86,15 @@ class Communicator:
         # is done, even if the caller dropped its Handle. After _c, so that when this object goes
         # away the native communicator finishes its calls before the arrays are freed.
         self._inflight = []
+        self._gpu = None  # the GPU communicator, created by the first call with GPU arrays
 
     # -- internals ---------------------------------------------------------------------------
     def _call(self, code, x, out, op, root, peer, tag, algorithm, timeout, async_op, dtype, result):
         if type(root) is not int or type(peer) is not int or type(tag) is not int or not (
                 -(1 << 31) <= root < 1 << 31 and -(1 << 31) <= peer < 1 << 31):
             root, peer, tag = self._int(root, "root"), self._int(peer, "peer"), self._int(tag, "tag")
+        if _gpu.wants_gpu(x, out):
+            return _gpu.call(self, _NAME[code], x, out, op, algorithm, timeout, async_op, dtype, result)
         xo = out_o = None
         if x is not None and type(x) is not np.ndarray:
             xo = x
@@ -110,11 +114,18 @@ class Communicator:
             return Handle(t, keep, result)
         return result
 
-    def _new_out(self, x, shape=None):
+    def _new_out(self, x, coll, shape=None):
         """A fresh output for x; input that is no array aborts the call on every rank."""
-        if type(x) is not _ndarray and not hasattr(x, "shape"):
-            self._c.fail(f"rank {self.rank}: input must be a numpy array or a torch CPU tensor, "
-                         f"got {type(x).__name__}")
+        if type(x) is not _ndarray:
+            if not hasattr(x, "shape"):
+                self._c.fail(f"rank {self.rank}: input must be a numpy array or a torch CPU tensor, "
+                             f"got {type(x).__name__}")
+            if _gpu.wants_gpu(x, None):
+                _gpu.check_input(self, coll, x)
+                try:
+                    return _arrays.empty_like(x, None if shape is None else shape())
+                except _errors.InvalidArgument as e:
+                    self._c.fail(f"rank {self.rank}: {coll}: {e}")
         return _arrays.empty_like(x, None if shape is None else shape())
 
     def _int(self, v, name):
@@ -136,7 +147,7 @@ class Communicator:
     def allreduce(self, x, out=None, *, op="sum", algorithm="auto", timeout=None, async_op=False, dtype=None):
         """out = x reduced over all ranks with `op`; `out=x` works in place."""
         if out is None:
-            out = self._new_out(x)
+            out = self._new_out(x, "allreduce")
         if type(x) is _ndarray and type(out) is _ndarray and not async_op and dtype is None and timeout is None:
             # The small-message path: one Python frame, then C++ without pybind11's dispatch.
             _fast_call(self._c, _ALLREDUCE, x, out, op, algorithm)
@@ -147,13 +158,13 @@ class Communicator:
                        dtype=None):
         """Block r of the reduced x (x holds `size` equal blocks) lands in rank r's out."""
         if out is None:
-            out = self._new_out(x, lambda: (_arrays.size_of(x) // self.size,))
+            out = self._new_out(x, "reduce_scatter", lambda: (_arrays.size_of(x) // self.size,))
         return self._call(_REDUCE_SCATTER, x, out, op, 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def allgather(self, x, out=None, *, algorithm="auto", timeout=None, async_op=False, dtype=None):
         """out[r] = rank r's x; default out shape (size, *x.shape)."""
         if out is None:
-            out = self._new_out(x, lambda: (self.size,) + tuple(x.shape))
+            out = self._new_out(x, "allgather", lambda: (self.size,) + tuple(x.shape))
         return self._call(_ALLGATHER, x, out, "sum", 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def broadcast(self, x, root=0, *, out=None, algorithm="auto", timeout=None, async_op=False,
@@ -167,7 +178,7 @@ class Communicator:
                dtype=None):
         """The reduced x lands in the root's out; other ranks get None."""
         if self.rank == root and out is None:
-            out = self._new_out(x)
+            out = self._new_out(x, "reduce")
         if self.rank != root:
             out = None
         return self._call(_REDUCE, x, out, op, root, -1, 0, algorithm, timeout, async_op, dtype, out)
@@ -175,7 +186,7 @@ class Communicator:
     def alltoall(self, x, out=None, *, algorithm="auto", timeout=None, async_op=False, dtype=None):
         """Block j of x goes to rank j; block j of out came from rank j."""
         if out is None:
-            out = self._new_out(x)
+            out = self._new_out(x, "alltoall")
         return self._call(_ALLTOALL, x, out, "sum", 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def send(self, x, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
@@ -239,6 +250,9 @@ class Communicator:
 
     def finalize(self):
         """Finishes queued calls and leaves; peers that wait on this rank afterwards get PeerLostError."""
+        if self._gpu is not None:
+            g, self._gpu = self._gpu, None
+            g.finalize()
         self._c.finalize()
         self._inflight = []
         for k in self._keep:

@@ -86,6 +86,8 @@ def parser():
     a("--plot", metavar="FILE.png", help="plot busbw and latency vs size (needs matplotlib)")
     a("--seed", type=int, default=1, help="seed of the check data (default 1)")
     a("--no-pin", action="store_true", help="do not pin ranks to cores")
+    a("--device", choices=("cpu", "cuda"), default="cpu",
+      help="cpu (default) or cuda: GPU arrays, plait's GPU algorithms vs nccl (bench/gpu.py)")
     return p
 
 
@@ -114,6 +116,11 @@ def main(argv=None):
         p.error("-n must be at least 1")
     if not 0 <= args.root < size and any(COLLECTIVES[c].rooted for c in args.collectives):
         p.error(f"root {args.root} is not a rank of {size}")
+    if args.device == "cuda" and (args.peers or mpi):
+        p.error("--device cuda compares plait with NCCL only: no --peers, no mpirun")
+    if "RANK" in os.environ and args.device == "cuda":
+        from .gpu import run_gpu_rank
+        return run_gpu_rank(args)
     if mpi or "RANK" in os.environ:
         return run_rank(args, argv, mpi)
     return _launch(args, argv, size)

@@ -57,7 +57,8 @@ def _rendezvous(mpi, rank):
 
 def _start_peers(names, rank, size, init_method, mpi, skipped):
     peers = []
-    for name in names:
+    # gloo first: DeepSpeed rides the torch.distributed group gloo creates (and closes last).
+    for name in sorted(names, key=lambda n: n != "gloo"):
         if name in skipped:
             continue
         try:
@@ -130,7 +131,7 @@ def _run(args, argv, rank, size, local, mpi):
         if wrong:
             print(f"plait-bench: {wrong} wrong result elements: see the rows marked WRONG",
                   file=sys.stderr, flush=True)
-    for p in peers:
+    for p in reversed(peers):
         p.close()
     if hier is not None:
         hier.comm.finalize()

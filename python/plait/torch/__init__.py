@@ -5,7 +5,9 @@
     dist.init_process_group("plait")         # torchrun / plait-run, env://, tcp://, file://
 
 Every process group (the default one and each dist.new_group) gets its own plait communicator,
-rendezvoused through the store torch hands the backend. CPU tensors only in this build.
+rendezvoused through the store torch hands the backend. CUDA tensors (allreduce, reduce_scatter
+and all_gather of contiguous tensors, plait's dtypes and ops) run on plait's GPU path on torch's
+current stream; everything else takes CPU tensors.
 Errors are torch.distributed.DistBackendError subclasses that are also plait's classes.
 `pg_options=plait.torch.Options(buffer_bytes=...)` sets a group's staging size.
 """
@@ -30,5 +32,5 @@ def _create(opts, pg_options):
 
 
 if BACKEND.upper() not in dist.Backend._plugins:
-    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
 atexit.register(shutdown_all)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import plait
+from plait._gpu import GpuHandle as _GpuHandle
 
 from . import _errors, _reduce, _tensors
 from ._errors import PlaitUnsupportedError
@@ -109,6 +110,8 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
 
     @property
     def _device_types(self):
+        if plait.build_info()["cuda"] and torch.cuda.is_available():
+            return [torch.device("cpu"), torch.device("cuda")]
         return [torch.device("cpu")]
 
     def _get_backend(self, device):
@@ -187,8 +190,25 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
 
     @staticmethod
     def _add(op, h):
-        if isinstance(h, plait.Handle):
+        if isinstance(h, (plait.Handle, _GpuHandle)):
             op.handles.append(h)
+
+    def _gpu_call(self, op, coll, x, y, kw, red=None):
+        """A CUDA tensor collective: plait's GPU path on torch's current stream, with no temporaries
+        (a synchronous call returns once it is enqueued, as NCCL's do; the Work of an async one
+        completes when the stream has run it)."""
+        if not (x.is_cuda and y.is_cuda):
+            self._fail(f"{coll}: input on {x.device}, output on {y.device}; pass both on one device")
+        if not (x.is_contiguous() and y.is_contiguous()):
+            raise PlaitUnsupportedError(f"{op.where}: non-contiguous CUDA tensors (call .contiguous())")
+        kwargs = dict(kw)
+        if red is not None:
+            fast = _reduce.FAST.get((red.kind.value, x.dtype))
+            if fast is None:
+                raise PlaitUnsupportedError(f"{op.where}: {red} on {x.dtype} CUDA tensors (plait's GPU path "
+                                            f"reduces sum/prod/min/max, avg on floats, of its dtypes)")
+            kwargs["op"] = fast[0]
+        self._add(op, getattr(self._comm, coll)(x, y, **kwargs))
 
     def _fail(self, msg):
         """Aborts the communicator on every rank (so no peer hangs) and raises InvalidArgument."""
@@ -201,6 +221,8 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
     # -- reductions ----------------------------------------------------------------------------
     def _reduce_into(self, op, x, y, red, kw, *, root=None, scatter=False):
         """Issues one reduction of x into y: allreduce, reduce to root, or reduce_scatter."""
+        if x.is_cuda and root is None:
+            return self._gpu_call(op, "reduce_scatter" if scatter else "allreduce", x, y, kw, red)
         _tensors.check_cpu(x, op.where)
         rank = self._rank
         if root is not None and rank != root:
@@ -358,6 +380,11 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def _allgather_one(self, op, output, input, kw):
+        if input.is_cuda:
+            if output.numel() != input.numel() * self._size:
+                self._fail(f"all_gather: output has {output.numel()} elements, input {input.numel()}; "
+                           f"the output needs group size ({self._size}) x input elements")
+            return self._gpu_call(op, "allgather", input.reshape(-1), output.reshape(-1), kw)
         _tensors.check_cpu(input, op.where)
         if output.numel() != input.numel() * self._size:
             self._fail(f"all_gather: output has {output.numel()} elements, input {input.numel()}; "

@@ -101,7 +101,8 @@ def check_cpu(t, where="plait"):
     if not t.is_cpu:
         from ._errors import PlaitUnsupportedError
         raise PlaitUnsupportedError(
-            f"{where}: tensor on {t.device}; this plait build moves CPU tensors only")
+            f"{where}: tensor on {t.device}; plait takes CUDA tensors in allreduce, reduce_scatter and "
+            f"all_gather only (contiguous, plait's dtypes and ops), CPU tensors everywhere")
 
 
 def source(t):

@@ -1,0 +1,97 @@
+// What a GPU algorithm works with (CUDA builds only): NCCL point-to-point and collectives on one
+// communicator, plait's reduction kernels, a scratch area of two chunks, all on the caller's
+// stream. GPU algorithms see this view, never the GPU communicator behind it.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "algo/algo.h"
+#include "algo/gpu_plan.h"
+#include "cuda/ipc.h"
+#include "cuda/nccl_abi.h"
+
+namespace plait {
+
+class GpuOps {  // implemented by the GPU communicator: every call checks and throws
+ public:
+  virtual ~GpuOps() = default;
+  virtual void group_start() = 0;
+  virtual void group_end() = 0;
+  virtual void send(const void* buf, size_t bytes, int peer) = 0;
+  virtual void recv(void* buf, size_t bytes, int peer) = 0;
+  virtual void all_reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op) = 0;
+  virtual void reduce_scatter(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op) = 0;
+  virtual void all_gather(const void* in, void* out, size_t bytes) = 0;
+};
+
+struct GpuCtx {
+  GpuOps& ops;
+  const CallArgs& a;  // in/out are device pointers
+  cudaStream_t stream;
+  size_t esize;
+  int rank, size;
+  int64_t chunk_elems;  // scratch holds two chunks of this many elements
+  char* scratch;
+
+  const char* in_at(int64_t e) const { return static_cast<const char*>(a.in) + e * int64_t(esize); }
+  char* out_at(int64_t e) const { return static_cast<char*>(a.out) + e * int64_t(esize); }
+  char* scratch_at(int slot) const { return scratch + size_t(slot) * size_t(chunk_elems) * esize; }
+  size_t bytes(int64_t elems) const { return size_t(elems) * esize; }
+  // dst = x op y over n elements; `final` applies avg's division (the step that finishes a value).
+  void reduce(void* dst, const void* x, const void* y, int64_t n, bool final) const;
+  void copy(void* dst, const void* src, int64_t n) const;
+};
+
+struct GpuAlgorithm {
+  Coll coll;
+  const char* name;
+  void (*run)(GpuCtx&);
+};
+
+// allreduce: nccl, ring, tree; reduce_scatter: nccl, ring; allgather: nccl, ring.
+const std::vector<GpuAlgorithm>& gpu_algorithm_table();
+
+// The view an algorithm over the CUDA IPC transport works in. Epochs count exchanges over the
+// communicator's life: begin() waits until every peer has finished reading this rank's staging
+// of the previous epoch, publish() posts this rank's staging and waits for every peer's,
+// finish() says this rank is done reading the others'.
+struct IpcCtx {
+  IpcTransport& tp;
+  const CallArgs& a;
+  cudaStream_t stream;
+  size_t esize;
+  int rank, size;
+  uint64_t& epoch;
+  uint64_t timeout_ns;
+
+  uint64_t begin() {
+    const uint64_t e = ++epoch;
+    if (e > 1) tp.wait(IpcTransport::kDone, e - 1, timeout_ns, stream);
+    return e;
+  }
+  void publish(uint64_t e) {
+    tp.post(IpcTransport::kPost, e, stream);
+    tp.wait(IpcTransport::kPost, e, timeout_ns, stream);
+  }
+  void finish(uint64_t e) { tp.post(IpcTransport::kDone, e, stream); }
+  const char* in_at(int64_t e) const { return static_cast<const char*>(a.in) + e * int64_t(esize); }
+  char* out_at(int64_t e) const { return static_cast<char*>(a.out) + e * int64_t(esize); }
+  size_t bytes(int64_t elems) const { return size_t(elems) * esize; }
+  void reduce(void* dst, const void* x, const void* y, int64_t n, bool final) const;
+  void copy(void* dst, const void* src, int64_t n) const;
+  // dst = srcs[0] op srcs[1] op ... in rank order (bitwise the same on every rank); avg divides.
+  void reduce_all(void* dst, const std::vector<const char*>& srcs, int64_t n) const;
+};
+
+struct IpcAlgorithm {
+  Coll coll;
+  const char* name;
+  void (*run)(IpcCtx&);
+};
+
+// allreduce: one_shot, two_shot; reduce_scatter, allgather: one_shot.
+const std::vector<IpcAlgorithm>& ipc_algorithm_table();
+
+}  // namespace plait

@@ -1,0 +1,78 @@
+// The ordered tables of GPU algorithms (over NCCL; over CUDA IPC). "auto" picks the first of a
+// collective (nccl; one_shot): no GPU measurement has been made yet to place thresholds.
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "algo/gpu_algo.h"
+#include "core/errors.h"
+#include "reduce/reduce_cuda.h"
+
+namespace plait {
+
+void gpu_allreduce_nccl(GpuCtx&);
+void gpu_reduce_scatter_nccl(GpuCtx&);
+void gpu_allgather_nccl(GpuCtx&);
+void gpu_allreduce_ring(GpuCtx&);
+void gpu_reduce_scatter_ring(GpuCtx&);
+void gpu_allgather_ring(GpuCtx&);
+void gpu_allreduce_tree(GpuCtx&);
+void ipc_allreduce_one_shot(IpcCtx&);
+void ipc_allreduce_two_shot(IpcCtx&);
+void ipc_reduce_scatter_one_shot(IpcCtx&);
+void ipc_allgather_one_shot(IpcCtx&);
+
+const std::vector<GpuAlgorithm>& gpu_algorithm_table() {
+  static const std::vector<GpuAlgorithm> table = {
+      {Coll::allreduce, "nccl", gpu_allreduce_nccl},
+      {Coll::allreduce, "ring", gpu_allreduce_ring},
+      {Coll::allreduce, "tree", gpu_allreduce_tree},
+      {Coll::reduce_scatter, "nccl", gpu_reduce_scatter_nccl},
+      {Coll::reduce_scatter, "ring", gpu_reduce_scatter_ring},
+      {Coll::allgather, "nccl", gpu_allgather_nccl},
+      {Coll::allgather, "ring", gpu_allgather_ring},
+  };
+  return table;
+}
+
+const std::vector<IpcAlgorithm>& ipc_algorithm_table() {
+  static const std::vector<IpcAlgorithm> table = {
+      {Coll::allreduce, "one_shot", ipc_allreduce_one_shot},
+      {Coll::allreduce, "two_shot", ipc_allreduce_two_shot},
+      {Coll::reduce_scatter, "one_shot", ipc_reduce_scatter_one_shot},
+      {Coll::allgather, "one_shot", ipc_allgather_one_shot},
+  };
+  return table;
+}
+
+void IpcCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool final) const {
+  reduce_cuda(a.dtype, a.op, dst, x, y, size_t(n), final ? size : 0, stream);
+}
+
+void IpcCtx::copy(void* dst, const void* src, int64_t n) const {
+  if (dst == src || n == 0) return;
+  const cudaError_t e = cudaMemcpyAsync(dst, src, bytes(n), cudaMemcpyDefault, stream);
+  if (e != cudaSuccess)
+    throw PlaitError("rank " + std::to_string(rank) + ": " + coll_name(a.coll) + " over CUDA IPC: cudaMemcpyAsync of " +
+                     std::to_string(bytes(n)) + " bytes failed: " + cudaGetErrorString(e));
+}
+
+void IpcCtx::reduce_all(void* dst, const std::vector<const char*>& srcs, int64_t n) const {
+  if (srcs.size() == 1) return copy(dst, srcs[0], n);  // avg over one rank divides by 1
+  for (size_t k = 1; k < srcs.size(); ++k)
+    reduce(dst, k == 1 ? srcs[0] : dst, srcs[k], n, k + 1 == srcs.size());
+}
+
+void GpuCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool final) const {
+  reduce_cuda(a.dtype, a.op, dst, x, y, size_t(n), final ? size : 0, stream);
+}
+
+void GpuCtx::copy(void* dst, const void* src, int64_t n) const {
+  if (dst == src || n == 0) return;
+  const cudaError_t e = cudaMemcpyAsync(dst, src, bytes(n), cudaMemcpyDeviceToDevice, stream);
+  if (e != cudaSuccess)
+    throw PlaitError(std::string("rank ") + std::to_string(rank) + ": " + coll_name(a.coll) +
+                     ": cudaMemcpyAsync of " + std::to_string(bytes(n)) + " bytes failed: " + cudaGetErrorString(e));
+}
+
+}  // namespace plait

@@ -1,0 +1,60 @@
+// One-shot collectives over the CUDA IPC transport, per window of the staging size:
+// copy this rank's input into its staging, publish (post + wait for every peer: one
+// synchronisation), then read every peer's staging straight from its device memory, and say so
+// (finish). allreduce: each rank reduces all n stagings in rank order (bitwise-equal results),
+// reading (n - 1) copies of the vector from peers. reduce_scatter: each rank reduces block r of
+// every staging. allgather: each rank copies every staging into its block of the output.
+// Small and latency-bound by design: one exchange per window, no pipelining.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <string>
+
+#include "algo/gpu_algo.h"
+#include "core/errors.h"
+#include "reduce/reduce_cuda.h"
+
+namespace plait {
+
+void ipc_allreduce_one_shot(IpcCtx& c) {
+  for (const Span& w : chunk_plan(c.a.count, std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize)))) {
+    const uint64_t e = c.begin();
+    c.copy(c.tp.staging(c.rank), c.in_at(w.offset), w.count);
+    c.publish(e);
+    std::vector<const char*> srcs;
+    for (int p = 0; p < c.size; ++p) srcs.push_back(c.tp.staging(p));
+    c.reduce_all(c.out_at(w.offset), srcs, w.count);
+    c.finish(e);
+  }
+}
+
+void ipc_reduce_scatter_one_shot(IpcCtx& c) {
+  const int64_t m = c.a.count, per_block = std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize) / c.size);
+  for (const Span& w : chunk_plan(m, per_block)) {
+    const uint64_t e = c.begin();
+    // Window w of every block of the input, side by side in the staging.
+    const cudaError_t err = cudaMemcpy2DAsync(c.tp.staging(c.rank), c.bytes(per_block), c.in_at(w.offset), c.bytes(m),
+                                              c.bytes(w.count), size_t(c.size), cudaMemcpyDeviceToDevice, c.stream);
+    if (err != cudaSuccess)
+      throw PlaitError("rank " + std::to_string(c.rank) + ": reduce_scatter over CUDA IPC: cudaMemcpy2DAsync failed: " +
+                       cudaGetErrorString(err));
+    c.publish(e);
+    std::vector<const char*> srcs;
+    for (int p = 0; p < c.size; ++p) srcs.push_back(c.tp.staging(p) + c.bytes(per_block) * size_t(c.rank));
+    c.reduce_all(c.out_at(w.offset), srcs, w.count);
+    c.finish(e);
+  }
+}
+
+void ipc_allgather_one_shot(IpcCtx& c) {
+  const int64_t m = c.a.count;
+  for (const Span& w : chunk_plan(m, std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize)))) {
+    const uint64_t e = c.begin();
+    c.copy(c.tp.staging(c.rank), c.in_at(w.offset), w.count);
+    c.publish(e);
+    for (int p = 0; p < c.size; ++p) c.copy(c.out_at(int64_t(p) * m + w.offset), c.tp.staging(p), w.count);
+    c.finish(e);
+  }
+}
+
+}  // namespace plait

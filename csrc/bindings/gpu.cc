@@ -1,0 +1,247 @@
+// Bindings for the GPU path: the host-side planners (every build, so CPU tests check them), build
+// facts, and, in CUDA builds, NCCL loading and the GPU communicator. Device arrays cross as
+// (pointer, bytes, device) read from __cuda_array_interface__ / torch by plait._arrays, which
+// keeps their owners alive for the call; the GIL is released while C++ works.
+#include <cstring>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "algo/algo.h"
+#include "algo/gpu_plan.h"
+#include "core/communicator.h"
+
+#if PLAIT_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "cuda/gpu_comm.h"
+#include "cuda/ipc_comm.h"
+#include "reduce/reduce_cuda.h"
+#endif
+
+namespace py = pybind11;
+
+namespace plait {
+namespace {
+
+#if PLAIT_WITH_CUDA
+DType dtype_named(const std::string& s) {
+  for (int t = 0; t < int(DType::kCount); ++t)
+    if (s == dtype_name(DType(t))) return DType(t);
+  throw InvalidArgument("unsupported dtype '" + s + "'");
+}
+
+RedOp op_named(const std::string& s) {
+  for (int o = 0; o < int(RedOp::kCount); ++o)
+    if (s == op_name(RedOp(o))) return RedOp(o);
+  throw InvalidArgument("unknown op '" + s + "' (sum, prod, min, max, avg)");
+}
+#endif
+
+Coll coll_named(const std::string& s) {
+  for (int c = 0; c < int(Coll::kCount); ++c)
+    if (s == coll_name(Coll(c))) return Coll(c);
+  throw InvalidArgument("unknown collective '" + s + "'");
+}
+
+int device_count() {
+#if PLAIT_WITH_CUDA
+  int n = 0;
+  // No driver or no device is an answer (0), not an error.
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+#else
+  return 0;
+#endif
+}
+
+#if PLAIT_WITH_CUDA
+// (pointer, bytes, device) from plait._arrays.GpuArray; the caller holds the array.
+GpuBuffer gpu_buffer(const py::tuple& t, const std::string& dtype) {
+  GpuBuffer b;
+  b.ptr = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
+  b.bytes = t[1].cast<size_t>();
+  b.device = t[2].cast<int>();
+  b.dtype = dtype_named(dtype);
+  b.present = true;
+  return b;
+}
+#endif
+
+}  // namespace
+
+void bind_gpu(py::module_& m) {
+  m.attr("CUDA_COMPILED") = bool(PLAIT_WITH_CUDA);
+  m.def("cuda_device_count", &device_count, "CUDA devices visible to this process (0: none, no driver, or a CPU-only build).");
+  m.def("cuda_pointer_device", [](uintptr_t ptr) {
+#if PLAIT_WITH_CUDA
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, reinterpret_cast<const void*>(ptr)) != cudaSuccess) {
+      cudaGetLastError();
+      return -1;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? a.device : -1;
+#else
+    return -1;
+#endif
+  }, py::arg("ptr"), "The CUDA device a pointer lives on, or -1 (host memory, no driver, CPU-only build).");
+  m.def("gpu_plan_chunks", [](int64_t count, int64_t chunk) {
+    std::vector<std::pair<int64_t, int64_t>> v;
+    for (const Span& s : chunk_plan(count, chunk)) v.emplace_back(s.offset, s.count);
+    return v;
+  }, py::arg("count"), py::arg("chunk_elems"));
+  m.def("gpu_plan_ring", [](int rank, int n) {
+    const RingPlan p = ring_plan(rank, n);
+    py::dict d;
+    d["left"] = p.left;
+    d["right"] = p.right;
+    for (const char* k : {"reduce_scatter", "allgather"}) {
+      std::vector<std::pair<int, int>> steps;
+      for (const RingStep& s : std::string(k) == "allgather" ? p.allgather : p.reduce_scatter)
+        steps.emplace_back(s.send_block, s.recv_block);
+      d[k] = steps;
+    }
+    return d;
+  }, py::arg("rank"), py::arg("size"));
+  m.def("gpu_plan_tree", [](int rank, int n) {
+    const TreeLinks t = tree_links(rank, n);
+    return py::make_tuple(t.parent, t.children);
+  }, py::arg("rank"), py::arg("size"));
+
+#if PLAIT_WITH_CUDA
+  m.def("nccl_load", [](const std::string& path) {
+    py::gil_scoped_release nogil;
+    return nccl_load(path).version;
+  }, py::arg("path"), "Loads NCCL (once per process) and returns its version code.");
+  m.def("nccl_unique_id", [](const std::string& path) {
+    nccl::UniqueId id;
+    {
+      py::gil_scoped_release nogil;
+      const NcclApi& api = nccl_load(path);
+      const nccl::Result r = api.GetUniqueId(&id);
+      if (r != nccl::Success) throw PlaitError(std::string("ncclGetUniqueId failed: ") + api.GetErrorString(r));
+    }
+    return py::bytes(id.internal, sizeof id.internal);
+  }, py::arg("path"));
+  m.def("cuda_device_uuid", [](int device) {
+    cudaDeviceProp p;
+    const cudaError_t e = cudaGetDeviceProperties(&p, device);
+    if (e != cudaSuccess) throw PlaitError("cudaGetDeviceProperties(" + std::to_string(device) + "): " + cudaGetErrorString(e));
+    return py::bytes(p.uuid.bytes, sizeof p.uuid.bytes);
+  }, py::arg("device"));
+  // The kernels alone, for tests/gpu and the bench: device pointers as integers is acceptable
+  // only here, behind a private name, because the callers own and hold the arrays.
+  m.def("_reduce_cuda", [](const std::string& dtype, const std::string& op, uintptr_t dst, uintptr_t a,
+                           uintptr_t b, size_t count, int avg_divisor, uintptr_t stream) {
+    py::gil_scoped_release nogil;
+    cudaPointerAttributes at;
+    if (cudaPointerGetAttributes(&at, reinterpret_cast<const void*>(dst)) != cudaSuccess || at.device < 0)
+      throw InvalidArgument("_reduce_cuda: dst is not device memory");
+    DeviceGuard g(at.device);  // launch on the GPU that holds the data, as torch/cupy chose it
+    reduce_cuda(dtype_named(dtype), op_named(op), reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(a),
+                reinterpret_cast<const void*>(b), count, avg_divisor, reinterpret_cast<cudaStream_t>(stream));
+  });
+  m.def("gpu_algorithms", [](const std::string& coll) {
+    const Coll c = coll_named(coll);
+    std::vector<std::string> names;
+    for (const GpuAlgorithm& a : gpu_algorithm_table())
+      if (a.coll == c) names.push_back(a.name);
+    return names;
+  }, py::arg("collective"));
+
+  py::class_<GpuEvent, std::shared_ptr<GpuEvent>>(m, "GpuEvent")
+      .def("wait", [](GpuEvent& e, double timeout) {
+        py::gil_scoped_release nogil;
+        return e.wait(timeout);
+      }, py::arg("timeout") = -1.0)
+      .def("done", &GpuEvent::done);
+
+  m.def("ipc_algorithms", [](const std::string& coll) {
+    const Coll c = coll_named(coll);
+    std::vector<std::string> names;
+    for (const IpcAlgorithm& a : ipc_algorithm_table())
+      if (a.coll == c) names.push_back(a.name);
+    return names;
+  }, py::arg("collective"));
+
+  py::class_<IpcComm, std::shared_ptr<IpcComm>>(m, "IpcCommunicator")
+      .def(py::init([](Communicator& cpu, int device, double timeout, size_t staging_bytes) {
+             GpuOptions o;
+             o.timeout_s = timeout;
+             Communicator* c = &cpu;
+             GpuPeers peers{[c] { c->throw_if_aborted(); }, [c](ErrorKind k, const std::string& msg) { c->fail(k, msg); }};
+             py::gil_scoped_release nogil;
+             return std::make_shared<IpcComm>(cpu.rank(), cpu.size(), device, staging_bytes, o, std::move(peers));
+           }),
+           py::arg("cpu"), py::arg("device"), py::arg("timeout"), py::arg("staging_bytes"), py::keep_alive<1, 2>())
+      .def_property_readonly("device", &IpcComm::device)
+      .def("handle", [](IpcComm& g) { return py::bytes(g.handle()); })
+      .def("open", [](IpcComm& g, const std::vector<py::bytes>& handles) {
+        std::vector<std::string> h;
+        for (const py::bytes& b : handles) h.push_back(b);
+        py::gil_scoped_release nogil;
+        g.open(h);
+      })
+      .def("call", [](IpcComm& g, const std::string& coll, py::tuple in, py::tuple out, const std::string& dtype,
+                      const std::string& op, const std::string& algo, uintptr_t stream, double timeout) {
+        const GpuBuffer i = gpu_buffer(in, dtype), o = gpu_buffer(out, dtype);
+        const Coll c = coll_named(coll);
+        const RedOp r = op_named(op);
+        py::gil_scoped_release nogil;
+        g.call(c, i, o, r, algo, reinterpret_cast<cudaStream_t>(stream), timeout);
+      })
+      .def("record", [](std::shared_ptr<IpcComm> g, uintptr_t stream, double timeout) {
+        return std::make_shared<GpuEvent>(std::static_pointer_cast<GpuWork>(g), reinterpret_cast<cudaStream_t>(stream), timeout);
+      })
+      .def("finalize", [](IpcComm& g) {
+        py::gil_scoped_release nogil;
+        g.finalize();
+      });
+
+  py::class_<GpuComm, std::shared_ptr<GpuComm>>(m, "GpuCommunicator")
+      .def(py::init([](Communicator& cpu, const py::bytes& uid, int device, double timeout, int64_t chunk_bytes,
+                       const std::string& algo, const std::string& nccl_path) {
+             const std::string id = uid;
+             if (id.size() != size_t(nccl::kUniqueIdBytes)) throw InvalidArgument("NCCL unique id must be 128 bytes");
+             nccl::UniqueId u;
+             std::memcpy(u.internal, id.data(), id.size());
+             GpuOptions o;
+             o.timeout_s = timeout;
+             o.chunk_bytes = chunk_bytes;
+             o.algo_override = algo;
+             Communicator* c = &cpu;
+             GpuPeers peers{[c] { c->throw_if_aborted(); }, [c](ErrorKind k, const std::string& msg) { c->fail(k, msg); }};
+             py::gil_scoped_release nogil;
+             return std::make_shared<GpuComm>(nccl_load(nccl_path), u, cpu.rank(), cpu.size(), device, o, std::move(peers));
+           }),
+           py::arg("cpu"), py::arg("unique_id"), py::arg("device"), py::arg("timeout"), py::arg("chunk_bytes"),
+           py::arg("algo_override"), py::arg("nccl_path"), py::keep_alive<1, 2>())
+      .def_property_readonly("device", &GpuComm::device)
+      .def("call", [](GpuComm& g, const std::string& coll, py::tuple in, py::tuple out, const std::string& dtype,
+                      const std::string& op, const std::string& algo, uintptr_t stream, double timeout) {
+        const GpuBuffer i = gpu_buffer(in, dtype), o = gpu_buffer(out, dtype);
+        const Coll c = coll_named(coll);
+        const RedOp r = op_named(op);
+        py::gil_scoped_release nogil;
+        g.call(c, i, o, r, algo, reinterpret_cast<cudaStream_t>(stream), timeout);
+      })
+      .def("record", [](std::shared_ptr<GpuComm> g, uintptr_t stream, double timeout) {
+        return std::make_shared<GpuEvent>(std::static_pointer_cast<GpuWork>(g), reinterpret_cast<cudaStream_t>(stream), timeout);
+      })
+      .def("finalize", [](GpuComm& g) {
+        py::gil_scoped_release nogil;
+        g.finalize();
+      });
+#else
+  for (const char* name : {"gpu_algorithms", "ipc_algorithms"})
+    m.def(name, [](const std::string& coll) {
+      coll_named(coll);
+      return std::vector<std::string>{};
+    }, py::arg("collective"));
+#endif
+}
+
+}  // namespace plait

@@ -1,0 +1,350 @@
+#include "cuda/gpu_comm.h"
+
+#include <sched.h>
+#include <time.h>
+
+#include <cstring>
+#include <mutex>
+
+namespace plait {
+namespace {
+
+double now_s() { return gpu_now_s(); }
+void pause_briefly(double waited_s) { gpu_pause(waited_s); }
+
+ErrorKind kind_of(nccl::Result r) {
+  switch (r) {
+    case nccl::RemoteError: return ErrorKind::peer_lost;
+    case nccl::Timeout: return ErrorKind::timeout;
+    case nccl::InvalidArgument:
+    case nccl::InvalidUsage: return ErrorKind::invalid;
+    default: return ErrorKind::generic;
+  }
+}
+
+std::string version_text(int v) {
+  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+}
+
+void cuda_ok(cudaError_t e, const std::string& what) {
+  if (e != cudaSuccess) throw PlaitError(what + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+double gpu_now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
+}
+
+void gpu_pause(double waited_s) {
+  // Enqueue-time waits are short (NCCL connecting, a group settling): spin a little, then yield,
+  // then sleep 100 us, so a rank that waits for a slow peer does not burn a core.
+  if (waited_s < 1e-3) return;
+  if (waited_s < 20e-3) {
+    sched_yield();
+    return;
+  }
+  timespec ts{0, 100000};
+  nanosleep(&ts, nullptr);
+}
+
+DeviceGuard::DeviceGuard(int d) {
+  if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+  if (prev != d) cudaSetDevice(d);
+}
+
+DeviceGuard::~DeviceGuard() {
+  int cur = -1;
+  if (prev >= 0 && cudaGetDevice(&cur) == cudaSuccess && cur != prev) cudaSetDevice(prev);
+}
+
+GpuComm::GpuComm(const NcclApi& api, const nccl::UniqueId& id, int rank, int size, int device,
+                 const GpuOptions& opt, GpuPeers peers)
+    : api_(api), rank_(rank), size_(size), device_(device), opt_(opt), peers_(std::move(peers)),
+      forced_(size_t(Coll::kCount)) {
+  if (opt_.chunk_bytes < 64) throw InvalidArgument("PLAIT_GPU_CHUNK_BYTES must be >= 64, got " + std::to_string(opt_.chunk_bytes));
+  for (const std::string& item : [&] {
+         std::vector<std::string> v;
+         size_t at = 0;
+         while (at <= opt_.algo_override.size() && !opt_.algo_override.empty()) {
+           size_t comma = opt_.algo_override.find(',', at);
+           v.push_back(opt_.algo_override.substr(at, comma == std::string::npos ? std::string::npos : comma - at));
+           if (comma == std::string::npos) break;
+           at = comma + 1;
+         }
+         return v;
+       }()) {
+    const size_t eq = item.find('=');
+    for (int c = 0; c < int(Coll::kCount); ++c)
+      if (eq == std::string::npos || item.substr(0, eq) == coll_name(Coll(c)))
+        forced_[size_t(c)] = eq == std::string::npos ? item : item.substr(eq + 1);
+  }
+  DeviceGuard g(device_);
+  try {
+    cuda_ok(cudaEventCreateWithFlags(&last_, cudaEventDisableTiming), who() + ": cudaEventCreate");
+    scratch_bytes_ = 2 * opt_.chunk_bytes;
+    cuda_ok(cudaMalloc(reinterpret_cast<void**>(&scratch_), size_t(scratch_bytes_)),
+            who() + ": cudaMalloc of " + std::to_string(scratch_bytes_) + " bytes of scratch");
+    nccl::Config cfg{sizeof(nccl::Config), nccl::kApiMagic, nccl::kConfigVersion, 0,
+                     nccl::kUndefInt, nccl::kUndefInt, nccl::kUndefInt, nullptr};
+    deadline_ = now_s() + opt_.timeout_s;
+    cur_.coll = Coll::barrier;
+    cur_algo_ = "init";
+    check(api_.CommInitRankConfig(&comm_, size_, id, rank_, &cfg), "ncclCommInitRankConfig");
+  } catch (...) {
+    release();  // no destructor runs for a constructor that throws
+    throw;
+  }
+}
+
+GpuComm::~GpuComm() {
+  DeviceGuard g(device_);
+  release();
+}
+
+void GpuComm::release() {
+  // Never a hang: whatever is still in flight is aborted, not waited for (finalize() waits).
+  std::lock_guard<std::mutex> lock(abort_mu_);
+  if (comm_) api_.CommAbort(comm_);
+  comm_ = nullptr;
+  if (scratch_) cudaFree(scratch_);
+  scratch_ = nullptr;
+  if (last_) cudaEventDestroy(last_);
+  last_ = nullptr;
+}
+
+std::string GpuComm::who() const {
+  return "rank " + std::to_string(rank_) + " (GPU " + std::to_string(device_) + ", NCCL " + version_text(api_.version) + ")";
+}
+
+void GpuComm::throw_if_failed() {
+  if (!failed_) return;
+  std::lock_guard<std::mutex> lock(abort_mu_);
+  throw PlaitError("GPU communicator aborted after an earlier error: " + first_error_);
+}
+
+void GpuComm::fail(ErrorKind kind, const std::string& msg) {
+  {
+    // A waiting thread (torch's completion thread) and the issuing thread may both get here.
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    if (comm_) {
+      api_.CommAbort(comm_);  // also ends NCCL work another thread is blocked in
+      comm_ = nullptr;
+    }
+    if (!failed_) first_error_ = msg;
+    failed_ = true;
+  }
+  try {
+    if (peers_.fail) peers_.fail(kind, msg);
+  } catch (const std::exception&) {
+    // The CPU communicator reports the abort by throwing: ours is the error to raise here.
+  }
+  throw_error(kind, msg);
+}
+
+void GpuComm::poll_once(const std::string& what) { poll_once(what, deadline_); }
+
+void GpuComm::poll_once(const std::string& what, double deadline) {
+  if (peers_.throw_if_aborted) {
+    try {
+      peers_.throw_if_aborted();
+    } catch (const PlaitError& e) {
+      fail(e.kind(), who() + ": " + what + " given up: another rank aborted the communicator: " + e.what());
+    }
+  }
+  if (now_s() > deadline)
+    fail(ErrorKind::timeout, who() + ": " + coll_name(cur_.coll) + " (" + cur_algo_ + ", " + dtype_name(cur_.dtype) +
+                                 ", count " + std::to_string(cur_.count) + "): " + what +
+                                 " did not finish before its deadline; NCCL communicator aborted");
+}
+
+nccl::Result GpuComm::settle(const std::string& what) {
+  const double t0 = now_s();
+  for (;;) {
+    nccl::Result st = nccl::Success;
+    const nccl::Result r = api_.CommGetAsyncError(comm_, &st);
+    if (r != nccl::Success) return r;
+    if (st != nccl::InProgress) return st;
+    poll_once(what);
+    pause_briefly(now_s() - t0);
+  }
+}
+
+void GpuComm::check(nccl::Result r, const std::string& what) {
+  if (r == nccl::InProgress) r = settle(what);
+  if (r == nccl::Success) return;
+  const char* last = comm_ ? api_.GetLastError(comm_) : nullptr;
+  fail(kind_of(r), who() + ": " + coll_name(cur_.coll) + " (" + cur_algo_ + ", " + dtype_name(cur_.dtype) +
+                       ", count " + std::to_string(cur_.count) + "): " + what + " failed: " + api_.GetErrorString(r) +
+                       (last && *last ? std::string(" (") + last + ")" : std::string()) + "; NCCL communicator aborted");
+}
+
+void GpuComm::group_start() { check(api_.GroupStart(), "ncclGroupStart"); }
+void GpuComm::group_end() { check(api_.GroupEnd(), "ncclGroupEnd"); }
+
+void GpuComm::send(const void* buf, size_t bytes, int peer) {
+  check(api_.Send(buf, bytes, nccl::Uint8, peer, comm_, stream_), "ncclSend of " + std::to_string(bytes) + " bytes to rank " + std::to_string(peer));
+}
+
+void GpuComm::recv(void* buf, size_t bytes, int peer) {
+  check(api_.Recv(buf, bytes, nccl::Uint8, peer, comm_, stream_), "ncclRecv of " + std::to_string(bytes) + " bytes from rank " + std::to_string(peer));
+}
+
+void GpuComm::all_reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op) {
+  check(api_.AllReduce(in, out, count, t, op, comm_, stream_), "ncclAllReduce");
+}
+
+void GpuComm::reduce_scatter(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op) {
+  check(api_.ReduceScatter(in, out, count, t, op, comm_, stream_), "ncclReduceScatter");
+}
+
+void GpuComm::all_gather(const void* in, void* out, size_t bytes) {
+  check(api_.AllGather(in, out, bytes, nccl::Uint8, comm_, stream_), "ncclAllGather");
+}
+
+const GpuAlgorithm& GpuComm::select(Coll c, const std::string& algo) {
+  const std::string& want = algo == "auto" || algo.empty() ? forced_[size_t(c)] : algo;
+  std::string names;
+  const GpuAlgorithm* first = nullptr;
+  for (const GpuAlgorithm& a : gpu_algorithm_table()) {
+    if (a.coll != c) continue;
+    if (!first) first = &a;
+    if (want == a.name) return a;
+    names += std::string(names.empty() ? "" : ", ") + a.name;
+  }
+  if (first && want.empty()) return *first;
+  throw InvalidArgument("rank " + std::to_string(rank_) + ": " + coll_name(c) + ": no GPU algorithm '" + want +
+                        "' (" + (names.empty() ? "this collective has no GPU path yet" : names) + ")");
+}
+
+void validate_gpu_call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int rank_, int size_, int device_) {
+  const std::string head = "rank " + std::to_string(rank_) + ": " + coll_name(c) + " on GPU " + std::to_string(device_);
+  if (!in.present || !out.present) throw InvalidArgument(head + ": needs an input and an output");
+  const size_t es = dtype_size(in.dtype);
+  const std::string what = " (" + std::string(dtype_name(in.dtype)) + ", input " + std::to_string(in.bytes / es) +
+                           " elements, output " + std::to_string(out.bytes / es) + ")";
+  if (in.dtype != out.dtype) throw InvalidArgument(head + ": input is " + dtype_name(in.dtype) + ", output " + dtype_name(out.dtype));
+  if (in.device != device_ || out.device != device_)
+    throw InvalidArgument(head + ": input on GPU " + std::to_string(in.device) + ", output on GPU " +
+                          std::to_string(out.device) + "; this communicator's GPU work runs on GPU " + std::to_string(device_));
+  if (op == RedOp::avg && !is_float(in.dtype))
+    throw InvalidArgument(head + ": avg needs a floating-point dtype" + what);
+  const size_t n = size_t(size_);
+  const bool ok = c == Coll::allreduce ? in.bytes == out.bytes
+                  : c == Coll::reduce_scatter ? in.bytes == n * out.bytes
+                                              : out.bytes == n * in.bytes;
+  if (!ok)
+    throw InvalidArgument(head + ": sizes do not fit a world of " + std::to_string(size_) + what);
+  // In place is out == in (allreduce), out = this rank's block of in (reduce_scatter), in = this
+  // rank's block of out (allgather); any other overlap would be read after it was written.
+  const char *ib = static_cast<const char*>(in.ptr), *ob = static_cast<const char*>(out.ptr);
+  const bool overlap = ib < ob + out.bytes && ob < ib + in.bytes && in.bytes && out.bytes;
+  const bool in_place = c == Coll::allreduce ? ib == ob
+                        : c == Coll::reduce_scatter ? ob == ib + size_t(rank_) * out.bytes
+                                                    : ib == ob + size_t(rank_) * in.bytes;
+  if (overlap && !in_place) throw InvalidArgument(head + ": input and output overlap other than in place" + what);
+}
+
+void GpuComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, const std::string& algo,
+                   cudaStream_t stream, double timeout_s) {
+  throw_if_failed();
+  if (peers_.throw_if_aborted) peers_.throw_if_aborted();
+  const GpuAlgorithm* alg = nullptr;
+  try {
+    validate_gpu_call(c, in, out, op, rank_, size_, device_);
+    alg = &select(c, algo);
+  } catch (const InvalidArgument& e) {
+    // Bad input aborts the call on every rank, as on the CPU path; no peer waits on GPU work
+    // this rank will never enqueue.
+    fail(ErrorKind::invalid, e.what());
+  }
+  DeviceGuard g(device_);
+  cur_ = CallArgs{};
+  cur_.coll = c;
+  cur_.dtype = in.dtype;
+  cur_.op = op;
+  cur_.in = in.ptr;
+  cur_.out = out.ptr;
+  cur_.count = int64_t((c == Coll::allgather ? in.bytes : out.bytes) / dtype_size(in.dtype));
+  cur_.timeout_s = timeout_s > 0 ? timeout_s : opt_.timeout_s;
+  cur_algo_ = alg->name;
+  stream_ = stream;
+  deadline_ = now_s() + cur_.timeout_s;
+  // Calls on different streams still run in issue order: NCCL requires it, and they share scratch.
+  cuda_ok(cudaStreamWaitEvent(stream, last_, 0), who() + ": cudaStreamWaitEvent");
+  GpuCtx ctx{*this, cur_, stream, dtype_size(in.dtype), rank_, size_,
+             std::max<int64_t>(1, opt_.chunk_bytes / int64_t(dtype_size(in.dtype))), scratch_};
+  try {
+    alg->run(ctx);
+    cuda_ok(cudaEventRecord(last_, stream), who() + ": cudaEventRecord");
+  } catch (const PlaitError& e) {
+    if (!failed_) fail(e.kind(), e.what());
+    throw;
+  }
+}
+
+void GpuComm::finalize() {
+  if (!comm_ || failed_) return;
+  DeviceGuard g(device_);
+  deadline_ = now_s() + opt_.timeout_s;
+  cur_algo_ = "finalize";
+  const double t0 = now_s();
+  for (;;) {
+    const cudaError_t e = cudaEventQuery(last_);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) fail(ErrorKind::generic, who() + ": finalize: " + cudaGetErrorString(e));
+    check(settle("finalize"), "finalize");
+    poll_once("finalize");
+    pause_briefly(now_s() - t0);
+  }
+  nccl::Comm c = comm_;
+  comm_ = nullptr;
+  api_.CommDestroy(c);
+}
+
+void GpuComm::poll_pending(double deadline) {
+  throw_if_failed();
+  nccl::Result st = nccl::Success;
+  {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    if (comm_ && api_.CommGetAsyncError(comm_, &st) != nccl::Success) st = nccl::Success;
+  }
+  if (st != nccl::Success && st != nccl::InProgress) check(st, "GPU work in flight");
+  poll_once("waiting for the GPU work", deadline);  // this call's deadline; never the issuer's state
+}
+
+GpuEvent::GpuEvent(std::shared_ptr<GpuWork> comm, cudaStream_t s, double timeout_s) : comm_(std::move(comm)) {
+  DeviceGuard g(comm_->device());
+  cuda_ok(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming), "cudaEventCreate");
+  cuda_ok(cudaEventRecord(ev_, s), "cudaEventRecord");
+  deadline_ = now_s() + (timeout_s > 0 ? timeout_s : comm_->default_timeout());
+}
+
+GpuEvent::~GpuEvent() {
+  if (ev_) cudaEventDestroy(ev_);
+}
+
+bool GpuEvent::done() {
+  DeviceGuard g(comm_->device());
+  return cudaEventQuery(ev_) == cudaSuccess;
+}
+
+bool GpuEvent::wait(double timeout_s) {
+  DeviceGuard g(comm_->device());
+  const double t0 = now_s(), give_up = timeout_s < 0 ? 1e300 : t0 + timeout_s;
+  for (;;) {
+    const cudaError_t e = cudaEventQuery(ev_);
+    if (e == cudaSuccess) {
+      comm_->check_done();
+      return true;
+    }
+    if (e != cudaErrorNotReady) throw PlaitError(std::string("GPU work failed: ") + cudaGetErrorString(e));
+    comm_->poll_pending(deadline_);
+    if (now_s() > give_up) return false;
+    pause_briefly(now_s() - t0);
+  }
+}
+
+}  // namespace plait

@@ -1,0 +1,180 @@
+"""GPU arrays on a Communicator: the checks, the lazily created GPU communicator, the call.
+
+Every rank creates the GPU communicator inside the same (first) GPU collective. The ranks first
+agree over the CPU communicator (its deadline and abort) on which GPU each uses and whether each
+loaded NCCL. With one GPU per rank it is NCCL's: rank 0's unique id is broadcast over the CPU
+communicator. When ranks share a GPU (NCCL refuses that), or PLAIT_GPU_TRANSPORT=ipc, it is the
+CUDA IPC transport's: the ranks exchange cudaIpc handles of their staging the same way. Input a
+rank rejects aborts the call on every rank through the CPU communicator (`_c.fail`), as on the
+CPU path.
+"""
+import os
+
+import numpy as np
+
+from . import _C, _arrays, _cuda, _errors
+
+DEFAULT_CHUNK_BYTES = 4 << 20  # PLAIT_GPU_CHUNK_BYTES; a guess until measured on a GPU
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1, "int32": 4,
+             "int64": 8, "bool": 1}
+DEFAULT_IPC_BYTES = 8 << 20  # PLAIT_GPU_IPC_BYTES: staging per rank of the IPC transport; a guess too
+
+
+class GpuHandle:
+    """A GPU call in flight: completes when the work enqueued on its stream has run."""
+
+    __slots__ = ("_event", "_keep", "_result")
+
+    def __init__(self, event, keep, result):
+        self._event, self._keep, self._result = event, keep, result
+
+    def wait(self, timeout=None):
+        """Blocks the host until the call's GPU work is done; raises its error.
+
+        `timeout` bounds only this wait; the call's own deadline aborts it with TimeoutError.
+        """
+        if not self._event.wait(-1.0 if timeout is None else float(timeout)):
+            raise _errors.TimeoutError(f"the GPU call is still running after {timeout} s of waiting")
+        self._keep = None
+        return self._result
+
+    def done(self):
+        return self._event.done()
+
+
+def wants_gpu(x, out):
+    return ((x is not None and type(x) is not np.ndarray and _arrays.is_gpu(x))
+            or (out is not None and type(out) is not np.ndarray and _arrays.is_gpu(out)))
+
+
+def _array(comm, obj, name, coll):
+    if obj is None or not _arrays.is_gpu(obj):
+        return None
+    try:
+        return _arrays.gpu_array(obj, name, _C.cuda_pointer_device)
+    except _errors.InvalidArgument as e:
+        comm._c.fail(f"rank {comm.rank}: {coll}: {e}")
+
+
+def check_usable(comm, coll, what):
+    """Fails the call on every rank when this build or process cannot run GPU work."""
+    head = f"rank {comm.rank}: {coll} ({what})"
+    if coll not in _cuda.GPU_COLLECTIVES:
+        comm._c.fail(f"{head}: GPU arrays are taken by {', '.join(_cuda.GPU_COLLECTIVES)} only in this "
+                     f"version; pass host arrays")
+    if not _cuda.compiled():
+        comm._c.fail(f"{head}: this plait build has no CUDA path (plait.build_info()['cuda'] is False); "
+                     f"rebuild with nvcc on PATH and PLAIT_CUDA=ON")
+    if _cuda.device_count() == 0:
+        comm._c.fail(f"{head}: no CUDA device is visible to this process "
+                     f"(plait.build_info()['cuda_devices'] == 0)")
+
+
+def check_input(comm, coll, x):
+    """The checks that come before allocating a default output like a GPU input."""
+    gx = _array(comm, x, "input", coll)
+    check_usable(comm, coll, gx.describe())
+
+
+def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result):
+    gx, go = _array(comm, x, "input", coll), _array(comm, out, "output", coll)
+    fail = comm._c.fail
+    head = f"rank {comm.rank}: {coll} ({(gx or go).describe()})"
+    if gx is None or go is None:
+        host, obj = ("input", x) if gx is None else ("output", out)
+        fail(f"{head}: the {host} is a host array ({type(obj).__name__}) and the other a GPU array; "
+             f"pass both on the same GPU")
+    check_usable(comm, coll, gx.describe())
+    if gx.device != go.device:
+        fail(f"{head}: input on GPU {gx.device}, output on GPU {go.device}; pass both on the same GPU")
+    dt = dtype or gx.dtype
+    if dtype is None and go.dtype != gx.dtype:
+        fail(f"{head}: input is {gx.dtype}, output is {go.dtype}")
+    if dt not in _ITEMSIZE:
+        fail(f"{head}: unsupported dtype {dt} (float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool)")
+    if gx.itemsize != _ITEMSIZE[dt] or go.itemsize != _ITEMSIZE[dt]:
+        fail(f"{head}: dtype={dt!r} needs {_ITEMSIZE[dt]}-byte elements, the arrays have "
+             f"{gx.itemsize} and {go.itemsize}")
+    g = _communicator(comm, gx.device, timeout, head)
+    t = 0.0 if timeout is None else float(timeout)
+    g.call(coll, (gx.ptr, gx.nbytes, gx.device), (go.ptr, go.nbytes, go.device), dt, op, algorithm,
+           gx.stream, t)
+    if async_op:
+        return GpuHandle(g.record(gx.stream, t), (x, out), result)
+    return result
+
+
+def _communicator(comm, device, timeout, head):
+    g = comm._gpu
+    if g is not None:
+        if g.device != device:
+            comm._c.fail(f"{head}: this communicator's GPU work runs on GPU {g.device}; every GPU array "
+                         f"of a rank must be on one GPU")
+        return g
+    t = comm.timeout if timeout is None else float(timeout)
+    transport = os.environ.get("PLAIT_GPU_TRANSPORT", "auto")
+    if transport not in ("auto", "nccl", "ipc"):
+        comm._c.fail(f"{head}: PLAIT_GPU_TRANSPORT={transport!r} (auto, nccl or ipc)")
+    err = ""
+    try:
+        uuid = _C.cuda_device_uuid(device)
+    except _errors.PlaitError as e:
+        comm._c.fail(f"{head}: {e}")
+    try:
+        _cuda.load_nccl()
+    except _errors.PlaitError as e:
+        err = str(e)
+    mine = np.zeros(24, dtype=np.uint8)
+    mine[0] = 0 if err else 1
+    mine[8:24] = np.frombuffer(uuid, dtype=np.uint8)
+    table = comm.allgather(mine, timeout=t)
+    seen, shared = {}, None
+    for r in range(comm.size):
+        key = bytes(table[r][8:24])
+        if key in seen and shared is None:
+            shared = (seen[key], r, key.hex())
+        seen.setdefault(key, r)
+    if transport == "ipc" or (transport == "auto" and shared is not None):
+        g = _ipc_communicator(comm, device, t, head)
+    else:
+        if shared is not None:
+            raise _errors.InvalidArgument(
+                f"{head}: ranks {shared[0]} and {shared[1]} use the same GPU (uuid {shared[2]}) and "
+                f"PLAIT_GPU_TRANSPORT=nccl; NCCL refuses two ranks on one GPU (use the IPC transport: "
+                f"PLAIT_GPU_TRANSPORT=auto or ipc)")
+        bad = [r for r in range(comm.size) if not table[r][0]]
+        if bad:
+            raise _errors.PlaitError(f"{head}: rank(s) {bad} could not load NCCL"
+                                     + (f": {err}" if err else " (their own errors say why)"))
+        g = _nccl_communicator(comm, device, t, head)
+    comm._gpu = g
+    return g
+
+
+def _nccl_communicator(comm, device, t, head):
+    uid = np.zeros(128, dtype=np.uint8)
+    if comm.rank == 0:
+        try:
+            uid[:] = np.frombuffer(_C.nccl_unique_id(_cuda.nccl_path()), dtype=np.uint8)
+        except _errors.PlaitError as e:
+            comm._c.fail(f"{head}: ncclGetUniqueId: {e}")
+    comm.broadcast(uid, 0, timeout=t)
+    chunk = int(os.environ.get("PLAIT_GPU_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
+    return _C.GpuCommunicator(comm._c, uid.tobytes(), device, t, chunk, os.environ.get("PLAIT_GPU_ALGO", ""),
+                              _cuda.nccl_path())
+
+
+def _ipc_communicator(comm, device, t, head):
+    staging = int(os.environ.get("PLAIT_GPU_IPC_BYTES", DEFAULT_IPC_BYTES))
+    try:
+        g = _C.IpcCommunicator(comm._c, device, t, staging)
+        mine = np.frombuffer(g.handle(), dtype=np.uint8)
+    except _errors.PlaitError as e:
+        comm._c.fail(f"{head}: setting up the CUDA IPC transport: {e}")
+    handles = comm.allgather(mine, timeout=t)
+    try:
+        g.open([bytes(handles[r]) for r in range(comm.size)])
+    except _errors.PlaitError as e:
+        comm._c.fail(f"{head}: opening the peers' CUDA IPC handles: {e}")
+    comm.barrier(timeout=t)  # every rank mapped every region before anyone posts into them
+    return g

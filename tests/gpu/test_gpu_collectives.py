@@ -1,0 +1,205 @@
+"""GPU collectives with exact values: every collective x dtype x op x algorithm (nccl, ring, tree
+over NCCL; one_shot and two_shot over CUDA IPC), in place and not, multi-chunk (PLAIT_GPU_CHUNK_BYTES=4096,
+PLAIT_GPU_IPC_BYTES=8192) and unaligned. World size 1 needs one GPU; NCCL with 2-4 ranks needs a
+GPU per rank (NCCL refuses two ranks on one GPU); the IPC transport runs 2-4 ranks on one GPU.
+Ranks are spawned, not forked (CUDA)."""
+import pytest
+
+from conftest import run_ranks
+from gpu_util import DEVICES, DTYPES, Device, data, expected, ops_for, skip_reason
+
+pytestmark = pytest.mark.cuda
+RUN_TIMEOUT = 300
+ENV = {"PLAIT_GPU_CHUNK_BYTES": "4096", "PLAIT_GPU_IPC_BYTES": "8192"}
+COUNTS = (1, 1027, 5000)  # one element; odd (vector tail); several 4 KiB chunks per block
+
+
+def _sweep(rank, n, store, colls, algos, one_gpu=False):
+    import numpy as np
+
+    import plait
+    dev = Device(0 if one_gpu else rank)
+    comm = plait.init(rank, n, store=store)
+    bad, runs = [], 0
+    for coll in colls:
+        for algo in algos:
+            if algo not in plait.algorithms(coll, device="cuda"):
+                continue
+            for dtype in DTYPES:
+                for op in (ops_for(dtype) if coll != "allgather" else ("sum",)):
+                    for count in COUNTS:
+                        for in_place in (False, True):
+                            runs += 1
+                            what = f"{coll}/{algo}/{dtype}/{op}/count {count}/in_place {in_place}"
+                            got, want = _one(comm, dev, coll, algo, dtype, op, count, in_place, rank, n)
+                            if got.shape != want.shape or not np.array_equal(got, want):
+                                diff = np.flatnonzero(got.reshape(-1) != want.reshape(-1))[:3] if got.shape == want.shape else []
+                                bad.append(f"rank {rank}: {what}: first differences at {list(diff)}: "
+                                           f"got {got.reshape(-1)[:4]}, want {want.reshape(-1)[:4]}")
+    return runs, bad[:10]
+
+
+def _one(comm, dev, coll, algo, dtype, op, count, in_place, rank, n):
+    import numpy as np
+    if coll == "allreduce":
+        x, dt = dev.put(data(dtype, op, rank, n, count))
+        out = x if in_place else dev.empty(x, count)
+        comm.allreduce(x, out=out, op=op, algorithm=algo, dtype=dt)
+        return dev.get(out, dtype), expected(dtype, op, n, count)
+    if coll == "reduce_scatter":
+        # Block b of rank r's input is data(..., count) shifted by b, so blocks differ.
+        host = np.concatenate([np.roll(data(dtype, op, rank, n, count), b) for b in range(n)])
+        x, dt = dev.put(host)
+        out = x[rank * count:(rank + 1) * count] if in_place else dev.empty(x, count)
+        comm.reduce_scatter(x, out=out, op=op, algorithm=algo, dtype=dt)
+        return dev.get(out, dtype), np.roll(expected(dtype, op, n, count), rank)
+    whole, dt = dev.put(np.zeros(n * count, dtype=data(dtype, op, 0, n, 1).dtype))
+    mine = data(dtype, op, rank, n, count)
+    if in_place:
+        x = whole[rank * count:(rank + 1) * count]
+        if isinstance(x, np.ndarray):
+            x[:] = mine.view(x.dtype)  # host arrays: lets the harness itself be checked on CPU
+        elif hasattr(x, "copy_"):
+            x.copy_(dev.put(mine)[0])
+        else:
+            x.set(dev.put(mine)[0].get())
+    else:
+        x = dev.put(mine)[0]
+    comm.allgather(x, out=whole, algorithm=algo, dtype=dt)
+    return dev.get(whole, dtype), np.concatenate([data(dtype, op, r, n, count) for r in range(n)])
+
+
+def _check(results):
+    runs = sum(r for r, _ in results)
+    assert runs > 0
+    bad = [line for _, lines in results for line in lines]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
+@pytest.mark.parametrize("coll", ["allreduce", "reduce_scatter", "allgather"])
+@pytest.mark.parametrize("transport", ["nccl", "ipc"])
+def test_world_of_one(coll, transport):
+    algos = ["nccl", "ring", "tree"] if transport == "nccl" else ["one_shot", "two_shot"]
+    _check(run_ranks(_sweep, 1, RUN_TIMEOUT, args=([coll], algos), env=dict(ENV, PLAIT_GPU_TRANSPORT=transport),
+                     start_method="spawn"))
+
+
+@pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ipc_ranks_sharing_one_gpu(n):
+    _check(run_ranks(_sweep, n, RUN_TIMEOUT, args=(["allreduce", "reduce_scatter", "allgather"], ["one_shot", "two_shot"], True),
+                     env=ENV, start_method="spawn"))
+
+
+@pytest.mark.skipif(skip_reason(2) is not None, reason=str(skip_reason(2)))
+@pytest.mark.parametrize("n", sorted({2, min(4, max(DEVICES, 2))}))
+@pytest.mark.parametrize("algo", ["nccl", "ring", "tree"])
+def test_one_gpu_per_rank(n, algo):
+    _check(run_ranks(_sweep, n, RUN_TIMEOUT, args=(["allreduce", "reduce_scatter", "allgather"], [algo]),
+                     env=ENV, start_method="spawn"))
+
+
+def _unaligned_and_async(rank, n, store):
+    import numpy as np
+
+    import plait
+    dev = Device(rank)
+    comm = plait.init(rank, n, store=store)
+    host = data("float32", "sum", rank, n, 4099)
+    big, _ = dev.put(host)
+    x = big[1:]  # 4-byte offset: the kernels' scalar path
+    out = dev.empty(x, 4098)
+    got = comm.allreduce(x, out=out, algorithm="ring", async_op=True).wait(timeout=60)
+    return bool(np.array_equal(dev.get(got, "float32"), expected("float32", "sum", n, 4099)[1:]))
+
+
+@pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
+def test_unaligned_and_async_world_of_one():
+    assert run_ranks(_unaligned_and_async, 1, RUN_TIMEOUT, env=ENV, start_method="spawn") == [True]
+
+
+def _same_gpu(rank, n, store):
+    import numpy as np
+
+    import plait
+    dev = Device(0)
+    comm = plait.init(rank, n, store=store)
+    x, _ = dev.put(np.ones(8, np.float32))
+    try:
+        comm.allreduce(x)
+    except plait.InvalidArgument as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
+def test_nccl_forced_on_one_gpu_is_refused_clearly():
+    for rank, msg in enumerate(run_ranks(_same_gpu, 2, RUN_TIMEOUT, env={"PLAIT_GPU_TRANSPORT": "nccl"},
+                                         start_method="spawn")):
+        assert "same GPU" in msg and "ranks 0 and 1" in msg, f"rank {rank}: {msg}"
+
+
+def _mix(rank, n, store, case):
+    import numpy as np
+
+    import plait
+    dev = Device(rank)
+    comm = plait.init(rank, n, store=store)
+    x, _ = dev.put(np.ones(8, np.float32))
+    try:
+        if case == "host_out":
+            comm.allreduce(x, out=np.zeros(8, np.float32))
+        else:
+            comm.allreduce(x, out=Device(1 - rank).empty(x, 8))
+    except plait.InvalidArgument as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
+def test_host_output_for_gpu_input_is_refused():
+    msg, = run_ranks(_mix, 1, RUN_TIMEOUT, args=("host_out",), start_method="spawn")
+    assert "host array" in msg and "float32 x 8" in msg, msg
+
+
+@pytest.mark.skipif(skip_reason(2) is not None, reason=str(skip_reason(2)))
+def test_arrays_on_two_gpus_are_refused():
+    for msg in run_ranks(_mix, 2, RUN_TIMEOUT, args=("two_gpus",), start_method="spawn"):
+        assert "input on GPU" in msg and "output on GPU" in msg, msg
+
+
+def _late(rank, n, store, one_gpu):
+    import time
+
+    import numpy as np
+
+    import plait
+    dev = Device(0 if one_gpu else rank)
+    comm = plait.init(rank, n, store=store)
+    x, _ = dev.put(np.ones(1 << 20, np.float32))
+    comm.allreduce(x, out=x)  # creates the GPU communicator on both ranks
+    dev.get(x, "float32")
+    if rank == 1:
+        time.sleep(8)  # never joins the second call
+        return "slept"
+    t0 = time.monotonic()
+    try:
+        comm.allreduce(x, out=x, algorithm="one_shot" if one_gpu else "ring", timeout=2, async_op=True).wait()
+    except plait.TimeoutError as e:
+        return f"{time.monotonic() - t0:.1f} {e}"
+    return "no error"
+
+
+@pytest.mark.skipif(skip_reason(2) is not None, reason=str(skip_reason(2)))
+def test_a_missing_peer_times_out_and_aborts_nccl():
+    first, _ = run_ranks(_late, 2, RUN_TIMEOUT, args=(False,), start_method="spawn")
+    took, msg = first.split(" ", 1)
+    assert float(took) < 10 and "aborted" in msg, first
+
+
+@pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
+def test_a_missing_peer_times_out_and_aborts_ipc():
+    first, _ = run_ranks(_late, 2, RUN_TIMEOUT, args=(True,), start_method="spawn")
+    took, msg = first.split(" ", 1)
+    assert float(took) < 10 and "aborted" in msg, first
