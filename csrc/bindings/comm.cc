@@ -120,12 +120,13 @@ py::object call(Communicator& c, Coll coll, const py::object& x, const py::objec
   return py::none();
 }
 
-// The small-message entry point, called as fast_call(comm, coll, x, out, op, algorithm) with
-// positional arguments only: METH_FASTCALL without pybind11's overload dispatch, which measured
-// ~0.2 us of a 0.4 us call. Everything else (validation, errors) is shared with call().
+// The small-message entry point, called as fast_call(comm, coll, x, out, op, algorithm[, root])
+// with positional arguments only: METH_FASTCALL without pybind11's overload dispatch, which
+// measured ~0.2 us of a 0.4 us call. Everything else (validation, errors) is shared with call().
 PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   try {
-    if (nargs != 6) throw InvalidArgument("fast_call takes (comm, coll, x, out, op, algorithm)");
+    if (nargs != 6 && nargs != 7)
+      throw InvalidArgument("fast_call takes (comm, coll, x, out, op, algorithm[, root])");
     Communicator& c = py::handle(args[0]).cast<Communicator&>();
     const long coll = PyLong_AsLong(args[1]);
     if (coll < 0 || coll >= long(Coll::kCount)) throw InvalidArgument("bad collective code");
@@ -133,8 +134,14 @@ PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     const char* op = PyUnicode_AsUTF8AndSize(args[4], &n_op);
     const char* algo = PyUnicode_AsUTF8AndSize(args[5], &n_algo);
     if (!op || !algo) throw InvalidArgument("op and algorithm must be strings");
+    long root = 0;
+    if (nargs == 7) {
+      root = PyLong_AsLong(args[6]);
+      if (root == -1 && PyErr_Occurred()) return nullptr;
+      if (root < INT32_MIN || root > INT32_MAX) throw InvalidArgument("root is out of range");
+    }
     call(c, Coll(coll), py::reinterpret_borrow<py::object>(args[2]),
-         py::reinterpret_borrow<py::object>(args[3]), std::string(op, size_t(n_op)), 0, -1, 0,
+         py::reinterpret_borrow<py::object>(args[3]), std::string(op, size_t(n_op)), int(root), -1, 0,
          std::string(algo, size_t(n_algo)), 0.0, false, "");
     Py_RETURN_NONE;
   } catch (py::error_already_set& e) {

@@ -159,12 +159,18 @@ class Communicator:
         """Block r of the reduced x (x holds `size` equal blocks) lands in rank r's out."""
         if out is None:
             out = self._new_out(x, "reduce_scatter", lambda: (_arrays.size_of(x) // self.size,))
+        if type(x) is _ndarray and type(out) is _ndarray and not async_op and dtype is None and timeout is None:
+            _fast_call(self._c, _REDUCE_SCATTER, x, out, op, algorithm)
+            return out
         return self._call(_REDUCE_SCATTER, x, out, op, 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def allgather(self, x, out=None, *, algorithm="auto", timeout=None, async_op=False, dtype=None):
         """out[r] = rank r's x; default out shape (size, *x.shape)."""
         if out is None:
             out = self._new_out(x, "allgather", lambda: (self.size,) + tuple(x.shape))
+        if type(x) is _ndarray and type(out) is _ndarray and not async_op and dtype is None and timeout is None:
+            _fast_call(self._c, _ALLGATHER, x, out, "sum", algorithm)
+            return out
         return self._call(_ALLGATHER, x, out, "sum", 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def broadcast(self, x, root=0, *, out=None, algorithm="auto", timeout=None, async_op=False,
@@ -172,6 +178,10 @@ class Communicator:
         """The root's x lands in every rank's out (x itself when out is None)."""
         if out is None:
             out = x
+        if (type(x) is _ndarray and type(out) is _ndarray and not async_op and dtype is None
+                and timeout is None and type(root) is int and -(1 << 31) <= root < 1 << 31):
+            _fast_call(self._c, _BROADCAST, x, out, "sum", algorithm, root)
+            return out
         return self._call(_BROADCAST, x, out, "sum", root, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def reduce(self, x, root=0, *, out=None, op="sum", algorithm="auto", timeout=None, async_op=False,
@@ -181,12 +191,19 @@ class Communicator:
             out = self._new_out(x, "reduce")
         if self.rank != root:
             out = None
+        if (type(x) is _ndarray and (out is None or type(out) is _ndarray) and not async_op
+                and dtype is None and timeout is None and type(root) is int and -(1 << 31) <= root < 1 << 31):
+            _fast_call(self._c, _REDUCE, x, out, op, algorithm, root)
+            return out
         return self._call(_REDUCE, x, out, op, root, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def alltoall(self, x, out=None, *, algorithm="auto", timeout=None, async_op=False, dtype=None):
         """Block j of x goes to rank j; block j of out came from rank j."""
         if out is None:
             out = self._new_out(x, "alltoall")
+        if type(x) is _ndarray and type(out) is _ndarray and not async_op and dtype is None and timeout is None:
+            _fast_call(self._c, _ALLTOALL, x, out, "sum", algorithm)
+            return out
         return self._call(_ALLTOALL, x, out, "sum", 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def send(self, x, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
