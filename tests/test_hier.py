@@ -205,3 +205,39 @@ def test_bad_input_on_one_host_raises_everywhere():
     for r in (0, 1, 3):
         kind, took, msg = res[r]
         assert kind == "InvalidArgument" and "rank 2" in msg and took < 10, (r, res[r])
+
+
+def _mismatch(rank, n, addr, hosts, field):
+    comm = _init(rank, hosts)
+    odd = rank == n - 1  # the last rank, alone on its host in 3x1 and with a host peer in 2x2
+    x = np.ones(8, dtype=np.float32)
+    start = time.monotonic()
+    try:
+        if field == "count":
+            comm.allreduce(x[:7] if odd else x)
+        elif field == "op":
+            comm.allreduce(x, op="max" if odd else "sum")
+        elif field == "collective":
+            if odd:
+                comm.broadcast(x, root=0)
+            else:
+                comm.allreduce(x)
+        else:  # a skipped call: the last rank goes straight to the second one
+            if not odd:
+                comm.allreduce(x)
+            comm.allgather(x)
+    except plait.PlaitError as e:
+        return type(e).__name__, time.monotonic() - start, str(e)
+    return "no error", 0, ""
+
+
+@pytest.mark.parametrize("layout,field", [("3x1", "count"), ("2x2", "op"), ("3x1", "collective"),
+                                          ("2x2-interleaved", "skip")])
+def test_mismatch_across_hosts_raises_on_every_rank(layout, field):
+    hosts = LAYOUTS[layout]
+    res = run_ranks(_mismatch, len(hosts), timeout=60, args=(hosts, field))
+    for r, (kind, took, msg) in enumerate(res):
+        # The ranks that compared fingerprints raise MismatchError; their host peers learn of it
+        # through the abort and raise the same class.
+        assert kind == "MismatchError" and took < 10, (r, res)
+    assert any("across hosts" in msg for _, _, msg in res), res

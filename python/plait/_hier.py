@@ -21,6 +21,7 @@ Avg sums everything, then divides once by the world size. Leaders layout: local 
 leader, leaders' allreduce, local broadcast.
 """
 import concurrent.futures
+import os
 import threading
 import time
 
@@ -104,6 +105,8 @@ class HierCommunicator:
         self._lock = threading.Lock()
         self._nsplit = 0
         self._c = _Failer(self)
+        self._seq = 0  # calls issued, in issue order: the first field of the cross-host check
+        self._check = os.environ.get("PLAIT_HIER_CHECK", "1") != "0"
 
     # -- plumbing ------------------------------------------------------------------------------
     def __repr__(self):
@@ -169,7 +172,38 @@ class HierCommunicator:
         with self._lock:
             self._pending -= 1
 
-    def _async(self, name, fn, timeout, async_op, result, keep):
+    _FIELDS = ("call number", "collective", "count", "dtype", "op", "root")
+    _OPS = ("sum", "prod", "min", "max", "avg")
+
+    def _fingerprint(self, name, count, dtype, bf16=False, op="sum", root=-1):
+        """What ranks on every host must agree on; the local communicator checks its own host."""
+        self._seq += 1
+        code = 1000 if bf16 else np.dtype(dtype).num
+        ops = self._OPS.index(op) if op in self._OPS else -1
+        return (self._seq, int(_comm._CODE.get(name, 99)), int(count), code, ops, int(root))
+
+    def _check_hosts(self, name, fp, deadline):
+        """Ranks on different hosts must make the same call: one tiny max-allreduce of (fp, -fp)
+        over the engine group this rank uses between hosts; all agree iff max(fp) == min(fp)."""
+        group = self.world if name == "alltoall" else self.inter
+        if group is None or not self._check:
+            return
+        k = len(fp)
+        v = np.array(list(fp) + [-f for f in fp], dtype=np.int64)
+        group.allreduce(v, "max", deadline, False)
+        hi, lo = v[:k], -v[k:]
+        if (hi == lo).all():
+            return
+        diff = ", ".join(f"{f} ({lo[j]}..{hi[j]})" for j, f in enumerate(self._FIELDS) if hi[j] != lo[j])
+        raise _errors.MismatchError(
+            f"rank {self.rank}: mismatched calls across hosts: this rank (host {self.layout.h}) called "
+            f"{name} #{fp[0]} (count={fp[2]}, dtype code {fp[3]}, op {fp[4]}, root {fp[5]}) but a rank "
+            f"of another host in its {self.engine} group disagrees in {diff}")
+
+    def _async(self, name, fn, timeout, async_op, result, keep, fp=None):
+        if fp is not None:
+            call = fn
+            fn = lambda d: (self._check_hosts(name, fp, d), call(d))[1]  # noqa: E731
         r = self._run(name, fn, timeout, async_op, keep)
         if not async_op:
             return result
@@ -213,7 +247,8 @@ class HierCommunicator:
                                           f"input {xa.size} {xa.dtype}")
         _check_float(op, xa.dtype, bf16, f"rank {self.rank}: allreduce")
         return self._async("allreduce", lambda d: self._allreduce(xa, oa, op, dt, bf16, d),
-                           timeout, async_op, out, (x, out))
+                           timeout, async_op, out, (x, out),
+                           self._fingerprint("allreduce", xa.size, xa.dtype, bf16, op))
 
     def _allreduce(self, x, out, op, dt, bf16, deadline):
         n, L, lay = x.size, self.local.size, self.layout
@@ -259,7 +294,8 @@ class HierCommunicator:
                 f"{oa.dtype}; the input needs size ({self.size}) x output elements")
         _check_float(op, xa.dtype, bf16, f"rank {self.rank}: reduce_scatter")
         return self._async("reduce_scatter", lambda d: self._reduce_scatter(xa, oa, op, dt, bf16, d),
-                           timeout, async_op, out, (x, out))
+                           timeout, async_op, out, (x, out),
+                           self._fingerprint("reduce_scatter", oa.size, xa.dtype, bf16, op))
 
     def _reduce_scatter(self, x, out, op, dt, bf16, deadline):
         m, lay = out.size, self.layout
@@ -295,7 +331,7 @@ class HierCommunicator:
             raise _errors.InvalidArgument(f"rank {self.rank}: allgather: output has {oa.size} {oa.dtype}, "
                                           f"input {xa.size} {xa.dtype}; the output needs size x input")
         return self._async("allgather", lambda d: self._allgather(xa.view(np.uint8), oa.view(np.uint8), d),
-                           timeout, async_op, out, (x, out))
+                           timeout, async_op, out, (x, out), self._fingerprint("allgather", xa.size, xa.dtype))
 
     def _allgather(self, x, out, deadline):
         n, lay, H = x.size, self.layout, self.layout.nhosts
@@ -333,7 +369,8 @@ class HierCommunicator:
             raise _errors.InvalidArgument(f"rank {self.rank}: broadcast: output has {oa.size} {oa.dtype}, "
                                           f"input {xa.size} {xa.dtype}")
         return self._async("broadcast", lambda d: self._broadcast(xa.view(np.uint8), oa.view(np.uint8),
-                                                                  root, d), timeout, async_op, out, (x, out))
+                                                                  root, d), timeout, async_op, out, (x, out),
+                           self._fingerprint("broadcast", xa.size, xa.dtype, root=root))
 
     def _broadcast(self, x, out, root, deadline):
         lay = self.layout
@@ -376,7 +413,8 @@ class HierCommunicator:
             if oa is not None:
                 oa[...] = tmp
             return out
-        return self._async("reduce", run, timeout, async_op, out, (x, out))
+        return self._async("reduce", run, timeout, async_op, out, (x, out),
+                           self._fingerprint("reduce", xa.size, xa.dtype, bf16, op, root))
 
     @_aborts_on_error
     def alltoall(self, x, out=None, *, timeout=None, async_op=False, dtype=None):
@@ -394,7 +432,8 @@ class HierCommunicator:
                 src = src.copy()
             self.world.alltoall(src, oa.view(np.uint8), d)
             return out
-        return self._async("alltoall", run, timeout, async_op, out, (x, out))
+        return self._async("alltoall", run, timeout, async_op, out, (x, out),
+                           self._fingerprint("alltoall", xa.size, xa.dtype))
 
     @_aborts_on_error
     def send(self, x, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
@@ -436,7 +475,7 @@ class HierCommunicator:
             if self.inter is not None:
                 self.inter.barrier(d)
             self.local.barrier(timeout=self._left(d))
-        return self._async("barrier", run, timeout, async_op, None, ())
+        return self._async("barrier", run, timeout, async_op, None, (), self._fingerprint("barrier", 0, np.uint8))
 
     # -- groups and lifetime -------------------------------------------------------------------
     def split(self, color, key=0, *, buffer_bytes=None):
