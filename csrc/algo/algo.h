@@ -125,6 +125,26 @@ inline char* scratch(size_t bytes) {
 // Chunk of the single-copy reductions: peers' pieces are read into scratch that stays in L2.
 constexpr size_t kSingleCopyScratch = size_t(1) << 20;
 
+// The single-copy reductions' inner step: reads `len` elements at byte offset `off` of every
+// peer's input (Transport::read_peer) into scratch `tmp` (n-1 slots of `stride` bytes) and
+// reduces them with this rank's `own` elements, in rank order, into dst. Peers are read in an
+// order rotated by rank so that no rank is read by all the others at once.
+inline void reduce_from_peers(Ctx& c, void* dst, const void* own, size_t off, int64_t len, char* tmp,
+                              size_t stride, std::vector<const void*>& src) {
+  int slot = 0;
+  for (int i = 0; i < c.size; ++i) {
+    const int p = (c.rank + i) % c.size;
+    if (p == c.rank) {
+      src[size_t(p)] = own;
+      continue;
+    }
+    char* t = tmp + size_t(slot++) * stride;
+    c.tp.read_peer(p, t, c.tp.peer_in(p) + off, size_t(len) * c.esize);
+    src[size_t(p)] = t;
+  }
+  c.reduce(dst, src.data(), c.size, len, true);
+}
+
 // [begin, end) of part q when n elements are split into `parts` near-equal parts.
 inline int64_t part_begin(int64_t n, int parts, int q) { return n * q / parts; }
 

@@ -29,18 +29,7 @@ void allreduce_single_copy(Ctx& c) {
   for (int64_t lo = part_begin(c.a.count, n, r); lo < lo_end; lo += chunk) {
     const int64_t len = std::min(chunk, lo_end - lo);
     const size_t off = size_t(lo) * c.esize, bytes = size_t(len) * c.esize;
-    int slot = 0;
-    for (int i = 0; i < n; ++i) {
-      const int p = (r + i) % n;  // peers in a rotating order, so no rank is read by all at once
-      if (p == r) {
-        src[size_t(p)] = c.in_at(lo);
-      } else {
-        char* t = tmp + size_t(slot++) * size_t(chunk) * c.esize;
-        tp.read_peer(p, t, tp.peer_in(p) + off, bytes);
-        src[size_t(p)] = t;
-      }
-    }
-    c.reduce(c.out_at(lo), src.data(), n, len, true);
+    reduce_from_peers(c, c.out_at(lo), c.in_at(lo), off, len, tmp, size_t(chunk) * c.esize, src);
     for (int i = 1; i < n; ++i) {
       const int p = (r + i) % n;
       tp.write_peer(p, const_cast<char*>(tp.peer_out(p)) + off, c.out_at(lo), bytes);

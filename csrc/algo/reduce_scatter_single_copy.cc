@@ -22,19 +22,8 @@ void reduce_scatter_single_copy(Ctx& c) {
     if (p != r) tp.wait_post(p, 0, 1);
   for (int64_t lo = 0; lo < m; lo += chunk) {
     const int64_t len = std::min(chunk, m - lo);
-    const size_t off = size_t(base + lo) * c.esize, stride = size_t(chunk) * c.esize;
-    int slot = 0;
-    for (int i = 0; i < n; ++i) {
-      const int p = (r + i) % n;
-      if (p == r) {
-        src[size_t(p)] = c.in_at(base + lo);
-      } else {
-        char* t = tmp + size_t(slot++) * stride;
-        tp.read_peer(p, t, tp.peer_in(p) + off, size_t(len) * c.esize);
-        src[size_t(p)] = t;
-      }
-    }
-    c.reduce(c.out_at(lo), src.data(), n, len, true);
+    reduce_from_peers(c, c.out_at(lo), c.in_at(base + lo), size_t(base + lo) * c.esize, len, tmp,
+                      size_t(chunk) * c.esize, src);
   }
   tp.ack(0, 1);
   tp.wait_ack_all(0, 1);

@@ -25,17 +25,8 @@ void reduce_single_copy(Ctx& c) {
     if (p != r) tp.wait_post(p, 0, 1);
   for (int64_t lo = 0; lo < m; lo += chunk) {
     const int64_t len = std::min(chunk, m - lo);
-    int slot = 0;
-    for (int p = 0; p < n; ++p) {
-      if (p == r) {
-        src[size_t(p)] = c.in_at(lo);
-        continue;
-      }
-      char* t = tmp + size_t(slot++) * size_t(chunk) * c.esize;
-      tp.read_peer(p, t, tp.peer_in(p) + size_t(lo) * c.esize, size_t(len) * c.esize);
-      src[size_t(p)] = t;
-    }
-    c.reduce(c.out_at(lo), src.data(), n, len, true);
+    reduce_from_peers(c, c.out_at(lo), c.in_at(lo), size_t(lo) * c.esize, len, tmp,
+                      size_t(chunk) * c.esize, src);
   }
   tp.ack(0, 1);
 }
