@@ -50,7 +50,8 @@ def test_nccl_loads_from_the_wheel_without_a_gpu():
 
 def test_gpu_algorithm_names():
     want = {"allreduce": ["nccl", "ring", "tree", "one_shot", "two_shot"], "reduce_scatter": ["nccl", "ring", "one_shot"],
-            "allgather": ["nccl", "ring", "one_shot"], "broadcast": []}
+            "allgather": ["nccl", "ring", "one_shot"], "broadcast": ["nccl"], "reduce": ["nccl"],
+            "alltoall": ["nccl"], "send": ["nccl"], "recv": ["nccl"], "barrier": []}
     for coll, names in want.items():
         assert plait.algorithms(coll, device="cuda") == (names if _cuda.compiled() else [])
     assert plait.algorithms("allreduce") == plait.algorithms("allreduce", device="cpu")
@@ -163,11 +164,16 @@ def test_gpu_array_reads_the_interface():
 
 
 # -- refusing what cannot run, on every rank ---------------------------------------------------
+# Cases that pretend to be a CUDA build with two devices, so the checks after "no device" run.
+FAKE_BUILD = ("wrong_device", "bad_dtype_override", "broadcast_wrong_device", "reduce_host_output",
+              "alltoall_bad_dtype", "send_recv_tag")
+
+
 def _refused(rank, n, store, case):
     import plait as p
     from plait import _cuda as cu
     comm = p.init(rank, n, store=store)
-    if case in ("wrong_device", "bad_dtype_override"):
+    if case in FAKE_BUILD:
         # Pretend to be a CUDA build with two devices: the device check must come first.
         cu.compiled = lambda: True
         cu.device_count = lambda: 2
@@ -177,7 +183,16 @@ def _refused(rank, n, store, case):
         "gpu_input": lambda: comm.allreduce(FakeCuda() if rank == 0 else x),
         "mixed": lambda: comm.allreduce(FakeCuda(), out=np.zeros(8, np.float32)),
         "dlpack_only": lambda: comm.allreduce(FakeDlpack(), out=FakeDlpack()),
-        "not_a_gpu_collective": lambda: comm.broadcast(FakeCuda()),
+        "broadcast": lambda: comm.broadcast(FakeCuda(), 1),
+        "reduce": lambda: comm.reduce(FakeCuda(), 1, op="max"),
+        "alltoall": lambda: comm.alltoall(FakeCuda()),
+        "send_recv": lambda: comm.send(FakeCuda(), 1) if rank == 0 else comm.recv(FakeCuda(), 0),
+        "broadcast_wrong_device": lambda: comm.broadcast(FakeCuda(ptr=1 << 40), 0, out=FakeCuda(ptr=2 << 40)),
+        "reduce_host_output": lambda: comm.reduce(FakeCuda(ptr=1 << 40), 0, out=np.zeros(8, np.float32))
+        if rank == 0 else comm.reduce(x, 0),
+        "alltoall_bad_dtype": lambda: comm.alltoall(FakeCuda(ptr=1 << 40), out=FakeCuda(ptr=1 << 40), dtype="int64"),
+        "send_recv_tag": lambda: comm.send(FakeCuda(ptr=1 << 40), 1, tag=3) if rank == 0
+        else comm.recv(FakeCuda(ptr=1 << 40), 0, tag=3),
         "wrong_device": lambda: comm.allreduce(FakeCuda(ptr=1 << 40), out=FakeCuda(ptr=2 << 40)),
         "bad_dtype_override": lambda: comm.allreduce(FakeCuda(ptr=1 << 40), out=FakeCuda(ptr=1 << 40), dtype="bfloat16"),
     }
@@ -192,12 +207,19 @@ def _refused(rank, n, store, case):
     ("gpu_input", None),
     ("mixed", r"output is a host array \(ndarray\) and the other a GPU array"),
     ("dlpack_only", r"offers only DLPack"),
-    ("not_a_gpu_collective", r"broadcast.*GPU arrays are taken by allreduce, reduce_scatter, allgather only"),
+    ("broadcast", None),
+    ("reduce", None),
+    ("alltoall", None),
+    ("send_recv", None),
+    ("broadcast_wrong_device", r"broadcast.*input on GPU 1, output on GPU 2"),
+    ("reduce_host_output", r"rank 0: reduce.*output is a host array \(ndarray\) and the other a GPU array"),
+    ("alltoall_bad_dtype", r"alltoall.*dtype='int64' needs 8-byte elements, the arrays have 4 and 4"),
+    ("send_recv_tag", r"(send|recv).*tag 3: GPU send/recv run over NCCL, which has no tags"),
     ("wrong_device", r"input on GPU 1, output on GPU 2"),
     ("bad_dtype_override", r"dtype='bfloat16' needs 2-byte elements, the arrays have 4 and 4"),
 ])
 def test_gpu_input_that_cannot_run_fails_on_every_rank(case, pattern):
-    if pattern is None:
+    if pattern is None:  # every GPU collective, refused on this machine before any GPU work
         pattern = (r"no CUDA device is visible" if _cuda.compiled() and _cuda.device_count() == 0
                    else r"no CUDA path" if not _cuda.compiled() else None)
         if pattern is None:
@@ -205,11 +227,44 @@ def test_gpu_input_that_cannot_run_fails_on_every_rank(case, pattern):
     results = run_ranks(_refused, 2, RUN_TIMEOUT, args=(case,))
     for rank, (cls, msg) in enumerate(results):
         assert cls == "InvalidArgument", f"rank {rank}: {cls}: {msg}"
-        who = "rank 0" if case == "gpu_input" else "rank "  # elsewhere every rank fails alike
+        who = "rank 0" if case in ("gpu_input", "reduce_host_output") else "rank "  # elsewhere every rank fails alike
         assert who in msg, f"rank {rank}: the message names the rank that failed: {msg}"
         assert __import__("re").search(pattern, msg), f"rank {rank}: {msg}"
     if case == "gpu_input":
         assert "allreduce" in results[1][1] and "float32 x 8" in results[1][1]
+    if case in ("broadcast", "reduce", "alltoall"):
+        assert all(case in msg for _, msg in results)
+    if case == "send_recv":
+        assert all("send" in msg or "recv" in msg for _, msg in results)  # a rank may report its peer's abort
+
+
+def _p2p_first(rank, n, store):
+    import plait as p
+    from plait import _cuda as cu
+    comm = p.init(rank, n, store=store)
+    cu.compiled = lambda: True
+    cu.device_count = lambda: 1
+    p._C.cuda_pointer_device = lambda ptr: 0
+    try:
+        if rank == 0:
+            comm.send(FakeCuda(ptr=1 << 20), 1)
+        elif rank == 1:
+            comm.recv(FakeCuda(ptr=1 << 20), 0)
+    except p.PlaitError as e:
+        out = (type(e).__name__, str(e))
+    else:
+        out = (None, "no error")
+    comm.barrier(timeout=30)  # rank 2 was not drawn in, and the CPU communicator still works
+    return out
+
+
+def test_gpu_send_recv_first_in_a_larger_world_says_why():
+    """Creating the GPU communicator is a collective: send/recv of 2 of 3 ranks cannot do it."""
+    results = run_ranks(_p2p_first, 3, RUN_TIMEOUT)
+    for rank in (0, 1):
+        cls, msg = results[rank]
+        assert cls == "InvalidArgument" and "first GPU call of a communicator of 3 ranks must be a collective" in msg, msg
+    assert results[2] == (None, "no error")
 
 
 def test_torch_backend_is_registered_for_cuda_too():

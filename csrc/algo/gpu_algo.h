@@ -24,6 +24,8 @@ class GpuOps {  // implemented by the GPU communicator: every call checks and th
   virtual void all_reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op) = 0;
   virtual void reduce_scatter(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op) = 0;
   virtual void all_gather(const void* in, void* out, size_t bytes) = 0;
+  virtual void broadcast(const void* in, void* out, size_t bytes, int root) = 0;
+  virtual void reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op, int root) = 0;
 };
 
 struct GpuCtx {
@@ -50,7 +52,8 @@ struct GpuAlgorithm {
   void (*run)(GpuCtx&);
 };
 
-// allreduce: nccl, ring, tree; reduce_scatter: nccl, ring; allgather: nccl, ring.
+// allreduce: nccl, ring, tree; reduce_scatter: nccl, ring; allgather: nccl, ring; broadcast,
+// reduce, alltoall, send, recv: nccl.
 const std::vector<GpuAlgorithm>& gpu_algorithm_table();
 
 // The view an algorithm over the CUDA IPC transport works in. Epochs count exchanges over the

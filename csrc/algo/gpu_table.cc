@@ -1,5 +1,6 @@
 // The ordered tables of GPU algorithms (over NCCL; over CUDA IPC). "auto" picks the first of a
 // collective (nccl; one_shot): no GPU measurement has been made yet to place thresholds.
+// Broadcast, reduce, alltoall and send/recv have only nccl: over CUDA IPC they are refused.
 #include <cuda_runtime_api.h>
 
 #include <string>
@@ -13,6 +14,11 @@ namespace plait {
 void gpu_allreduce_nccl(GpuCtx&);
 void gpu_reduce_scatter_nccl(GpuCtx&);
 void gpu_allgather_nccl(GpuCtx&);
+void gpu_broadcast_nccl(GpuCtx&);
+void gpu_reduce_nccl(GpuCtx&);
+void gpu_alltoall_nccl(GpuCtx&);
+void gpu_send_nccl(GpuCtx&);
+void gpu_recv_nccl(GpuCtx&);
 void gpu_allreduce_ring(GpuCtx&);
 void gpu_reduce_scatter_ring(GpuCtx&);
 void gpu_allgather_ring(GpuCtx&);
@@ -31,6 +37,11 @@ const std::vector<GpuAlgorithm>& gpu_algorithm_table() {
       {Coll::reduce_scatter, "ring", gpu_reduce_scatter_ring},
       {Coll::allgather, "nccl", gpu_allgather_nccl},
       {Coll::allgather, "ring", gpu_allgather_ring},
+      {Coll::broadcast, "nccl", gpu_broadcast_nccl},
+      {Coll::reduce, "nccl", gpu_reduce_nccl},
+      {Coll::alltoall, "nccl", gpu_alltoall_nccl},
+      {Coll::send, "nccl", gpu_send_nccl},
+      {Coll::recv, "nccl", gpu_recv_nccl},
   };
   return table;
 }

@@ -59,13 +59,16 @@ int device_count() {
 }
 
 #if PLAIT_WITH_CUDA
-// (pointer, bytes, device) from plait._arrays.GpuArray; the caller holds the array.
-GpuBuffer gpu_buffer(const py::tuple& t, const std::string& dtype) {
+// (pointer, bytes, device) from plait._arrays.GpuArray, or None (reduce's output on a non-root,
+// send's output, recv's input); the caller holds the array.
+GpuBuffer gpu_buffer(const py::object& o, const std::string& dtype) {
   GpuBuffer b;
+  b.dtype = dtype_named(dtype);
+  if (o.is_none()) return b;
+  const py::tuple t = o.cast<py::tuple>();
   b.ptr = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
   b.bytes = t[1].cast<size_t>();
   b.device = t[2].cast<int>();
-  b.dtype = dtype_named(dtype);
   b.present = true;
   return b;
 }
@@ -185,14 +188,16 @@ void bind_gpu(py::module_& m) {
         py::gil_scoped_release nogil;
         g.open(h);
       })
-      .def("call", [](IpcComm& g, const std::string& coll, py::tuple in, py::tuple out, const std::string& dtype,
-                      const std::string& op, const std::string& algo, uintptr_t stream, double timeout) {
+      .def("call", [](IpcComm& g, const std::string& coll, py::object in, py::object out, const std::string& dtype,
+                      const std::string& op, const std::string& algo, uintptr_t stream, double timeout, int root,
+                      int peer) {
         const GpuBuffer i = gpu_buffer(in, dtype), o = gpu_buffer(out, dtype);
         const Coll c = coll_named(coll);
         const RedOp r = op_named(op);
         py::gil_scoped_release nogil;
-        g.call(c, i, o, r, algo, reinterpret_cast<cudaStream_t>(stream), timeout);
-      })
+        g.call(c, i, o, r, algo, reinterpret_cast<cudaStream_t>(stream), timeout, root, peer);
+      }, py::arg("coll"), py::arg("in"), py::arg("out"), py::arg("dtype"), py::arg("op"), py::arg("algo"),
+         py::arg("stream"), py::arg("timeout"), py::arg("root") = 0, py::arg("peer") = -1)
       .def("record", [](std::shared_ptr<IpcComm> g, uintptr_t stream, double timeout) {
         return std::make_shared<GpuEvent>(std::static_pointer_cast<GpuWork>(g), reinterpret_cast<cudaStream_t>(stream), timeout);
       })
@@ -220,14 +225,16 @@ void bind_gpu(py::module_& m) {
            py::arg("cpu"), py::arg("unique_id"), py::arg("device"), py::arg("timeout"), py::arg("chunk_bytes"),
            py::arg("algo_override"), py::arg("nccl_path"), py::keep_alive<1, 2>())
       .def_property_readonly("device", &GpuComm::device)
-      .def("call", [](GpuComm& g, const std::string& coll, py::tuple in, py::tuple out, const std::string& dtype,
-                      const std::string& op, const std::string& algo, uintptr_t stream, double timeout) {
+      .def("call", [](GpuComm& g, const std::string& coll, py::object in, py::object out, const std::string& dtype,
+                      const std::string& op, const std::string& algo, uintptr_t stream, double timeout, int root,
+                      int peer) {
         const GpuBuffer i = gpu_buffer(in, dtype), o = gpu_buffer(out, dtype);
         const Coll c = coll_named(coll);
         const RedOp r = op_named(op);
         py::gil_scoped_release nogil;
-        g.call(c, i, o, r, algo, reinterpret_cast<cudaStream_t>(stream), timeout);
-      })
+        g.call(c, i, o, r, algo, reinterpret_cast<cudaStream_t>(stream), timeout, root, peer);
+      }, py::arg("coll"), py::arg("in"), py::arg("out"), py::arg("dtype"), py::arg("op"), py::arg("algo"),
+         py::arg("stream"), py::arg("timeout"), py::arg("root") = 0, py::arg("peer") = -1)
       .def("record", [](std::shared_ptr<GpuComm> g, uintptr_t stream, double timeout) {
         return std::make_shared<GpuEvent>(std::static_pointer_cast<GpuWork>(g), reinterpret_cast<cudaStream_t>(stream), timeout);
       })

@@ -204,6 +204,14 @@ void GpuComm::all_gather(const void* in, void* out, size_t bytes) {
   check(api_.AllGather(in, out, bytes, nccl::Uint8, comm_, stream_), "ncclAllGather");
 }
 
+void GpuComm::broadcast(const void* in, void* out, size_t bytes, int root) {
+  check(api_.Broadcast(in, out, bytes, nccl::Uint8, root, comm_, stream_), "ncclBroadcast from rank " + std::to_string(root));
+}
+
+void GpuComm::reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op, int root) {
+  check(api_.Reduce(in, out, count, t, op, root, comm_, stream_), "ncclReduce to rank " + std::to_string(root));
+}
+
 const GpuAlgorithm& GpuComm::select(Coll c, const std::string& algo) {
   const std::string& want = algo == "auto" || algo.empty() ? forced_[size_t(c)] : algo;
   std::string names;
@@ -214,46 +222,80 @@ const GpuAlgorithm& GpuComm::select(Coll c, const std::string& algo) {
     if (want == a.name) return a;
     names += std::string(names.empty() ? "" : ", ") + a.name;
   }
-  if (first && want.empty()) return *first;
+  // PLAIT_GPU_ALGO=ring forces ring where there is one; collectives without it keep auto.
+  const bool blanket = (algo == "auto" || algo.empty()) && opt_.algo_override.find('=') == std::string::npos;
+  if (first && (want.empty() || blanket)) return *first;
   throw InvalidArgument("rank " + std::to_string(rank_) + ": " + coll_name(c) + ": no GPU algorithm '" + want +
                         "' (" + (names.empty() ? "this collective has no GPU path yet" : names) + ")");
 }
 
-void validate_gpu_call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int rank_, int size_, int device_) {
+void validate_gpu_call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int root, int peer, int rank_,
+                       int size_, int device_) {
   const std::string head = "rank " + std::to_string(rank_) + ": " + coll_name(c) + " on GPU " + std::to_string(device_);
-  if (!in.present || !out.present) throw InvalidArgument(head + ": needs an input and an output");
-  const size_t es = dtype_size(in.dtype);
-  const std::string what = " (" + std::string(dtype_name(in.dtype)) + ", input " + std::to_string(in.bytes / es) +
+  const bool p2p = c == Coll::send || c == Coll::recv;
+  if ((c == Coll::broadcast || c == Coll::reduce) && (root < 0 || root >= size_))
+    throw InvalidArgument(head + ": root " + std::to_string(root) + " is outside a world of " + std::to_string(size_));
+  if (p2p && (peer < 0 || peer >= size_ || peer == rank_))
+    throw InvalidArgument(head + ": peer " + std::to_string(peer) + " is not another rank of a world of " +
+                          std::to_string(size_));
+  const bool need_in = c != Coll::recv, need_out = c != Coll::send && !(c == Coll::reduce && rank_ != root);
+  if ((need_in && !in.present) || (need_out && !out.present))
+    throw InvalidArgument(head + ": needs " + (need_in && need_out ? "an input and an output" : need_in ? "an input" : "an output"));
+  const GpuBuffer& any = in.present ? in : out;
+  const size_t es = dtype_size(any.dtype);
+  const std::string what = " (" + std::string(dtype_name(any.dtype)) + ", input " + std::to_string(in.bytes / es) +
                            " elements, output " + std::to_string(out.bytes / es) + ")";
-  if (in.dtype != out.dtype) throw InvalidArgument(head + ": input is " + dtype_name(in.dtype) + ", output " + dtype_name(out.dtype));
-  if (in.device != device_ || out.device != device_)
+  if (in.present && out.present && in.dtype != out.dtype)
+    throw InvalidArgument(head + ": input is " + dtype_name(in.dtype) + ", output " + dtype_name(out.dtype));
+  if ((in.present && in.device != device_) || (out.present && out.device != device_))
     throw InvalidArgument(head + ": input on GPU " + std::to_string(in.device) + ", output on GPU " +
                           std::to_string(out.device) + "; this communicator's GPU work runs on GPU " + std::to_string(device_));
-  if (op == RedOp::avg && !is_float(in.dtype))
+  if (op == RedOp::avg && !is_float(any.dtype))
     throw InvalidArgument(head + ": avg needs a floating-point dtype" + what);
+  if (p2p) return;  // one buffer: the peer's must match it (NCCL cannot check; a mismatch ends at the deadline)
+  if (c == Coll::reduce && !out.present) return;
   const size_t n = size_t(size_);
-  const bool ok = c == Coll::allreduce ? in.bytes == out.bytes
-                  : c == Coll::reduce_scatter ? in.bytes == n * out.bytes
-                                              : out.bytes == n * in.bytes;
+  const bool ok = c == Coll::reduce_scatter ? in.bytes == n * out.bytes
+                  : c == Coll::allgather    ? out.bytes == n * in.bytes
+                  : c == Coll::alltoall     ? in.bytes == out.bytes && in.bytes % (n * es) == 0
+                                            : in.bytes == out.bytes;  // allreduce, broadcast, reduce
   if (!ok)
     throw InvalidArgument(head + ": sizes do not fit a world of " + std::to_string(size_) + what);
-  // In place is out == in (allreduce), out = this rank's block of in (reduce_scatter), in = this
-  // rank's block of out (allgather); any other overlap would be read after it was written.
+  // In place is out == in (allreduce, broadcast, reduce), out = this rank's block of in
+  // (reduce_scatter), in = this rank's block of out (allgather); alltoall has none. Any other
+  // overlap would be read after it was written.
   const char *ib = static_cast<const char*>(in.ptr), *ob = static_cast<const char*>(out.ptr);
   const bool overlap = ib < ob + out.bytes && ob < ib + in.bytes && in.bytes && out.bytes;
-  const bool in_place = c == Coll::allreduce ? ib == ob
-                        : c == Coll::reduce_scatter ? ob == ib + size_t(rank_) * out.bytes
-                                                    : ib == ob + size_t(rank_) * in.bytes;
-  if (overlap && !in_place) throw InvalidArgument(head + ": input and output overlap other than in place" + what);
+  const bool in_place = c == Coll::reduce_scatter ? ob == ib + size_t(rank_) * out.bytes
+                        : c == Coll::allgather    ? ib == ob + size_t(rank_) * in.bytes
+                        : c == Coll::alltoall     ? false
+                                                  : ib == ob;
+  if (overlap && !in_place)
+    throw InvalidArgument(head + ": input and output overlap" +
+                          (c == Coll::alltoall ? " (alltoall cannot run in place)" : " other than in place") + what);
+}
+
+CallArgs gpu_call_args(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int root, int peer) {
+  CallArgs a;
+  a.coll = c;
+  a.dtype = in.present ? in.dtype : out.dtype;
+  a.op = op;
+  a.root = root;
+  a.peer = peer;
+  a.in = in.ptr;
+  a.out = out.present ? out.ptr : nullptr;
+  const bool by_input = c == Coll::allgather || c == Coll::reduce || c == Coll::send;
+  a.count = int64_t((by_input ? in.bytes : out.bytes) / dtype_size(a.dtype));
+  return a;
 }
 
 void GpuComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, const std::string& algo,
-                   cudaStream_t stream, double timeout_s) {
+                   cudaStream_t stream, double timeout_s, int root, int peer) {
   throw_if_failed();
   if (peers_.throw_if_aborted) peers_.throw_if_aborted();
   const GpuAlgorithm* alg = nullptr;
   try {
-    validate_gpu_call(c, in, out, op, rank_, size_, device_);
+    validate_gpu_call(c, in, out, op, root, peer, rank_, size_, device_);
     alg = &select(c, algo);
   } catch (const InvalidArgument& e) {
     // Bad input aborts the call on every rank, as on the CPU path; no peer waits on GPU work
@@ -261,21 +303,15 @@ void GpuComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
     fail(ErrorKind::invalid, e.what());
   }
   DeviceGuard g(device_);
-  cur_ = CallArgs{};
-  cur_.coll = c;
-  cur_.dtype = in.dtype;
-  cur_.op = op;
-  cur_.in = in.ptr;
-  cur_.out = out.ptr;
-  cur_.count = int64_t((c == Coll::allgather ? in.bytes : out.bytes) / dtype_size(in.dtype));
+  cur_ = gpu_call_args(c, in, out, op, root, peer);
   cur_.timeout_s = timeout_s > 0 ? timeout_s : opt_.timeout_s;
   cur_algo_ = alg->name;
   stream_ = stream;
   deadline_ = now_s() + cur_.timeout_s;
   // Calls on different streams still run in issue order: NCCL requires it, and they share scratch.
   cuda_ok(cudaStreamWaitEvent(stream, last_, 0), who() + ": cudaStreamWaitEvent");
-  GpuCtx ctx{*this, cur_, stream, dtype_size(in.dtype), rank_, size_,
-             std::max<int64_t>(1, opt_.chunk_bytes / int64_t(dtype_size(in.dtype))), scratch_};
+  const size_t es = dtype_size(cur_.dtype);
+  GpuCtx ctx{*this, cur_, stream, es, rank_, size_, std::max<int64_t>(1, opt_.chunk_bytes / int64_t(es)), scratch_};
   try {
     alg->run(ctx);
     cuda_ok(cudaEventRecord(last_, stream), who() + ": cudaEventRecord");

@@ -69,8 +69,12 @@ class GpuEvent {
   double deadline_;
 };
 
-// The checks every GPU call makes (sizes, dtype, devices, overlap); throws InvalidArgument.
-void validate_gpu_call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int rank, int size, int device);
+// The checks every GPU call makes (sizes, dtype, devices, overlap, root, peer); throws
+// InvalidArgument. reduce takes no output on a non-root, send none, recv no input (present false).
+void validate_gpu_call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int root, int peer, int rank,
+                       int size, int device);
+// The call as the algorithms see it (count: elements of the whole vector, as on the CPU path).
+CallArgs gpu_call_args(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int root, int peer);
 double gpu_now_s();
 void gpu_pause(double waited_s);  // spin, then yield, then 100 us naps
 
@@ -96,9 +100,10 @@ class GpuComm final : public GpuOps, public GpuWork {
   void poll_pending(double deadline) override;
   void check_done() override {}
 
-  // Validates and enqueues one collective on `stream`; timeout_s <= 0: the default.
+  // Validates and enqueues one collective on `stream`; timeout_s <= 0: the default. root is
+  // broadcast's and reduce's, peer send's and recv's.
   void call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, const std::string& algo,
-            cudaStream_t stream, double timeout_s);
+            cudaStream_t stream, double timeout_s, int root = 0, int peer = -1);
   // Waits (deadline) for everything enqueued, then destroys the NCCL communicator.
   void finalize();
 
@@ -110,6 +115,8 @@ class GpuComm final : public GpuOps, public GpuWork {
   void all_reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op) override;
   void reduce_scatter(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op) override;
   void all_gather(const void* in, void* out, size_t bytes) override;
+  void broadcast(const void* in, void* out, size_t bytes, int root) override;
+  void reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op, int root) override;
 
  private:
   void check(nccl::Result r, const std::string& what);

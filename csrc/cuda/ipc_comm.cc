@@ -86,19 +86,24 @@ void IpcComm::poll_pending(double deadline) {
 }
 
 void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, const std::string& algo,
-                   cudaStream_t stream, double timeout_s) {
+                   cudaStream_t stream, double timeout_s, int root, int peer) {
   throw_if_failed();
   if (peers_.throw_if_aborted) peers_.throw_if_aborted();
   if (tp_->error() != IpcTransport::ok) check_done();
   const IpcAlgorithm* alg = nullptr;
   try {
-    validate_gpu_call(c, in, out, op, rank_, size_, device_);
+    validate_gpu_call(c, in, out, op, root, peer, rank_, size_, device_);
     std::string names;
     for (const IpcAlgorithm& a : ipc_algorithm_table()) {
       if (a.coll != c) continue;
       if (!alg && (algo.empty() || algo == "auto" || algo == a.name)) alg = &a;  // auto: the first
       names += std::string(names.empty() ? "" : ", ") + a.name;
     }
+    if (names.empty())
+      throw InvalidArgument("rank " + std::to_string(rank_) + ": " + coll_name(c) +
+                            " of GPU arrays has no path over the CUDA IPC transport (ranks sharing a GPU) in this "
+                            "version: it runs over NCCL, with one GPU per rank; IPC has allreduce, reduce_scatter "
+                            "and allgather");
     if (!alg)
       throw InvalidArgument("rank " + std::to_string(rank_) + ": " + coll_name(c) + ": no algorithm '" + algo +
                             "' over the CUDA IPC transport (" + (names.empty() ? "none" : names) +
@@ -107,21 +112,15 @@ void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
     fail(ErrorKind::invalid, e.what());
   }
   DeviceGuard g(device_);
-  CallArgs a;
-  a.coll = c;
-  a.dtype = in.dtype;
-  a.op = op;
-  a.in = in.ptr;
-  a.out = out.ptr;
-  a.count = int64_t((c == Coll::allgather ? in.bytes : out.bytes) / dtype_size(in.dtype));
+  CallArgs a = gpu_call_args(c, in, out, op, root, peer);
   a.timeout_s = timeout_s > 0 ? timeout_s : opt_.timeout_s;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    cur_ = std::string(coll_name(c)) + " (" + alg->name + ", " + dtype_name(in.dtype) + ", count " + std::to_string(a.count) + ")";
+    cur_ = std::string(coll_name(c)) + " (" + alg->name + ", " + dtype_name(a.dtype) + ", count " + std::to_string(a.count) + ")";
   }
   try {
     cuda_ok(cudaStreamWaitEvent(stream, last_, 0), who() + ": cudaStreamWaitEvent");
-    IpcCtx ctx{*tp_, a, stream, dtype_size(in.dtype), rank_, size_, epoch_, uint64_t(a.timeout_s * 1e9)};
+    IpcCtx ctx{*tp_, a, stream, dtype_size(a.dtype), rank_, size_, epoch_, uint64_t(a.timeout_s * 1e9)};
     alg->run(ctx);
     cuda_ok(cudaEventRecord(last_, stream), who() + ": cudaEventRecord");
   } catch (const PlaitError& e) {

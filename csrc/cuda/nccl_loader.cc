@@ -45,6 +45,8 @@ const NcclApi& nccl_load(const std::string& path) {
   resolve(lib, "ncclAllReduce", &api->AllReduce, name);
   resolve(lib, "ncclReduceScatter", &api->ReduceScatter, name);
   resolve(lib, "ncclAllGather", &api->AllGather, name);
+  resolve(lib, "ncclBroadcast", &api->Broadcast, name);
+  resolve(lib, "ncclReduce", &api->Reduce, name);
   resolve(lib, "ncclSend", &api->Send, name);
   resolve(lib, "ncclRecv", &api->Recv, name);
   resolve(lib, "ncclGroupStart", &api->GroupStart, name);

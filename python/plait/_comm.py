@@ -94,7 +94,8 @@ class Communicator:
                 -(1 << 31) <= root < 1 << 31 and -(1 << 31) <= peer < 1 << 31):
             root, peer, tag = self._int(root, "root"), self._int(peer, "peer"), self._int(tag, "tag")
         if _gpu.wants_gpu(x, out):
-            return _gpu.call(self, _NAME[code], x, out, op, algorithm, timeout, async_op, dtype, result)
+            return _gpu.call(self, _NAME[code], x, out, op, algorithm, timeout, async_op, dtype, result,
+                             root, peer, tag)
         xo = out_o = None
         if x is not None and type(x) is not np.ndarray:
             xo = x

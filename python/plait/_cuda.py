@@ -9,7 +9,9 @@ import os
 
 from . import _C, _errors
 
-GPU_COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
+GPU_COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "send", "recv")
+# The collectives the CUDA IPC transport runs; the others need NCCL (one GPU per rank).
+IPC_COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 _nccl_version = None  # cached after the first successful load
 
 

@@ -76,31 +76,44 @@ def check_input(comm, coll, x):
     check_usable(comm, coll, gx.describe())
 
 
-def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result):
+def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result, root=0, peer=-1, tag=0):
     gx, go = _array(comm, x, "input", coll), _array(comm, out, "output", coll)
     fail = comm._c.fail
     head = f"rank {comm.rank}: {coll} ({(gx or go).describe()})"
-    if gx is None or go is None:
+    # reduce has no output on a non-root, send none, recv no input (all None by then).
+    if (gx is None and x is not None) or (go is None and out is not None) or (
+            x is None and coll != "recv") or (out is None and coll not in ("send", "reduce")):
         host, obj = ("input", x) if gx is None else ("output", out)
         fail(f"{head}: the {host} is a host array ({type(obj).__name__}) and the other a GPU array; "
              f"pass both on the same GPU")
-    check_usable(comm, coll, gx.describe())
-    if gx.device != go.device:
+    ga = gx or go
+    check_usable(comm, coll, ga.describe())
+    if gx is not None and go is not None and gx.device != go.device:
         fail(f"{head}: input on GPU {gx.device}, output on GPU {go.device}; pass both on the same GPU")
-    dt = dtype or gx.dtype
-    if dtype is None and go.dtype != gx.dtype:
+    dt = dtype or ga.dtype
+    if dtype is None and gx is not None and go is not None and go.dtype != gx.dtype:
         fail(f"{head}: input is {gx.dtype}, output is {go.dtype}")
     if dt not in _ITEMSIZE:
         fail(f"{head}: unsupported dtype {dt} (float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool)")
-    if gx.itemsize != _ITEMSIZE[dt] or go.itemsize != _ITEMSIZE[dt]:
+    if any(a is not None and a.itemsize != _ITEMSIZE[dt] for a in (gx, go)):
         fail(f"{head}: dtype={dt!r} needs {_ITEMSIZE[dt]}-byte elements, the arrays have "
-             f"{gx.itemsize} and {go.itemsize}")
-    g = _communicator(comm, gx.device, timeout, head)
+             f"{' and '.join(str(a.itemsize) for a in (gx, go) if a is not None)}")
+    if coll in ("send", "recv"):
+        if tag != 0:
+            fail(f"{head}: tag {tag}: GPU send/recv run over NCCL, which has no tags; they match in issue "
+                 f"order per pair of ranks (pass tag=0)")
+        if comm._gpu is None and comm.size > 2:
+            # Creating the GPU communicator is a collective: two ranks of a larger world cannot.
+            raise _errors.InvalidArgument(
+                f"{head}: the first GPU call of a communicator of {comm.size} ranks must be a collective "
+                f"(it creates the GPU communicator on every rank); make one, e.g. a broadcast of a GPU "
+                f"array, before GPU send/recv")
+    g = _communicator(comm, ga.device, timeout, head)
     t = 0.0 if timeout is None else float(timeout)
-    g.call(coll, (gx.ptr, gx.nbytes, gx.device), (go.ptr, go.nbytes, go.device), dt, op, algorithm,
-           gx.stream, t)
+    g.call(coll, None if gx is None else (gx.ptr, gx.nbytes, gx.device),
+           None if go is None else (go.ptr, go.nbytes, go.device), dt, op, algorithm, ga.stream, t, root, peer)
     if async_op:
-        return GpuHandle(g.record(gx.stream, t), (x, out), result)
+        return GpuHandle(g.record(ga.stream, t), (x, out), result)
     return result
 
 

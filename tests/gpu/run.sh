@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one script (for a machine with a GPU; about 5-10 minutes on one H200):
-# builds plait with PLAIT_CUDA=ON, runs the GPU tests (marker cuda) and the CPU-side GPU tests,
+# builds plait with PLAIT_CUDA=ON, runs the GPU tests (marker cuda; every collective, incl.
+# broadcast/reduce/alltoall/send/recv in test_gpu_rooted_p2p.py) and the CPU-side GPU tests,
 # runs a short `plait-bench --device cuda` sweep (plait ring/tree vs nccl over NCCL, plait
 # one_shot over CUDA IPC with two ranks on one GPU) and prints a summary.
 # Results also land in $OUT (default build/gpu-results). Exit status: 0 only if all passed.

@@ -210,6 +210,26 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
             kwargs["op"] = fast[0]
         self._add(op, getattr(self._comm, coll)(x, y, **kwargs))
 
+    def _gpu_reduce(self, op, x, y, red, kw, root):
+        """reduce of a CUDA tensor to `root` (y is written on the root only)."""
+        if not (x.is_cuda and y.is_cuda):
+            self._fail(f"reduce: input on {x.device}, output on {y.device}; pass both on one device")
+        if not (x.is_contiguous() and y.is_contiguous()):
+            raise PlaitUnsupportedError(f"{op.where}: non-contiguous CUDA tensors (call .contiguous())")
+        fast = _reduce.FAST.get((red.kind.value, x.dtype))
+        if fast is None:
+            raise PlaitUnsupportedError(f"{op.where}: {red} on {x.dtype} CUDA tensors (plait's GPU path "
+                                        f"reduces sum/prod/min/max, avg on floats, of its dtypes)")
+        out = y.reshape(-1) if self._rank == root else None
+        self._add(op, self._comm.reduce(x.reshape(-1), root, out=out, op=fast[0], **kw))
+
+    @staticmethod
+    def _cuda_bytes(t, where):
+        """A contiguous CUDA tensor's bytes as a flat uint8 CUDA view (data movement: any dtype)."""
+        if not t.is_contiguous():
+            raise PlaitUnsupportedError(f"{where}: non-contiguous CUDA tensors (call .contiguous())")
+        return _tensors.raw(t)
+
     def _fail(self, msg):
         """Aborts the communicator on every rank (so no peer hangs) and raises InvalidArgument."""
         msg = f"rank {self._rank}: {msg}"
@@ -223,6 +243,8 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
         """Issues one reduction of x into y: allreduce, reduce to root, or reduce_scatter."""
         if x.is_cuda and root is None:
             return self._gpu_call(op, "reduce_scatter" if scatter else "allreduce", x, y, kw, red)
+        if x.is_cuda:
+            return self._gpu_reduce(op, x, y, red, kw, root)
         _tensors.check_cpu(x, op.where)
         rank = self._rank
         if root is not None and rank != root:
@@ -364,6 +386,9 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
         return self._launch(op, kw)
 
     def _broadcast_one(self, op, t, root, kw):
+        if t.is_cuda:
+            self._add(op, self._comm.broadcast(self._cuda_bytes(t, op.where), root, **kw))
+            return
         _tensors.check_cpu(t, op.where)
         buf = _tensors.source(t)
         if buf is not t and self._rank != root:

@@ -1,5 +1,6 @@
 """The collectives plait has no single call for, built from its send/recv: uneven all-to-all,
-gather and scatter; and torch's send/recv themselves.
+gather and scatter; and torch's send/recv themselves. CUDA tensors: even all-to-all and
+send/recv go to plait's GPU path (NCCL), on torch's current stream; gather/scatter stay CPU-only.
 
 plait progresses consecutive asynchronous sends and receives together, so issuing all of an
 exchange's sends and receives before waiting on any cannot deadlock, whatever their order.
@@ -41,6 +42,8 @@ class Exchanges:
                        "covering the rows (or, without splits, rows that divide evenly)")
         even = len(set(out_rows)) == 1 and out_rows == in_rows
         kw = self._kw(opts, even and self._sync(opts))  # send/recv never run inline
+        if input.is_cuda or output.is_cuda:
+            return self._cuda_alltoall(op, output, input, even, kw)
         dst = _tensors.sink(output, op)
         src = _tensors.source(input)
         if src is input and _tensors.overlaps(src, dst) and not (even and _tensors.same_bytes(src, dst)):
@@ -61,10 +64,19 @@ class Exchanges:
             self._fail(f"all_to_all: {len(inputs)} inputs and {len(outputs)} outputs for a group of {n}")
         even = len({t.numel() * t.element_size() for t in list(outputs) + list(inputs)}) == 1
         kw = self._kw(opts, even and self._sync(opts))
+        cuda = {t.is_cuda for t in list(outputs) + list(inputs)}
+        if True in cuda:
+            if cuda != {True}:
+                self._fail("all_to_all: CUDA and CPU tensors mixed; pass all on one device")
+            if not even:
+                raise PlaitUnsupportedError(f"{op.where}: uneven CUDA tensors (plait's GPU alltoall moves equal blocks)")
         if even:
             src = torch.cat([_tensors.raw(_tensors.source(t)) for t in inputs])
             flat = torch.empty_like(src)
-            self._add(op, self._comm.alltoall(_tensors.bytes_of(src), _tensors.bytes_of(flat), **kw))
+            if src.is_cuda:  # the copies into outputs follow on the same (current) stream
+                self._add(op, self._comm.alltoall(src, flat, **kw))
+            else:
+                self._add(op, self._comm.alltoall(_tensors.bytes_of(src), _tensors.bytes_of(flat), **kw))
             nb = flat.numel() // n
             op.after.append(lambda: [_tensors.write_bytes(o, flat[j * nb:(j + 1) * nb])
                                      for j, o in enumerate(outputs)])
@@ -73,6 +85,19 @@ class Exchanges:
             srcs = [_tensors.source(t) for t in inputs]
             srcs = [s.clone() if any(_tensors.overlaps(s, d) for d in dsts) else s for s in srcs]
             self._exchange(op, srcs, dsts, kw)
+        return self._launch(op, kw)
+
+    def _cuda_alltoall(self, op, output, input, even, kw):
+        """Even all-to-all of CUDA tensors: one plait alltoall on the GPU path (NCCL)."""
+        if not (input.is_cuda and output.is_cuda):
+            self._fail(f"all_to_all: input on {input.device}, output on {output.device}; pass both on one device")
+        if not even:
+            raise PlaitUnsupportedError(f"{op.where}: uneven splits of CUDA tensors (plait's GPU alltoall "
+                                        f"moves equal blocks)")
+        src, dst = self._cuda_bytes(input, op.where), self._cuda_bytes(output, op.where)
+        if _tensors.overlaps(src, dst):
+            src = src.clone()  # the GPU alltoall cannot run in place
+        self._add(op, self._comm.alltoall(src, dst, **kw))
         return self._launch(op, kw)
 
     def _exchange(self, op, srcs, dsts, kw):
@@ -134,8 +159,11 @@ class Exchanges:
     def send(self, tensors, dstRank, tag=0):
         t = one(tensors, "send")
         op = self._begin(f"send to rank {dstRank}", [t])
-        _tensors.check_cpu(t, op.where)
         kw = self._kw(None, False)
+        if t.is_cuda:
+            self._add(op, self._comm.send(self._cuda_bytes(t, op.where), dstRank, tag=_cuda_tag(tag, op), **kw))
+            return self._launch(op, kw)
+        _tensors.check_cpu(t, op.where)
         self._add(op, self._comm.send(_tensors.bytes_of(_tensors.source(t)), dstRank, tag=tag, **kw))
         return self._launch(op, kw)
 
@@ -143,8 +171,11 @@ class Exchanges:
     def recv(self, tensors, srcRank, tag=0):
         t = one(tensors, "recv")
         op = self._begin(f"recv from rank {srcRank}", [t])
-        _tensors.check_cpu(t, op.where)
         kw = self._kw(None, False)
+        if t.is_cuda:
+            self._add(op, self._comm.recv(self._cuda_bytes(t, op.where), srcRank, tag=_cuda_tag(tag, op), **kw))
+            return self._launch(op, kw)
+        _tensors.check_cpu(t, op.where)
         self._add(op, self._comm.recv(_tensors.bytes_of(_tensors.sink(t, op)), srcRank, tag=tag, **kw))
         return self._launch(op, kw)
 
@@ -152,6 +183,13 @@ class Exchanges:
         raise PlaitUnsupportedError(
             "plait: recv from any source is not supported (plait matches messages per sender, in "
             "order); pass src= to dist.recv / dist.irecv")
+
+
+def _cuda_tag(tag, op):
+    if tag:
+        raise PlaitUnsupportedError(f"{op.where}: tag {tag} on CUDA tensors (GPU send/recv run over NCCL, "
+                                    f"which has no tags; they match in issue order per pair of ranks)")
+    return 0
 
 
 def _nrows(t):

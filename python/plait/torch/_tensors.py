@@ -101,8 +101,9 @@ def check_cpu(t, where="plait"):
     if not t.is_cpu:
         from ._errors import PlaitUnsupportedError
         raise PlaitUnsupportedError(
-            f"{where}: tensor on {t.device}; plait takes CUDA tensors in allreduce, reduce_scatter and "
-            f"all_gather only (contiguous, plait's dtypes and ops), CPU tensors everywhere")
+            f"{where}: tensor on {t.device}; plait takes CUDA tensors in all_reduce, reduce, reduce_scatter, "
+            f"broadcast, all_gather, all_to_all (even splits) and send/recv only (contiguous; reductions: "
+            f"plait's dtypes and ops), CPU tensors everywhere")
 
 
 def source(t):
