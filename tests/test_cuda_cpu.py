@@ -282,3 +282,55 @@ def test_bench_device_cuda_says_why_it_cannot_run():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "no CUDA device is visible" in r.stderr or "no CUDA path" in r.stderr, r.stderr
+
+
+# -- GPU calls are compared across ranks -----------------------------------------------------
+class _RecordingGpu:
+    """Stands in for the GPU communicator: records what would have been enqueued."""
+
+    device = 0
+
+    def __init__(self):
+        self.calls = []
+
+    def call(self, coll, *args):
+        self.calls.append(coll)
+
+    def finalize(self):
+        pass
+
+
+def _gpu_mismatch(rank, n, store, field):
+    import plait as p
+    from plait import _cuda as cu, _gpu
+    comm = p.init(rank, n, store=store, timeout=30)
+    cu.compiled = lambda: True
+    cu.device_count = lambda: 1
+    p._C.cuda_pointer_device = lambda ptr: 0
+    fake = _RecordingGpu()
+    _gpu._communicator = lambda c, device, timeout, head: fake
+    odd = rank == n - 1
+    x, y = FakeCuda(ptr=1 << 20), FakeCuda(ptr=2 << 20)
+    try:
+        comm.allreduce(x, out=y)  # every rank agrees
+        if field == "count":
+            shape = (7,) if odd else (8,)
+            comm.allreduce(FakeCuda(shape, ptr=1 << 20), out=FakeCuda(shape, ptr=2 << 20))
+        elif field == "op":
+            comm.allreduce(x, out=y, op="max" if odd else "sum")
+        elif field == "root":
+            comm.broadcast(x, 1 if odd else 0)
+        else:  # collective
+            comm.broadcast(x, 0) if odd else comm.allreduce(x, out=y)
+    except p.PlaitError as e:
+        return type(e).__name__, str(e), fake.calls
+    return None, "no error", fake.calls
+
+
+@pytest.mark.parametrize("field", ("count", "op", "root", "collective"))
+def test_mismatched_gpu_calls_raise_mismatch_on_every_rank(field):
+    results = run_ranks(_gpu_mismatch, 3, RUN_TIMEOUT, args=(field,))
+    for rank, (cls, msg, calls) in enumerate(results):
+        assert cls == "MismatchError" and "mismatched GPU calls" in msg, (rank, msg)
+        assert calls == ["allreduce"], (rank, calls)  # the agreed call ran, the mismatched one never did
+    assert {"count": "count", "op": "op", "root": "root", "collective": "collective"}[field] in results[0][1]

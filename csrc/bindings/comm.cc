@@ -216,7 +216,10 @@ void bind_comm(py::module_& m) {
         py::gil_scoped_release nogil;
         c.finalize();
       })
-      .def("fail", [](Communicator& c, const std::string& msg) { c.fail(ErrorKind::invalid, msg); })
+      .def("fail", [](Communicator& c, const std::string& msg, const std::string& kind) {
+             // Aborts the communicator on every rank and raises; kind: invalid (default) or mismatch.
+             c.fail(kind == "mismatch" ? ErrorKind::mismatch : ErrorKind::invalid, msg);
+           }, py::arg("msg"), py::arg("kind") = "invalid")
       .def("call", [](Communicator& c, int coll, const py::object& x, const py::object& out,
                       const std::string& op, int root, int peer, int64_t tag, const std::string& algo,
                       double timeout, bool async, const std::string& dtype) {

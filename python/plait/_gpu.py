@@ -9,6 +9,7 @@ rank rejects aborts the call on every rank through the CPU communicator (`_c.fai
 CPU path.
 """
 import os
+import zlib
 
 import numpy as np
 
@@ -18,6 +19,9 @@ DEFAULT_CHUNK_BYTES = 4 << 20  # PLAIT_GPU_CHUNK_BYTES; a guess until measured o
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1, "int32": 4,
              "int64": 8, "bool": 1}
 DEFAULT_IPC_BYTES = 8 << 20  # PLAIT_GPU_IPC_BYTES: staging per rank of the IPC transport; a guess too
+_CODES = {c: i for i, c in enumerate(("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce",
+                                      "alltoall", "barrier"))}
+_OP_CODES = {o: i for i, o in enumerate(("sum", "prod", "min", "max", "avg"))}
 
 
 class GpuHandle:
@@ -76,6 +80,34 @@ def check_input(comm, coll, x):
     check_usable(comm, coll, gx.describe())
 
 
+_FIELDS = ("GPU call number", "collective", "count", "dtype", "op", "root", "algorithm")
+
+
+def _check_calls(comm, head, coll, dt, count, op, root, algorithm, timeout):
+    """GPU calls are compared across ranks like host calls (NCCL would hang or mix data on a
+    mismatch): one tiny max-allreduce of the call's fields and their negatives on the host
+    communicator, ~1-2 us on one host. Ranks that disagree all see it and raise MismatchError."""
+    seq = getattr(comm, "_gpu_calls", 0) + 1
+    comm._gpu_calls = seq
+    codes = (seq, _CODES.get(coll, 99), int(count), sorted(_ITEMSIZE).index(dt), _OP_CODES.get(op, -1),
+             int(root) if coll in ("broadcast", "reduce") else 0, zlib.crc32((algorithm or "auto").encode()))
+    v = np.array(codes + tuple(-c for c in codes), dtype=np.int64)
+    comm.allreduce(v, v, op="max", timeout=timeout)
+    k = len(codes)
+    hi, lo = v[:k], -v[k:]
+    if (hi == lo).all():
+        return
+    diff = ", ".join(f"{f} ({lo[j]}..{hi[j]})" for j, f in enumerate(_FIELDS) if hi[j] != lo[j])
+    msg = (f"{head}: mismatched GPU calls: ranks disagree on {diff} (this rank: {coll} #{seq}, "
+           f"count={count}, dtype={dt}, op={op}, algorithm={algorithm})")
+    err = _errors.MismatchError(msg)
+    abort_all = getattr(comm, "_abort_all", None)  # a HierCommunicator aborts through its store flag
+    if abort_all is not None:
+        abort_all(err)
+        raise err
+    comm._c.fail(msg, "mismatch")  # aborts the communicator on every rank and raises
+
+
 def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result, root=0, peer=-1, tag=0):
     gx, go = _array(comm, x, "input", coll), _array(comm, out, "output", coll)
     fail = comm._c.fail
@@ -110,6 +142,8 @@ def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result, ro
                 f"array, before GPU send/recv")
     g = _communicator(comm, ga.device, timeout, head)
     t = 0.0 if timeout is None else float(timeout)
+    if coll not in ("send", "recv"):
+        _check_calls(comm, head, coll, dt, ga.nbytes // _ITEMSIZE[dt], op, root, algorithm, timeout)
     g.call(coll, None if gx is None else (gx.ptr, gx.nbytes, gx.device),
            None if go is None else (go.ptr, go.nbytes, go.device), dt, op, algorithm, ga.stream, t, root, peer)
     if async_op:
