@@ -20,7 +20,7 @@ void alltoall_single_copy(Ctx& c) {
   tp.post(0, 1);
   std::unique_ptr<char[]> held(in_place && bytes ? new char[size_t(n) * bytes] : nullptr);
   auto dest = [&](int p) { return in_place ? held.get() + size_t(p) * bytes : c.out_at(int64_t(p) * m); };
-  if (!in_place) std::memcpy(dest(r), c.in_at(int64_t(r) * m), bytes);
+  if (!in_place && bytes) std::memcpy(dest(r), c.in_at(int64_t(r) * m), bytes);
   for (int i = 1; i < n; ++i) {
     const int p = (r + i) % n;  // start with different peers so readers spread out
     tp.wait_post(p, 0, 1);
@@ -28,7 +28,7 @@ void alltoall_single_copy(Ctx& c) {
   }
   tp.ack(0, 1);           // done reading every peer
   tp.wait_ack_all(0, 1);  // and every peer is done reading this rank
-  if (in_place)
+  if (in_place && bytes)
     for (int p = 0; p < n; ++p)
       if (p != r) std::memcpy(c.out_at(int64_t(p) * m), dest(p), bytes);
 }
