@@ -101,6 +101,77 @@ def test_ring_plan_reduces_and_gathers_every_block(n):
     assert all(h == set(range(n)) for h in have)
 
 
+def _simulate_ipc_ring(n, count, slot):
+    """Runs every rank's ipc_ring_plan in lockstep as the GPU does: a step reads the left
+    neighbour's slot (read % 2) after it posted `read`, and overwrites its own slot only after the
+    right neighbour read what was there. Values carry the set of ranks folded in, so a rank counted
+    twice or missing shows, and the arithmetic is the exact sum of a closed formula."""
+    plans = [_C.gpu_plan_ipc_ring(r, n, count, slot) for r in range(n)]
+    assert len({len(p) for p in plans}) == 1, "every rank takes the same number of steps"
+    inp = [np.arange(count, dtype=np.int64) * (r + 1) + r for r in range(n)]
+    out = [np.full(count, -1, dtype=np.int64) for _ in range(n)]
+    staging = [[None, None] for _ in range(n)]  # per slot: (epoch, values, ranks folded in, reader done)
+    finished = {}  # (round, block) -> its element count
+    for i in range(len(plans[0])):
+        steps = [p[i] for p in plans]
+        assert len({(k, rd, po) for k, _, _, _, rd, po in steps}) == 1, "all ranks take the same kind of step, same epochs"
+        got = []
+        for r, (kind, block, off, cnt, read, post) in enumerate(steps):
+            assert 0 <= cnt <= slot and 0 <= off and off + cnt <= count
+            src = None
+            if read:
+                e, vals, ranks, done = staging[(r - 1) % n][read % 2]
+                assert e == read and not done, f"rank {r} reads left's epoch {read} once, while it is there"
+                src = (vals, ranks)
+                staging[(r - 1) % n][read % 2] = (e, vals, ranks, True)
+            got.append(src)
+        for r, (kind, block, off, cnt, read, post) in enumerate(steps):
+            src, mine = got[r], inp[r][off:off + cnt]
+            if kind == "load":
+                vals, ranks = mine.copy(), {r}
+            elif kind in ("reduce", "finish"):
+                assert r not in src[1], f"rank {r} folds into block {block} once"
+                vals, ranks = src[0] + mine, src[1] | {r}
+                if kind == "finish":
+                    assert ranks == set(range(n)) and block == r, f"rank {r} finishes block {r}, with every rank in it"
+                    assert (i // (2 * n - 1), block) not in finished, "a block is finished once"
+                    finished[(i // (2 * n - 1), block)] = cnt
+                    out[r][off:off + cnt] = vals
+            else:
+                assert src[1] == set(range(n)), "the allgather forwards only finished blocks"
+                vals, ranks = src
+                out[r][off:off + cnt] = vals
+            if post:
+                old = staging[r][post % 2]
+                assert old is None or old[3], f"rank {r} overwrites slot {post % 2} only after its right read it"
+                staging[r][post % 2] = (post, vals, ranks, False)
+    return plans, out, finished
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("count,slot", [(0, 4), (1, 4), (5, 1), (13, 4), (40, 5), (1027, 64)])
+def test_ipc_ring_plan_sums_every_block_once_on_every_rank(n, count, slot):
+    plans, out, finished = _simulate_ipc_ring(n, count, slot)
+    if n == 1 or count == 0:
+        assert all(p == [] for p in plans)
+        return
+    rounds = -(-count // (slot * n))
+    assert all(len(p) == rounds * (2 * n - 1) for p in plans)
+    assert all(sum(1 for s in p if s[5]) == rounds * 2 * (n - 1) for p in plans), "2 (n - 1) posts a round"
+    want = np.arange(count, dtype=np.int64) * (n * (n + 1) // 2) + n * (n - 1) // 2
+    for r in range(n):
+        assert np.array_equal(out[r], want), f"rank {r}"
+    assert len(finished) == rounds * n and sum(finished.values()) == count, "each block of each round finished once"
+    posts = [s[5] for s in plans[0] if s[5]]
+    assert posts == list(range(1, len(posts) + 1)), "epochs count up from 1 without gaps"
+
+
+def test_ipc_ring_plan_rejects_bad_arguments():
+    for args in ((3, 3, 10, 4), (0, 0, 10, 4), (0, 2, 10, 0), (0, 2, -1, 4)):
+        with pytest.raises(plait.InvalidArgument):
+            _C.gpu_plan_ipc_ring(*args)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 16])
 def test_tree_links(n):
     links = [_C.gpu_plan_tree(r, n) for r in range(n)]

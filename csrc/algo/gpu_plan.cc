@@ -1,5 +1,6 @@
 #include "algo/gpu_plan.h"
 
+#include "algo/algo.h"
 #include "core/errors.h"
 
 namespace plait {
@@ -27,6 +28,27 @@ RingPlan ring_plan(int rank, int n) {
     p.allgather.push_back({mod(rank - s), mod(rank - s - 1)});
   }
   return p;
+}
+
+std::vector<IpcRingStep> ipc_ring_plan(int rank, int n, int64_t count, int64_t slot_elems) {
+  const RingPlan p = ring_plan(rank, n);
+  if (slot_elems < 1 || slot_elems > INT64_MAX / n)
+    throw InvalidArgument("ipc_ring_plan: slot of " + std::to_string(slot_elems) + " elements is out of range");
+  std::vector<IpcRingStep> steps;
+  if (n == 1) return steps;
+  int64_t epoch = 0;  // the last one this rank posted
+  for (const Span& r : chunk_plan(count, slot_elems * n)) {
+    const auto step = [&](IpcRingStep::Kind kind, int b, bool reads, bool posts) {
+      const int64_t lo = part_begin(r.count, n, b), hi = part_begin(r.count, n, b + 1);
+      steps.push_back({kind, b, {r.offset + lo, hi - lo}, reads ? epoch : 0, posts ? epoch + 1 : 0});
+      if (posts) ++epoch;
+    };
+    step(IpcRingStep::load, p.reduce_scatter[0].send_block, false, true);
+    for (int s = 0; s + 1 < n; ++s)
+      step(s + 2 == n ? IpcRingStep::finish : IpcRingStep::reduce, p.reduce_scatter[size_t(s)].recv_block, true, true);
+    for (int s = 0; s + 1 < n; ++s) step(IpcRingStep::gather, p.allgather[size_t(s)].recv_block, true, s + 2 < n);
+  }
+  return steps;
 }
 
 TreeLinks tree_links(int rank, int n) {
