@@ -19,6 +19,7 @@ void gpu_allgather_ring(GpuCtx&);
 void gpu_allreduce_tree(GpuCtx&);
 void ipc_allreduce_one_shot(IpcCtx&);
 void ipc_allreduce_two_shot(IpcCtx&);
+void ipc_allreduce_ring(IpcCtx&);
 void ipc_reduce_scatter_one_shot(IpcCtx&);
 void ipc_allgather_one_shot(IpcCtx&);
 
@@ -39,6 +40,7 @@ const std::vector<IpcAlgorithm>& ipc_algorithm_table() {
   static const std::vector<IpcAlgorithm> table = {
       {Coll::allreduce, "one_shot", ipc_allreduce_one_shot},
       {Coll::allreduce, "two_shot", ipc_allreduce_two_shot},
+      {Coll::allreduce, "ring", ipc_allreduce_ring},
       {Coll::reduce_scatter, "one_shot", ipc_reduce_scatter_one_shot},
       {Coll::allgather, "one_shot", ipc_allgather_one_shot},
   };
