@@ -91,7 +91,7 @@ struct IpcAlgorithm {
   void (*run)(IpcCtx&);
 };
 
-// allreduce: one_shot, two_shot, ring; reduce_scatter, allgather: one_shot.
+// allreduce: one_shot, two_shot, ring; reduce_scatter, allgather: one_shot, ring.
 const std::vector<IpcAlgorithm>& ipc_algorithm_table();
 
 }  // namespace plait
