@@ -101,10 +101,10 @@ def test_ipc_ranks_sharing_one_gpu(n):
 @pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ipc_ring_small_counts_and_epoch_handoff(n):
-    # Fewer elements than ranks leaves empty blocks that still post their epochs; the one_shot
-    # and two_shot calls between ring calls on one communicator check the epoch handoff.
-    _check(run_ranks(_sweep, n, RUN_TIMEOUT, args=(["allreduce"], ["ring", "one_shot", "ring", "two_shot"], True,
-                                                   (0, 1, 2, 3, 7, 2049)),
+    # Fewer elements than ranks leaves empty allreduce blocks that still post their epochs; the
+    # one_shot and two_shot calls between ring calls on one communicator check the epoch handoff.
+    _check(run_ranks(_sweep, n, RUN_TIMEOUT, args=(["allreduce", "reduce_scatter", "allgather"],
+                                                   ["ring", "one_shot", "ring", "two_shot"], True, (0, 1, 2, 3, 7, 2049)),
                      env=ENV, start_method="spawn"))
 
 
