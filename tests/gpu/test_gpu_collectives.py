@@ -185,7 +185,7 @@ def test_arrays_on_two_gpus_are_refused():
         assert "input on GPU" in msg and "output on GPU" in msg, msg
 
 
-def _late(rank, n, store, one_gpu):
+def _late(rank, n, store, one_gpu, algo=None):
     import time
 
     import numpy as np
@@ -201,7 +201,7 @@ def _late(rank, n, store, one_gpu):
         return "slept"
     t0 = time.monotonic()
     try:
-        comm.allreduce(x, out=x, algorithm="one_shot" if one_gpu else "ring", timeout=2, async_op=True).wait()
+        comm.allreduce(x, out=x, algorithm=algo or ("one_shot" if one_gpu else "ring"), timeout=2, async_op=True).wait()
     except plait.TimeoutError as e:
         return f"{time.monotonic() - t0:.1f} {e}"
     return "no error"
@@ -215,7 +215,8 @@ def test_a_missing_peer_times_out_and_aborts_nccl():
 
 
 @pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
-def test_a_missing_peer_times_out_and_aborts_ipc():
-    first, _ = run_ranks(_late, 2, RUN_TIMEOUT, args=(True,), start_method="spawn")
+@pytest.mark.parametrize("algo", ["one_shot", "ring"])  # ring: its waits are on one neighbour each
+def test_a_missing_peer_times_out_and_aborts_ipc(algo):
+    first, _ = run_ranks(_late, 2, RUN_TIMEOUT, args=(True, algo), start_method="spawn")
     took, msg = first.split(" ", 1)
     assert float(took) < 10 and "aborted" in msg, first
