@@ -65,6 +65,7 @@ function(plait_add_cuda target)
     csrc/cuda/ipc_comm.cc
     csrc/algo/ipc_one_shot.cc
     csrc/algo/ipc_two_shot.cc
+    csrc/algo/ipc_ring.cc
     csrc/algo/gpu_table.cc
     csrc/algo/gpu_nccl.cc
     csrc/algo/gpu_ring.cc

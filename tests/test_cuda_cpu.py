@@ -52,8 +52,12 @@ def test_gpu_algorithm_names():
     want = {"allreduce": ["nccl", "ring", "tree", "one_shot", "two_shot"], "reduce_scatter": ["nccl", "ring", "one_shot"],
             "allgather": ["nccl", "ring", "one_shot"], "broadcast": ["nccl"], "reduce": ["nccl"],
             "alltoall": ["nccl"], "send": ["nccl"], "recv": ["nccl"], "barrier": []}
+    ipc = {"allreduce": ["one_shot", "two_shot", "ring"], "reduce_scatter": ["one_shot", "ring"],
+           "allgather": ["one_shot", "ring"], "broadcast": [], "reduce": [], "alltoall": [], "send": [],
+           "recv": [], "barrier": []}
     for coll, names in want.items():
         assert plait.algorithms(coll, device="cuda") == (names if _cuda.compiled() else [])
+        assert _C.ipc_algorithms(coll) == (ipc[coll] if _cuda.compiled() else [])
     assert plait.algorithms("allreduce") == plait.algorithms("allreduce", device="cpu")
     with pytest.raises(plait.InvalidArgument):
         plait.algorithms("allreduce", device="tpu")
@@ -100,6 +104,103 @@ def test_ring_plan_reduces_and_gathers_every_block(n):
         for r, p in enumerate(plans):
             have[r].add(sent[p["left"]])
     assert all(h == set(range(n)) for h in have)
+
+
+def _simulate_ipc_ring(coll, n, count, slot):
+    """Runs every rank's ipc_ring_plan in lockstep as the GPU does: a step reads the left
+    neighbour's slot (read % 2) after it posted `read`, and overwrites its own slot only after the
+    right neighbour read what was there. Values carry the set of ranks folded in, so a rank counted
+    twice or missing shows, and the arithmetic is the exact sum of a closed formula."""
+    plans = [_C.gpu_plan_ipc_ring(coll, r, n, count, slot) for r in range(n)]
+    assert len({len(p) for p in plans}) == 1, "every rank takes the same number of steps"
+    ins, outs = {"allreduce": (count, count), "reduce_scatter": (n * count, count), "allgather": (count, n * count)}[coll]
+    inp = [np.arange(ins, dtype=np.int64) * (r + 1) + r for r in range(n)]
+    out = [np.full(outs, -1, dtype=np.int64) for _ in range(n)]
+    if coll == "allgather":  # the algorithm copies a rank's own block; the plan moves the others
+        for r in range(n):
+            out[r][r * count:(r + 1) * count] = inp[r]
+    staging = [[None, None] for _ in range(n)]  # per slot: (epoch, values, ranks folded in, read)
+    finished = []  # (rank, block, count)
+    for i in range(len(plans[0])):
+        steps = [p[i] for p in plans]
+        assert len({(k, rd, po) for k, _, _, _, _, rd, po in steps}) == 1, "all ranks take the same kind of step, same epochs"
+        got = []
+        for r, (kind, block, ioff, ooff, cnt, read, post) in enumerate(steps):
+            assert 0 <= cnt <= slot
+            src = None
+            if read:
+                e, vals, ranks, done = staging[(r - 1) % n][read % 2]
+                assert e == read and not done, f"rank {r} reads left's epoch {read} once, while it is there"
+                src = (vals, ranks)
+                staging[(r - 1) % n][read % 2] = (e, vals, ranks, True)
+            got.append(src)
+        for r, (kind, block, ioff, ooff, cnt, read, post) in enumerate(steps):
+            src = got[r]
+            if kind != "gather":
+                assert 0 <= ioff and ioff + cnt <= ins
+                mine = inp[r][ioff:ioff + cnt]
+            if kind in ("finish", "gather"):
+                assert 0 <= ooff and ooff + cnt <= outs
+            if kind == "load":
+                vals, ranks = mine.copy(), {r}
+            elif kind in ("reduce", "finish"):
+                assert r not in src[1], f"rank {r} folds into block {block} once"
+                vals, ranks = src[0] + mine, src[1] | {r}
+                if kind == "finish":
+                    assert ranks == set(range(n)) and block == r, f"rank {r} finishes block {r}, with every rank in it"
+                    finished.append((r, block, cnt))
+                    out[r][ooff:ooff + cnt] = vals
+            else:
+                assert src[1] == ({block} if coll == "allgather" else set(range(n))), "gathers forward finished blocks"
+                vals, ranks = src
+                out[r][ooff:ooff + cnt] = vals
+            if post:
+                old = staging[r][post % 2]
+                assert old is None or old[3], f"rank {r} overwrites slot {post % 2} only after its right read it"
+                staging[r][post % 2] = (post, vals, ranks, False)
+    want = {"allreduce": lambda r: sum(inp),
+            "reduce_scatter": lambda r: sum(x[r * count:(r + 1) * count] for x in inp),
+            "allgather": lambda r: np.concatenate(inp)}[coll]
+    if n == 1 or count == 0:
+        assert all(p == [] for p in plans)
+    else:
+        for r in range(n):
+            assert np.array_equal(out[r], want(r)), f"rank {r}"
+    return plans, finished
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("count,slot", [(0, 4), (1, 4), (5, 1), (13, 4), (40, 5), (1027, 64)])
+def test_ipc_ring_allreduce_plan_sums_every_block_once_on_every_rank(n, count, slot):
+    plans, finished = _simulate_ipc_ring("allreduce", n, count, slot)
+    if not plans[0]:
+        return
+    rounds = -(-count // (slot * n))
+    assert all(len(p) == rounds * (2 * n - 1) for p in plans)
+    assert all(sum(1 for s in p if s[6]) == rounds * 2 * (n - 1) for p in plans), "2 (n - 1) posts a round"
+    assert len(finished) == rounds * n and sum(c for _, _, c in finished) == count, "each block finished once"
+    posts = [s[6] for s in plans[0] if s[6]]
+    assert posts == list(range(1, len(posts) + 1)), "epochs count up from 1 without gaps"
+
+
+@pytest.mark.parametrize("coll", ["reduce_scatter", "allgather"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("count,slot", [(0, 4), (1, 4), (5, 1), (13, 4), (1027, 64)])
+def test_ipc_ring_reduce_scatter_and_allgather_plans(coll, n, count, slot):
+    plans, finished = _simulate_ipc_ring(coll, n, count, slot)
+    if not plans[0]:
+        return
+    windows = -(-count // slot)
+    assert all(len(p) == windows * n and sum(1 for s in p if s[6]) == windows * (n - 1) for p in plans)
+    if coll == "reduce_scatter":
+        assert sorted(r for r, _, _ in finished) == sorted(list(range(n)) * windows), "each rank finishes its block"
+
+
+def test_ipc_ring_plan_rejects_bad_arguments():
+    for args in (("allreduce", 3, 3, 10, 4), ("allreduce", 0, 0, 10, 4), ("allreduce", 0, 2, 10, 0),
+                 ("allreduce", 0, 2, -1, 4), ("broadcast", 0, 2, 10, 4)):
+        with pytest.raises(plait.InvalidArgument):
+            _C.gpu_plan_ipc_ring(*args)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 16])

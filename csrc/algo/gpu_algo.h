@@ -94,7 +94,7 @@ struct IpcAlgorithm {
   void (*run)(IpcCtx&);
 };
 
-// allreduce: one_shot, two_shot; reduce_scatter, allgather: one_shot.
+// allreduce: one_shot, two_shot, ring; reduce_scatter, allgather: one_shot, ring.
 const std::vector<IpcAlgorithm>& ipc_algorithm_table();
 
 }  // namespace plait

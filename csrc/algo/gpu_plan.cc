@@ -29,6 +29,53 @@ RingPlan ring_plan(int rank, int n) {
   return p;
 }
 
+std::vector<IpcRingStep> ipc_ring_plan(Coll coll, int rank, int n, int64_t count, int64_t slot_elems) {
+  const RingPlan p = ring_plan(rank, n);
+  if (coll != Coll::allreduce && coll != Coll::reduce_scatter && coll != Coll::allgather)
+    throw InvalidArgument(std::string("ipc_ring_plan: no ring for ") + coll_name(coll));
+  if (slot_elems < 1 || slot_elems > INT64_MAX / n)
+    throw InvalidArgument("ipc_ring_plan: slot of " + std::to_string(slot_elems) + " elements is out of range");
+  std::vector<IpcRingStep> steps;
+  if (n == 1) return steps;
+  int64_t epoch = 0;  // the last one this rank posted
+  const auto step = [&](IpcRingStep::Kind kind, int b, int64_t in, int64_t out, int64_t m, bool reads, bool posts) {
+    steps.push_back({kind, b, in, out, m, reads ? epoch : 0, posts ? epoch + 1 : 0});
+    if (posts) ++epoch;
+  };
+  const int last = n - 2;  // the last step of ring_plan's reduce-scatter and allgather
+  if (coll == Coll::allreduce) {
+    for (const Span& r : chunk_plan(count, slot_elems * n)) {
+      const auto at = [&](int b, IpcRingStep::Kind kind, bool reads, bool posts) {
+        const int64_t lo = part_begin(r.count, n, b), hi = part_begin(r.count, n, b + 1);
+        step(kind, b, r.offset + lo, r.offset + lo, hi - lo, reads, posts);
+      };
+      at(p.reduce_scatter[0].send_block, IpcRingStep::load, false, true);
+      for (int s = 0; s <= last; ++s)
+        at(p.reduce_scatter[size_t(s)].recv_block, s == last ? IpcRingStep::finish : IpcRingStep::reduce, true, true);
+      for (int s = 0; s <= last; ++s) at(p.allgather[size_t(s)].recv_block, IpcRingStep::gather, true, s < last);
+    }
+    return steps;
+  }
+  for (const Span& w : chunk_plan(count, slot_elems)) {
+    if (coll == Coll::reduce_scatter) {
+      const int first = p.reduce_scatter[0].send_block;
+      step(IpcRingStep::load, first, first * count + w.offset, 0, w.count, false, true);
+      for (int s = 0; s <= last; ++s) {
+        const int b = p.reduce_scatter[size_t(s)].recv_block;
+        step(s == last ? IpcRingStep::finish : IpcRingStep::reduce, b, b * count + w.offset, w.offset, w.count, true,
+             s < last);
+      }
+    } else {
+      step(IpcRingStep::load, rank, w.offset, rank * count + w.offset, w.count, false, true);
+      for (int s = 0; s <= last; ++s) {
+        const int b = p.allgather[size_t(s)].recv_block;
+        step(IpcRingStep::gather, b, 0, b * count + w.offset, w.count, true, s < last);
+      }
+    }
+  }
+  return steps;
+}
+
 TreeLinks tree_links(int rank, int n) {
   if (n < 1 || rank < 0 || rank >= n)
     throw InvalidArgument("tree_links: rank " + std::to_string(rank) + " is not in a tree of " + std::to_string(n));

@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "algo/algo.h"
+
 namespace plait {
 
 // One piece of work: elements [offset, offset + count).
@@ -28,6 +30,34 @@ struct RingPlan {
   std::vector<RingStep> reduce_scatter, allgather;
 };
 RingPlan ring_plan(int rank, int n);
+
+// A ring over the CUDA IPC transport, as the steps one rank takes, in order. A rank passes data
+// right by posting it in its own staging, which has two slots: the epoch e it posts (numbered
+// from 1 within the call) fills slot e % 2, and the right neighbour reads it in its next step.
+// allreduce (count: the vector): rounds of n * slot_elems elements, cut into n blocks
+// (part_begin) of at most slot_elems; a round is ring_plan's reduce-scatter then allgather:
+// 2 (n - 1) posts and as many reads of the left neighbour's.
+// reduce_scatter (count: each block, the output): per window of slot_elems of every block,
+// ring_plan's reduce-scatter; block r finished straight into the output: n - 1 posts.
+// allgather (count: the input): per window, ring_plan's allgather: n - 1 posts; a rank's own
+// block is the input, copied by the algorithm, not a step.
+// Empty for n == 1 (the output is the input) and for count == 0.
+struct IpcRingStep {
+  enum Kind {
+    load,    // slot(post) = in[in_offset]
+    reduce,  // slot(post) = left's slot(read) op in[in_offset]
+    finish,  // out[out_offset] = left's slot(read) op in[in_offset], finished (avg divides): block r,
+             // computed once; through slot(post) first when post != 0
+    gather,  // out[out_offset] = left's slot(read); then slot(post) = out[out_offset] unless post == 0
+  } kind;
+  int block;          // the block, by ring_plan's numbering
+  int64_t in_offset;  // elements into this rank's input (load, reduce, finish)
+  int64_t out_offset; // elements into its output (finish, gather)
+  int64_t count;      // elements the step moves
+  int64_t read = 0;   // the left neighbour's epoch this step reads (0: none)
+  int64_t post = 0;   // the epoch this step posts (0: none)
+};
+std::vector<IpcRingStep> ipc_ring_plan(Coll coll, int rank, int n, int64_t count, int64_t slot_elems);
 
 // A binary tree in heap order rooted at rank 0: parent (r - 1) / 2, children 2r + 1 and 2r + 2
 // (those < n). Reduction flows to the root, which finishes the value and broadcasts it down.

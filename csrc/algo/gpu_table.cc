@@ -25,8 +25,11 @@ void gpu_allgather_ring(GpuCtx&);
 void gpu_allreduce_tree(GpuCtx&);
 void ipc_allreduce_one_shot(IpcCtx&);
 void ipc_allreduce_two_shot(IpcCtx&);
+void ipc_allreduce_ring(IpcCtx&);
 void ipc_reduce_scatter_one_shot(IpcCtx&);
 void ipc_allgather_one_shot(IpcCtx&);
+void ipc_reduce_scatter_ring(IpcCtx&);
+void ipc_allgather_ring(IpcCtx&);
 
 const std::vector<GpuAlgorithm>& gpu_algorithm_table() {
   static const std::vector<GpuAlgorithm> table = {
@@ -50,8 +53,11 @@ const std::vector<IpcAlgorithm>& ipc_algorithm_table() {
   static const std::vector<IpcAlgorithm> table = {
       {Coll::allreduce, "one_shot", ipc_allreduce_one_shot},
       {Coll::allreduce, "two_shot", ipc_allreduce_two_shot},
+      {Coll::allreduce, "ring", ipc_allreduce_ring},
       {Coll::reduce_scatter, "one_shot", ipc_reduce_scatter_one_shot},
+      {Coll::reduce_scatter, "ring", ipc_reduce_scatter_ring},
       {Coll::allgather, "one_shot", ipc_allgather_one_shot},
+      {Coll::allgather, "ring", ipc_allgather_ring},
   };
   return table;
 }

@@ -109,6 +109,14 @@ void bind_gpu(py::module_& m) {
     }
     return d;
   }, py::arg("rank"), py::arg("size"));
+  m.def("gpu_plan_ipc_ring", [](const std::string& coll, int rank, int n, int64_t count, int64_t slot_elems) {
+    static const char* const kinds[] = {"load", "reduce", "finish", "gather"};
+    std::vector<py::tuple> v;
+    for (const IpcRingStep& s : ipc_ring_plan(coll_named(coll), rank, n, count, slot_elems))
+      v.push_back(py::make_tuple(kinds[s.kind], s.block, s.in_offset, s.out_offset, s.count, s.read, s.post));
+    return v;
+  }, py::arg("collective"), py::arg("rank"), py::arg("size"), py::arg("count"), py::arg("slot_elems"),
+     "An IPC ring's steps: (kind, block, in offset, out offset, count, read epoch, post epoch); 0 is none.");
   m.def("gpu_plan_tree", [](int rank, int n) {
     const TreeLinks t = tree_links(rank, n);
     return py::make_tuple(t.parent, t.children);

@@ -28,11 +28,12 @@ __global__ void post_kernel(uint64_t* flag, uint64_t epoch) {
   store_release(flag, epoch);
 }
 
-// One thread per peer. Gives up (and says why in words[1]) on the host's abort or the deadline.
-__global__ void wait_kernel(uint64_t** flags, int which, int self, int n, uint64_t epoch, uint64_t timeout_ns,
-                            volatile int* words) {
+// One thread per peer (or only `only`'s when >= 0). Gives up (and says why in words[1]) on the
+// host's abort or the deadline.
+__global__ void wait_kernel(uint64_t** flags, int which, int self, int only, int n, uint64_t epoch,
+                            uint64_t timeout_ns, volatile int* words) {
   const int p = int(threadIdx.x);
-  if (p >= n || p == self) return;
+  if (p >= n || p == self || (only >= 0 && p != only)) return;
   const uint64_t* f = flags[p] + which;
   const uint64_t start = global_ns();
   while (load_acquire(f) < epoch) {
@@ -110,9 +111,9 @@ void IpcTransport::post(int which, uint64_t epoch, cudaStream_t s) {
   cuda_check(cudaGetLastError(), "post kernel launch");
 }
 
-void IpcTransport::wait(int which, uint64_t epoch, uint64_t timeout_ns, cudaStream_t s) {
+void IpcTransport::wait(int which, uint64_t epoch, uint64_t timeout_ns, cudaStream_t s, int peer) {
   const int threads = (size_ + 31) / 32 * 32;
-  wait_kernel<<<1, threads, 0, s>>>(flag_ptrs_, which, rank_, size_, epoch, timeout_ns, dev_words_);
+  wait_kernel<<<1, threads, 0, s>>>(flag_ptrs_, which, rank_, peer, size_, epoch, timeout_ns, dev_words_);
   cuda_check(cudaGetLastError(), "wait kernel launch");
 }
 

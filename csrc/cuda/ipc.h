@@ -35,10 +35,10 @@ class IpcTransport {
   size_t staging_bytes() const { return staging_bytes_; }
   char* staging(int r) const { return base_[size_t(r)] + kFlagBytes; }
 
-  // Enqueued on `s`: publish flag `which` = epoch; wait until every peer's flag `which` >= epoch
-  // (or give up after timeout_ns, or on the host's abort).
+  // Enqueued on `s`: publish flag `which` = epoch; wait until every peer's flag `which` >= epoch,
+  // or only `peer`'s when peer >= 0 (or give up after timeout_ns, or on the host's abort).
   void post(int which, uint64_t epoch, cudaStream_t s);
-  void wait(int which, uint64_t epoch, uint64_t timeout_ns, cudaStream_t s);
+  void wait(int which, uint64_t epoch, uint64_t timeout_ns, cudaStream_t s, int peer = -1);
 
   void abort();      // makes every waiting kernel of this rank give up
   int error() const;  // what a kernel reported (Error), valid once the stream has run

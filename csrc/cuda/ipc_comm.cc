@@ -107,7 +107,7 @@ void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
     if (!alg)
       throw InvalidArgument("rank " + std::to_string(rank_) + ": " + coll_name(c) + ": no algorithm '" + algo +
                             "' over the CUDA IPC transport (" + (names.empty() ? "none" : names) +
-                            "; nccl/ring/tree run over NCCL, with one GPU per rank)");
+                            "; the others run over NCCL, with one GPU per rank)");
   } catch (const InvalidArgument& e) {
     fail(ErrorKind::invalid, e.what());
   }

@@ -32,12 +32,14 @@ def algorithms(collective, device="cpu"):
     """Algorithm names of a collective, in table order ("auto" picks among them).
 
     device="cuda": the GPU algorithms (empty on a CPU-only build): those over NCCL (one GPU per
-    rank), then those over the CUDA IPC transport (ranks sharing a GPU, or PLAIT_GPU_TRANSPORT=ipc).
+    rank), then those over the CUDA IPC transport (ranks sharing a GPU, or PLAIT_GPU_TRANSPORT=ipc);
+    a name both transports have ("ring") is listed once, where NCCL's table has it.
     """
     if device == "cpu":
         return _C.algorithms(collective)
     if device == "cuda":
-        return _C.gpu_algorithms(collective) + _C.ipc_algorithms(collective)
+        names = _C.gpu_algorithms(collective)
+        return names + [a for a in _C.ipc_algorithms(collective) if a not in names]
     raise InvalidArgument(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 

@@ -3,7 +3,7 @@
 # builds plait with PLAIT_CUDA=ON, runs the GPU tests (marker cuda; every collective, incl.
 # broadcast/reduce/alltoall/send/recv in test_gpu_rooted_p2p.py) and the CPU-side GPU tests,
 # runs a short `plait-bench --device cuda` sweep (plait ring/tree vs nccl over NCCL, plait
-# one_shot over CUDA IPC with two ranks on one GPU) and prints a summary.
+# one_shot/two_shot/ring over CUDA IPC with two ranks on one GPU) and prints a summary.
 # Results also land in $OUT (default build/gpu-results). Exit status: 0 only if all passed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -39,7 +39,7 @@ bench() {  # ranks, then plait-bench arguments
 }
 : >"$OUT/bench.txt"
 bench 1  # NCCL transport: nccl vs plait's ring/tree (a world of one: the path, not the wire)
-bench 2 -e 16M  # two ranks on one GPU: CUDA IPC transport (one_shot); NCCL refuses this
+bench 2 -e 16M  # two ranks on one GPU: CUDA IPC transport (every IPC algorithm); NCCL refuses this
 if [ "$ndev" -ge 2 ]; then bench "$(( ndev < 4 ? ndev : 4 ))"; fi  # a GPU per rank: nccl vs ring/tree
 
 echo "== summary"

@@ -1,5 +1,5 @@
 """GPU collectives with exact values: every collective x dtype x op x algorithm (nccl, ring, tree
-over NCCL; one_shot and two_shot over CUDA IPC), in place and not, multi-chunk (PLAIT_GPU_CHUNK_BYTES=4096,
+over NCCL; one_shot, two_shot and ring over CUDA IPC), in place and not, multi-chunk (PLAIT_GPU_CHUNK_BYTES=4096,
 PLAIT_GPU_IPC_BYTES=8192) and unaligned. World size 1 needs one GPU; NCCL with 2-4 ranks needs a
 GPU per rank (NCCL refuses two ranks on one GPU); the IPC transport runs 2-4 ranks on one GPU.
 Ranks are spawned, not forked (CUDA)."""
@@ -14,20 +14,25 @@ ENV = {"PLAIT_GPU_CHUNK_BYTES": "4096", "PLAIT_GPU_IPC_BYTES": "8192"}
 COUNTS = (1, 1027, 5000)  # one element; odd (vector tail); several 4 KiB chunks per block
 
 
-def _sweep(rank, n, store, colls, algos, one_gpu=False):
+def _sweep(rank, n, store, colls, algos, one_gpu=False, counts=COUNTS):
+    import os
+
     import numpy as np
 
     import plait
+    from plait import _C
     dev = Device(0 if one_gpu else rank)
     comm = plait.init(rank, n, store=store)
+    # Both transports have a "ring": the names this world's transport has.
+    listed = _C.ipc_algorithms if one_gpu or os.environ.get("PLAIT_GPU_TRANSPORT") == "ipc" else _C.gpu_algorithms
     bad, runs = [], 0
     for coll in colls:
         for algo in algos:
-            if algo not in plait.algorithms(coll, device="cuda"):
+            if algo not in listed(coll):
                 continue
             for dtype in DTYPES:
                 for op in (ops_for(dtype) if coll != "allgather" else ("sum",)):
-                    for count in COUNTS:
+                    for count in counts:
                         for in_place in (False, True):
                             runs += 1
                             what = f"{coll}/{algo}/{dtype}/{op}/count {count}/in_place {in_place}"
@@ -80,7 +85,7 @@ def _check(results):
 @pytest.mark.parametrize("coll", ["allreduce", "reduce_scatter", "allgather"])
 @pytest.mark.parametrize("transport", ["nccl", "ipc"])
 def test_world_of_one(coll, transport):
-    algos = ["nccl", "ring", "tree"] if transport == "nccl" else ["one_shot", "two_shot"]
+    algos = ["nccl", "ring", "tree"] if transport == "nccl" else ["one_shot", "two_shot", "ring"]
     _check(run_ranks(_sweep, 1, RUN_TIMEOUT, args=([coll], algos), env=dict(ENV, PLAIT_GPU_TRANSPORT=transport),
                      start_method="spawn"))
 
@@ -88,7 +93,18 @@ def test_world_of_one(coll, transport):
 @pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ipc_ranks_sharing_one_gpu(n):
-    _check(run_ranks(_sweep, n, RUN_TIMEOUT, args=(["allreduce", "reduce_scatter", "allgather"], ["one_shot", "two_shot"], True),
+    _check(run_ranks(_sweep, n, RUN_TIMEOUT,
+                     args=(["allreduce", "reduce_scatter", "allgather"], ["one_shot", "two_shot", "ring"], True),
+                     env=ENV, start_method="spawn"))
+
+
+@pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ipc_ring_small_counts_and_epoch_handoff(n):
+    # Fewer elements than ranks leaves empty allreduce blocks that still post their epochs; the
+    # one_shot and two_shot calls between ring calls on one communicator check the epoch handoff.
+    _check(run_ranks(_sweep, n, RUN_TIMEOUT, args=(["allreduce", "reduce_scatter", "allgather"],
+                                                   ["ring", "one_shot", "ring", "two_shot"], True, (0, 1, 2, 3, 7, 2049)),
                      env=ENV, start_method="spawn"))
 
 
@@ -169,7 +185,7 @@ def test_arrays_on_two_gpus_are_refused():
         assert "input on GPU" in msg and "output on GPU" in msg, msg
 
 
-def _late(rank, n, store, one_gpu):
+def _late(rank, n, store, one_gpu, algo=None):
     import time
 
     import numpy as np
@@ -185,7 +201,7 @@ def _late(rank, n, store, one_gpu):
         return "slept"
     t0 = time.monotonic()
     try:
-        comm.allreduce(x, out=x, algorithm="one_shot" if one_gpu else "ring", timeout=2, async_op=True).wait()
+        comm.allreduce(x, out=x, algorithm=algo or ("one_shot" if one_gpu else "ring"), timeout=2, async_op=True).wait()
     except plait.TimeoutError as e:
         return f"{time.monotonic() - t0:.1f} {e}"
     return "no error"
@@ -199,7 +215,8 @@ def test_a_missing_peer_times_out_and_aborts_nccl():
 
 
 @pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
-def test_a_missing_peer_times_out_and_aborts_ipc():
-    first, _ = run_ranks(_late, 2, RUN_TIMEOUT, args=(True,), start_method="spawn")
+@pytest.mark.parametrize("algo", ["one_shot", "ring"])  # ring: its waits are on one neighbour each
+def test_a_missing_peer_times_out_and_aborts_ipc(algo):
+    first, _ = run_ranks(_late, 2, RUN_TIMEOUT, args=(True, algo), start_method="spawn")
     took, msg = first.split(" ", 1)
     assert float(took) < 10 and "aborted" in msg, first
