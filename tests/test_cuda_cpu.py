@@ -368,6 +368,28 @@ def test_gpu_send_recv_first_in_a_larger_world_says_why():
     assert results[2] == (None, "no error")
 
 
+def _gpu_comm_rank(rank, n, store):
+    import plait as p
+    comm = p.init(rank, n, store=store)
+    errs = []
+    for r, s in ((-1, 2), (2, 2), (0, 0), (3, -1), (-1, 5)):
+        try:
+            _C.GpuCommunicator(comm._c, bytes(128), 0, 1.0, 4096, "", "", rank=r, size=s)
+            errs.append("no error")
+        except p.InvalidArgument as e:
+            errs.append(str(e))
+    comm.finalize()
+    return errs
+
+
+@pytest.mark.skipif(not _cuda.compiled(), reason="CPU-only build")
+def test_gpu_communicator_rank_override_is_checked_before_nccl():
+    """A HierCommunicator passes its global rank/size with the host-local CPU communicator."""
+    errs, = run_ranks(_gpu_comm_rank, 1, RUN_TIMEOUT)
+    for (r, s), msg in zip(((-1, 2), (2, 2), (0, 0), (3, -1), (-1, 5)), errs):
+        assert f"rank {r} of size {s}: need 0 <= rank < size" in msg, msg
+
+
 def test_torch_backend_is_registered_for_cuda_too():
     dist = pytest.importorskip("torch.distributed")
     import plait.torch  # noqa: F401 - registers the backend

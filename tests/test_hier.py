@@ -4,6 +4,7 @@ Each layout runs every collective, dtype and op in one run_ranks call and checks
 (hier_checks.py). torch is imported here, before run_ranks forks, so ranks do not each pay for it.
 """
 import os
+import re
 import signal
 import time
 
@@ -241,3 +242,73 @@ def test_mismatch_across_hosts_raises_on_every_rank(layout, field):
         # through the abort and raise the same class.
         assert kind == "MismatchError" and took < 10, (r, res)
     assert any("across hosts" in msg for _, _, msg in res), res
+
+
+# -- GPU arrays: one flat NCCL communicator of all ranks (this machine has no GPU: the refusals) --
+class _FakeCuda:
+    """Claims to be a CUDA array (see test_cuda_cpu.FakeCuda); nothing is read through it."""
+
+    def __init__(self, n=8):
+        self.shape = (n,)
+        self.__cuda_array_interface__ = {"data": (1 << 40, False), "shape": (n,), "typestr": "<f4",
+                                         "strides": None, "version": 3, "stream": None}
+
+
+def _gpu_refused(rank, n, addr, hosts, case):
+    if case == "ipc":
+        os.environ["PLAIT_GPU_TRANSPORT"] = "ipc"
+    comm = _init(rank, hosts)
+    comm.barrier()  # every rank's engine groups are connected before any rank aborts them
+    calls = {
+        "allreduce": lambda: comm.allreduce(_FakeCuda(), out=_FakeCuda()),
+        "allreduce_default_out": lambda: comm.allreduce(_FakeCuda()),
+        "reduce_scatter": lambda: comm.reduce_scatter(_FakeCuda(8 * n), out=_FakeCuda()),
+        "allgather_default_out": lambda: comm.allgather(_FakeCuda(), async_op=True),
+        "ipc": lambda: comm.allreduce(_FakeCuda(), out=_FakeCuda()),
+        "not_a_gpu_collective": lambda: comm.broadcast(_FakeCuda(), root=n - 1),
+    }
+    start = time.monotonic()
+    try:
+        calls[case]()
+        got = ("no error", 0.0, "")
+    except plait.PlaitError as e:
+        got = (type(e).__name__, time.monotonic() - start, str(e))
+    try:  # the communicator is aborted now, on every rank, as after any error
+        comm.allreduce(np.ones(4, np.float32))
+        after = "no error"
+    except plait.PlaitError as e:
+        after = str(e)
+    comm.finalize()
+    os.environ.pop("PLAIT_GPU_TRANSPORT", None)
+    fresh = _init(rank, hosts)
+    total = fresh.allreduce(np.full(3, rank + 1, dtype=np.int64)).tolist()
+    fresh.finalize()
+    return got, after, type(fresh).__name__, total
+
+
+@pytest.mark.parametrize("layout,case,pattern", [
+    ("2x2", "allreduce", None),
+    ("uneven-2+1", "allreduce_default_out", None),
+    ("3x1", "reduce_scatter", None),
+    ("2x2-interleaved", "allgather_default_out", None),
+    ("2x2", "ipc", r"PLAIT_GPU_TRANSPORT=ipc, but this communicator's ranks span 2 hosts and the CUDA IPC "
+                   r"transport reaches one host only"),
+    ("3x1", "not_a_gpu_collective", r"broadcast.*GPU arrays are taken by .*allreduce"),
+])
+def test_gpu_arrays_take_the_gpu_path_and_are_refused_on_every_rank(layout, case, pattern):
+    from plait import _cuda
+    if pattern is None:
+        if _cuda.compiled() and _cuda.device_count() > 0:
+            pytest.skip("this machine has a CUDA device: tests/gpu/test_gpu_hier.py runs the GPU arrays")
+        pattern = r"no CUDA device is visible" if _cuda.compiled() else r"no CUDA path"
+    hosts = LAYOUTS[layout]
+    res = run_ranks(_gpu_refused, len(hosts), timeout=90, args=(hosts, case))
+    n = len(hosts)
+    for r, ((kind, took, msg), after, fresh, total) in enumerate(res):
+        # Every rank finds the problem itself, before any communication: the same class and
+        # reason on every host, at once (the GPU path, not the numpy conversion, saw the input).
+        assert kind == "InvalidArgument" and re.search(pattern, msg), (r, kind, msg)
+        assert msg.startswith(f"rank {r}: ") and "float32 x" in msg, (r, msg)
+        assert took < 10, (r, took, msg)
+        assert "aborted" in after, (r, after)
+        assert fresh == "HierCommunicator" and total == [n * (n + 1) // 2] * 3, (r, fresh, total)

@@ -215,8 +215,15 @@ void bind_gpu(py::module_& m) {
       });
 
   py::class_<GpuComm, std::shared_ptr<GpuComm>>(m, "GpuCommunicator")
+      // rank/size >= 0: the NCCL communicator spans more ranks than `cpu` (a hierarchical job: cpu is
+      // the host-local communicator, whose abort stops this host's peers; other hosts learn of an
+      // error through NCCL's own errors and the call's deadline).
       .def(py::init([](Communicator& cpu, const py::bytes& uid, int device, double timeout, int64_t chunk_bytes,
-                       const std::string& algo, const std::string& nccl_path) {
+                       const std::string& algo, const std::string& nccl_path, int rank, int size) {
+             if (rank < 0 && size < 0) rank = cpu.rank(), size = cpu.size();
+             if (size < 1 || rank < 0 || rank >= size)
+               throw InvalidArgument("GpuCommunicator: rank " + std::to_string(rank) + " of size " +
+                                     std::to_string(size) + ": need 0 <= rank < size (or both -1)");
              const std::string id = uid;
              if (id.size() != size_t(nccl::kUniqueIdBytes)) throw InvalidArgument("NCCL unique id must be 128 bytes");
              nccl::UniqueId u;
@@ -228,10 +235,11 @@ void bind_gpu(py::module_& m) {
              Communicator* c = &cpu;
              GpuPeers peers{[c] { c->throw_if_aborted(); }, [c](ErrorKind k, const std::string& msg) { c->fail(k, msg); }};
              py::gil_scoped_release nogil;
-             return std::make_shared<GpuComm>(nccl_load(nccl_path), u, cpu.rank(), cpu.size(), device, o, std::move(peers));
+             return std::make_shared<GpuComm>(nccl_load(nccl_path), u, rank, size, device, o, std::move(peers));
            }),
            py::arg("cpu"), py::arg("unique_id"), py::arg("device"), py::arg("timeout"), py::arg("chunk_bytes"),
-           py::arg("algo_override"), py::arg("nccl_path"), py::keep_alive<1, 2>())
+           py::arg("algo_override"), py::arg("nccl_path"), py::arg("rank") = -1, py::arg("size") = -1,
+           py::keep_alive<1, 2>())
       .def_property_readonly("device", &GpuComm::device)
       .def("call", [](GpuComm& g, const std::string& coll, py::object in, py::object out, const std::string& dtype,
                       const std::string& op, const std::string& algo, uintptr_t stream, double timeout, int root,

@@ -7,6 +7,12 @@ communicator. When ranks share a GPU (NCCL refuses that), or PLAIT_GPU_TRANSPORT
 CUDA IPC transport's: the ranks exchange cudaIpc handles of their staging the same way. Input a
 rank rejects aborts the call on every rank through the CPU communicator (`_c.fail`), as on the
 CPU path.
+
+A HierCommunicator (ranks on several hosts) gets one flat NCCL communicator of all its ranks: NCCL
+does its own steps inside and between hosts. The ranks agree and exchange the unique id over the
+HierCommunicator; the GPU communicator's abort coupling is the host-local CPU communicator (other
+hosts learn of an error through NCCL's errors and the call's deadline). The CUDA IPC transport
+reaches one host only, so it is refused there.
 """
 import os
 import zlib
@@ -60,12 +66,29 @@ def _array(comm, obj, name, coll):
         comm._c.fail(f"rank {comm.rank}: {coll}: {e}")
 
 
+def _hierarchical(comm):
+    return getattr(comm, "layout", None) is not None
+
+
+def _transport(comm, head):
+    transport = os.environ.get("PLAIT_GPU_TRANSPORT", "auto")
+    if transport not in ("auto", "nccl", "ipc"):
+        comm._c.fail(f"{head}: PLAIT_GPU_TRANSPORT={transport!r} (auto, nccl or ipc)")
+    if transport == "ipc" and _hierarchical(comm):
+        comm._c.fail(f"{head}: PLAIT_GPU_TRANSPORT=ipc, but this communicator's ranks span "
+                     f"{comm.layout.nhosts} hosts and the CUDA IPC transport reaches one host only; "
+                     f"unset it (or set nccl): NCCL runs GPU collectives across hosts")
+    return transport
+
+
 def check_usable(comm, coll, what):
     """Fails the call on every rank when this build or process cannot run GPU work."""
     head = f"rank {comm.rank}: {coll} ({what})"
     if coll not in _cuda.GPU_COLLECTIVES:
         comm._c.fail(f"{head}: GPU arrays are taken by {', '.join(_cuda.GPU_COLLECTIVES)} only in this "
                      f"version; pass host arrays")
+    if _hierarchical(comm):
+        _transport(comm, head)  # a setting no rank can run is refused before any device check
     if not _cuda.compiled():
         comm._c.fail(f"{head}: this plait build has no CUDA path (plait.build_info()['cuda'] is False); "
                      f"rebuild with nvcc on PATH and PLAIT_CUDA=ON")
@@ -159,9 +182,8 @@ def _communicator(comm, device, timeout, head):
                          f"of a rank must be on one GPU")
         return g
     t = comm.timeout if timeout is None else float(timeout)
-    transport = os.environ.get("PLAIT_GPU_TRANSPORT", "auto")
-    if transport not in ("auto", "nccl", "ipc"):
-        comm._c.fail(f"{head}: PLAIT_GPU_TRANSPORT={transport!r} (auto, nccl or ipc)")
+    transport = _transport(comm, head)
+    hier = _hierarchical(comm)
     err = ""
     try:
         uuid = _C.cuda_device_uuid(device)
@@ -181,9 +203,14 @@ def _communicator(comm, device, timeout, head):
         if key in seen and shared is None:
             shared = (seen[key], r, key.hex())
         seen.setdefault(key, r)
-    if transport == "ipc" or (transport == "auto" and shared is not None):
+    if not hier and (transport == "ipc" or (transport == "auto" and shared is not None)):
         g = _ipc_communicator(comm, device, t, head)
     else:
+        if shared is not None and hier:
+            raise _errors.InvalidArgument(
+                f"{head}: ranks {shared[0]} and {shared[1]} use the same GPU (uuid {shared[2]}); across "
+                f"hosts GPU collectives run over NCCL, which refuses two ranks on one GPU: give each "
+                f"rank its own GPU")
         if shared is not None:
             raise _errors.InvalidArgument(
                 f"{head}: ranks {shared[0]} and {shared[1]} use the same GPU (uuid {shared[2]}) and "
@@ -207,6 +234,10 @@ def _nccl_communicator(comm, device, t, head):
             comm._c.fail(f"{head}: ncclGetUniqueId: {e}")
     comm.broadcast(uid, 0, timeout=t)
     chunk = int(os.environ.get("PLAIT_GPU_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
+    if _hierarchical(comm):
+        return _C.GpuCommunicator(comm.local._c, uid.tobytes(), device, t, chunk,
+                                  os.environ.get("PLAIT_GPU_ALGO", ""), _cuda.nccl_path(), rank=comm.rank,
+                                  size=comm.size)
     return _C.GpuCommunicator(comm._c, uid.tobytes(), device, t, chunk, os.environ.get("PLAIT_GPU_ALGO", ""),
                               _cuda.nccl_path())
 

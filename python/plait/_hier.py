@@ -19,6 +19,9 @@ Allreduce, uniform layout (Horovod's and NCCL's pattern), N elements, c = ceil(N
     3. local allgather of the chunks
 Avg sums everything, then divides once by the world size. Leaders layout: local reduce to the
 leader, leaders' allreduce, local broadcast.
+
+GPU arrays skip all of this: they go to one flat NCCL communicator of all ranks (plait._gpu), which
+does its own steps inside and between hosts.
 """
 import concurrent.futures
 import os
@@ -27,7 +30,7 @@ import time
 
 import numpy as np
 
-from . import _comm, _errors, _inter
+from . import _comm, _errors, _gpu, _inter
 from ._hosts import Layout
 
 class _Task:
@@ -107,6 +110,7 @@ class HierCommunicator:
         self._c = _Failer(self)
         self._seq = 0  # calls issued, in issue order: the first field of the cross-host check
         self._check = os.environ.get("PLAIT_HIER_CHECK", "1") != "0"
+        self._gpu = None  # the GPU communicator of all ranks, created by the first call with GPU arrays
 
     # -- plumbing ------------------------------------------------------------------------------
     def __repr__(self):
@@ -235,9 +239,29 @@ class HierCommunicator:
                                           f"tensor, got {type(x).__name__}")
         return _arrays.empty_like(x, shape)
 
+    def _gpu_out(self, x, coll, shape=None):
+        """A fresh output like a GPU input, after the checks that input must pass first."""
+        from . import _arrays
+        _gpu.check_input(self, coll, x)
+        try:
+            return _arrays.empty_like(x, shape)
+        except _errors.InvalidArgument as e:
+            self._c.fail(f"rank {self.rank}: {coll}: {e}")
+
+    def _on_gpu(self, coll, x, out, op, algorithm, timeout, async_op, dtype, result):
+        """GPU arrays, before any numpy conversion: plait._gpu's checks and call, as on the flat path."""
+        if self._closed:
+            raise _errors.PlaitError(f"{coll}: the communicator is finalized")
+        if self._error is not None:
+            raise _errors.PlaitError(f"communicator aborted after an earlier error: {self._error}")
+        return _gpu.call(self, coll, x, out, op, algorithm, timeout, async_op, dtype, result)
+
     # -- collectives ---------------------------------------------------------------------------
     @_aborts_on_error
     def allreduce(self, x, out=None, *, op="sum", algorithm="auto", timeout=None, async_op=False, dtype=None):
+        if _gpu.wants_gpu(x, out):
+            out = self._gpu_out(x, "allreduce") if out is None else out
+            return self._on_gpu("allreduce", x, out, op, algorithm, timeout, async_op, dtype, out)
         if out is None:
             out = self._new_out(x, None)
         xa, dt, bf16 = self._arr(x, "input", dtype)
@@ -284,6 +308,10 @@ class HierCommunicator:
     def reduce_scatter(self, x, out=None, *, op="sum", algorithm="auto", timeout=None, async_op=False,
                        dtype=None):
         from . import _arrays
+        if _gpu.wants_gpu(x, out):
+            if out is None:
+                out = self._gpu_out(x, "reduce_scatter", (_arrays.size_of(x) // self.size,))
+            return self._on_gpu("reduce_scatter", x, out, op, algorithm, timeout, async_op, dtype, out)
         if out is None:
             out = self._new_out(x, (_arrays.size_of(x) // self.size,))
         xa, dt, bf16 = self._arr(x, "input", dtype)
@@ -323,6 +351,10 @@ class HierCommunicator:
 
     @_aborts_on_error
     def allgather(self, x, out=None, *, algorithm="auto", timeout=None, async_op=False, dtype=None):
+        if _gpu.wants_gpu(x, out):
+            if out is None:
+                out = self._gpu_out(x, "allgather", (self.size,) + tuple(x.shape))
+            return self._on_gpu("allgather", x, out, "sum", algorithm, timeout, async_op, dtype, out)
         if out is None:
             out = self._new_out(x, (self.size,) + tuple(x.shape))
         xa = self._arr(x, "input", dtype)[0]
@@ -363,6 +395,8 @@ class HierCommunicator:
         if out is None:
             out = x
         root = self._peer(root, "root", allow_self=True)
+        if _gpu.wants_gpu(x, out):
+            return self._on_gpu("broadcast", x, out, "sum", "auto", timeout, async_op, dtype, out)
         xa = self._arr(x, "input", dtype)[0]
         oa = self._arr(out, "output", dtype, writable=True)[0]
         if oa.size != xa.size or oa.dtype != xa.dtype:
@@ -400,6 +434,8 @@ class HierCommunicator:
             out = self._new_out(x, None)
         if self.rank != root:
             out = None
+        if _gpu.wants_gpu(x, out):
+            return self._on_gpu("reduce", x, out, op, "auto", timeout, async_op, dtype, out)
         xa, dt, bf16 = self._arr(x, "input", dtype)
         oa = self._arr(out, "output", dtype, writable=True)[0] if out is not None else None
         if oa is not None and (oa.size != xa.size or oa.dtype != xa.dtype):
@@ -418,6 +454,9 @@ class HierCommunicator:
 
     @_aborts_on_error
     def alltoall(self, x, out=None, *, timeout=None, async_op=False, dtype=None):
+        if _gpu.wants_gpu(x, out):
+            out = self._gpu_out(x, "alltoall") if out is None else out
+            return self._on_gpu("alltoall", x, out, "sum", "auto", timeout, async_op, dtype, out)
         if out is None:
             out = self._new_out(x, None)
         xa = self._arr(x, "input", dtype)[0]
@@ -438,12 +477,16 @@ class HierCommunicator:
     @_aborts_on_error
     def send(self, x, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
         peer = self._peer(peer, "peer")
+        if _gpu.wants_gpu(x, None):
+            return self._on_gpu("send", x, None, "sum", "", timeout, async_op, dtype, None)
         xa, dt, _ = self._arr(x, "input", dtype)
         return self._async("send", lambda d: self._p2p(True, xa, dt, peer, tag, d), timeout, async_op, None, (x,))
 
     @_aborts_on_error
     def recv(self, out, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
         peer = self._peer(peer, "peer")
+        if _gpu.wants_gpu(None, out):
+            return self._on_gpu("recv", None, out, "sum", "", timeout, async_op, dtype, out)
         oa, dt, _ = self._arr(out, "output", dtype, writable=True)
         return self._async("recv", lambda d: self._p2p(False, oa, dt, peer, tag, d), timeout, async_op, out,
                            (out,))
@@ -510,6 +553,9 @@ class HierCommunicator:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self._closed = True
+        if self._gpu is not None:  # before the local communicator its abort coupling refers to
+            g, self._gpu = self._gpu, None
+            g.finalize()
         self.local.finalize()
         for g in (self.inter, self.world):
             if g is not None:
