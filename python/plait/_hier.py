@@ -248,13 +248,14 @@ class HierCommunicator:
         except _errors.InvalidArgument as e:
             self._c.fail(f"rank {self.rank}: {coll}: {e}")
 
-    def _on_gpu(self, coll, x, out, op, algorithm, timeout, async_op, dtype, result):
+    def _on_gpu(self, coll, x, out, op, algorithm, timeout, async_op, dtype, result, root=0, peer=-1, tag=0):
         """GPU arrays, before any numpy conversion: plait._gpu's checks and call, as on the flat path."""
         if self._closed:
             raise _errors.PlaitError(f"{coll}: the communicator is finalized")
         if self._error is not None:
             raise _errors.PlaitError(f"communicator aborted after an earlier error: {self._error}")
-        return _gpu.call(self, coll, x, out, op, algorithm, timeout, async_op, dtype, result)
+        return _gpu.call(self, coll, x, out, op, algorithm, timeout, async_op, dtype, result, root=root,
+                         peer=peer, tag=tag)
 
     # -- collectives ---------------------------------------------------------------------------
     @_aborts_on_error
@@ -396,7 +397,7 @@ class HierCommunicator:
             out = x
         root = self._peer(root, "root", allow_self=True)
         if _gpu.wants_gpu(x, out):
-            return self._on_gpu("broadcast", x, out, "sum", "auto", timeout, async_op, dtype, out)
+            return self._on_gpu("broadcast", x, out, "sum", "auto", timeout, async_op, dtype, out, root=root)
         xa = self._arr(x, "input", dtype)[0]
         oa = self._arr(out, "output", dtype, writable=True)[0]
         if oa.size != xa.size or oa.dtype != xa.dtype:
@@ -435,7 +436,7 @@ class HierCommunicator:
         if self.rank != root:
             out = None
         if _gpu.wants_gpu(x, out):
-            return self._on_gpu("reduce", x, out, op, "auto", timeout, async_op, dtype, out)
+            return self._on_gpu("reduce", x, out, op, "auto", timeout, async_op, dtype, out, root=root)
         xa, dt, bf16 = self._arr(x, "input", dtype)
         oa = self._arr(out, "output", dtype, writable=True)[0] if out is not None else None
         if oa is not None and (oa.size != xa.size or oa.dtype != xa.dtype):
@@ -478,7 +479,7 @@ class HierCommunicator:
     def send(self, x, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
         peer = self._peer(peer, "peer")
         if _gpu.wants_gpu(x, None):
-            return self._on_gpu("send", x, None, "sum", "", timeout, async_op, dtype, None)
+            return self._on_gpu("send", x, None, "sum", "", timeout, async_op, dtype, None, peer=peer, tag=tag)
         xa, dt, _ = self._arr(x, "input", dtype)
         return self._async("send", lambda d: self._p2p(True, xa, dt, peer, tag, d), timeout, async_op, None, (x,))
 
@@ -486,7 +487,7 @@ class HierCommunicator:
     def recv(self, out, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
         peer = self._peer(peer, "peer")
         if _gpu.wants_gpu(None, out):
-            return self._on_gpu("recv", None, out, "sum", "", timeout, async_op, dtype, out)
+            return self._on_gpu("recv", None, out, "sum", "", timeout, async_op, dtype, out, peer=peer, tag=tag)
         oa, dt, _ = self._arr(out, "output", dtype, writable=True)
         return self._async("recv", lambda d: self._p2p(False, oa, dt, peer, tag, d), timeout, async_op, out,
                            (out,))
