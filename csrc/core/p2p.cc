@@ -62,6 +62,11 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
   for (auto& op : ops) op.deadline = t0 + op.a->timeout_s;
   std::vector<uint8_t> busy(2 * size_t(size_));
   Backoff backoff(policy_);
+  // A failed health check is acted on only after one more progress round finds nothing: the
+  // peer may have delivered (or taken) the message and left since the last round.
+  bool unhealthy = false;
+  ErrorKind bad_kind = ErrorKind::none;
+  std::string bad_msg;
   auto finish = [&](P2P& op, ErrorKind kind, const std::string& msg) {
     if (!op.task) return;
     pending_.fetch_sub(1, std::memory_order_acq_rel);
@@ -101,14 +106,16 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
         }
       }
       if (!progressed) {
+        if (unhealthy) tp_.fail(bad_kind, bad_msg);
         backoff.idle([&](double t) {
           for (auto& op : ops) {
             tp_.set_deadline(op.deadline, op.a, "");
-            tp_.check(t, op.a->peer);
+            if (!unhealthy && !tp_.healthy(t, op.a->peer, &bad_kind, &bad_msg)) unhealthy = true;
           }
         });
       } else {
         backoff.reset();
+        unhealthy = false;
       }
     }
   } catch (const PlaitError& e) {

@@ -391,18 +391,31 @@ bool ShmTransport::peer_gone(int p, std::string* why) {
 }
 
 void ShmTransport::check(double t, int peer) {
+  ErrorKind kind;
+  std::string msg;
+  if (!healthy(t, peer, &kind, &msg)) fail(kind, msg);
+}
+
+bool ShmTransport::healthy(double t, int peer, ErrorKind* kind, std::string* msg) {
   if (aborted()) throw_if_aborted();
-  if (t > deadline_) on_deadline(peer);
+  if (t > deadline_) {
+    *kind = ErrorKind::timeout;
+    *msg = deadline_message(peer);
+    return false;
+  }
   if (peer >= 0 && t - last_live_check_[size_t(peer)] > 2e-3) {
     last_live_check_[size_t(peer)] = t;
     std::string why;
-    if (peer_gone(peer, &why))
-      fail(ErrorKind::peer_lost, why + " during " + describe_call() + "; noticed by rank " +
-                                     std::to_string(rank_));
+    if (peer_gone(peer, &why)) {
+      *kind = ErrorKind::peer_lost;
+      *msg = why + " during " + describe_call() + "; noticed by rank " + std::to_string(rank_);
+      return false;
+    }
   }
+  return true;
 }
 
-void ShmTransport::on_deadline(int peer) {
+std::string ShmTransport::deadline_message(int peer) {
   std::ostringstream m;
   m << "rank " << rank_ << ": " << describe_call() << " timed out after "
     << (call_ ? call_->timeout_s : 0.0) << " s";
@@ -415,7 +428,7 @@ void ShmTransport::on_deadline(int peer) {
     }
     if (late.tellp() > 0) m << "; ranks that have not arrived: " << late.str();
   }
-  fail(ErrorKind::timeout, m.str());
+  return m.str();
 }
 
 

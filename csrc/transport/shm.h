@@ -150,6 +150,8 @@ class ShmTransport final : public Transport {
   void set_deadline(double deadline, const CallArgs* a, const char* algo_name);
   // Throws on an abort, on the deadline, or when `peer` (if >= 0) is gone (checked every 2 ms).
   void check(double t, int peer);
+  // check() without raising: false with what went wrong (an abort still raises at once).
+  bool healthy(double t, int peer, ErrorKind* kind, std::string* msg);
   Segment& segment() { return seg_; }
   uint64_t seq() const { return seq_; }
 
@@ -171,7 +173,7 @@ class ShmTransport final : public Transport {
   void verify(int peer);
   void meet(int peer);
   void arrive();
-  [[noreturn]] void on_deadline(int peer);
+  std::string deadline_message(int peer);
   std::atomic<uint64_t>& post_ctr(int r, int ch) {
     return ch == 0 ? seg_.ctl(r)->post0[seq_ & 1].v : seg_.ctl(r)->post1;
   }
@@ -202,7 +204,13 @@ void ShmTransport::wait_until(Ready&& ready, int peer) {
   if (ready()) return;
   Backoff b(policy_);
   do {
-    b.idle([&](double t) { check(t, peer); });
+    b.idle([&](double t) {
+      // The peer may have done what we wait for and left (or the deadline may have passed) since
+      // our last look: look once more before calling it lost or late.
+      ErrorKind kind;
+      std::string msg;
+      if (!healthy(t, peer, &kind, &msg) && !ready()) fail(kind, msg);
+    });
   } while (!ready());
 }
 
