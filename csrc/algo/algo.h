@@ -1,5 +1,6 @@
 // What an algorithm gets to work with, and the ordered table of algorithms per collective.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -143,6 +144,22 @@ inline void reduce_from_peers(Ctx& c, void* dst, const void* own, size_t off, in
     src[size_t(p)] = t;
   }
   c.reduce(dst, src.data(), c.size, len, true);
+}
+
+// Reduces elements [first, first + count) of every rank's input, in rank order, into dst, reading
+// peers' pieces straight from their inputs in L2-sized chunks. Peers must have exposed their
+// addresses (Transport::expose + a channel-0 post at step 1); this waits for that first.
+inline void reduce_range_from_peers(Ctx& c, char* dst, int64_t first, int64_t count) {
+  const int64_t chunk = std::max<int64_t>(1, c.elems_in(kSingleCopyScratch / size_t(c.size - 1)));
+  char* tmp = scratch(size_t(c.size - 1) * size_t(chunk) * c.esize);
+  std::vector<const void*> src(static_cast<size_t>(c.size));
+  for (int p = 0; p < c.size; ++p)
+    if (p != c.rank) c.tp.wait_post(p, 0, 1);
+  for (int64_t lo = 0; lo < count; lo += chunk) {
+    const int64_t len = std::min(chunk, count - lo);
+    reduce_from_peers(c, dst + size_t(lo) * c.esize, c.in_at(first + lo), size_t(first + lo) * c.esize,
+                      len, tmp, size_t(chunk) * c.esize, src);
+  }
 }
 
 // [begin, end) of part q when n elements are split into `parts` near-equal parts.
