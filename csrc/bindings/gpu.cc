@@ -72,6 +72,29 @@ GpuBuffer gpu_buffer(const py::object& o, const std::string& dtype) {
   b.present = true;
   return b;
 }
+
+// What both GPU communicators (NCCL's and the CUDA IPC transport's) offer Python alike.
+template <class Comm>
+void bind_gpu_work(py::class_<Comm, std::shared_ptr<Comm>>& cls) {
+  cls.def("call", [](Comm& g, const std::string& coll, py::object in, py::object out, const std::string& dtype,
+                     const std::string& op, const std::string& algo, uintptr_t stream, double timeout, int root,
+                     int peer) {
+       const GpuBuffer i = gpu_buffer(in, dtype), o = gpu_buffer(out, dtype);
+       const Coll c = coll_named(coll);
+       const RedOp r = op_named(op);
+       py::gil_scoped_release nogil;
+       g.call(c, i, o, r, algo, reinterpret_cast<cudaStream_t>(stream), timeout, root, peer);
+     }, py::arg("coll"), py::arg("in"), py::arg("out"), py::arg("dtype"), py::arg("op"), py::arg("algo"),
+        py::arg("stream"), py::arg("timeout"), py::arg("root") = 0, py::arg("peer") = -1)
+      .def("record", [](std::shared_ptr<Comm> g, uintptr_t stream, double timeout) {
+        return std::make_shared<GpuEvent>(std::static_pointer_cast<GpuWork>(g), reinterpret_cast<cudaStream_t>(stream),
+                                          timeout);
+      })
+      .def("finalize", [](Comm& g) {
+        py::gil_scoped_release nogil;
+        g.finalize();
+      });
+}
 #endif
 
 }  // namespace
@@ -178,7 +201,8 @@ void bind_gpu(py::module_& m) {
     return names;
   }, py::arg("collective"));
 
-  py::class_<IpcComm, std::shared_ptr<IpcComm>>(m, "IpcCommunicator")
+  py::class_<IpcComm, std::shared_ptr<IpcComm>> ipc(m, "IpcCommunicator");
+  ipc
       .def(py::init([](Communicator& cpu, int device, double timeout, size_t staging_bytes) {
              GpuOptions o;
              o.timeout_s = timeout;
@@ -195,26 +219,11 @@ void bind_gpu(py::module_& m) {
         for (const py::bytes& b : handles) h.push_back(b);
         py::gil_scoped_release nogil;
         g.open(h);
-      })
-      .def("call", [](IpcComm& g, const std::string& coll, py::object in, py::object out, const std::string& dtype,
-                      const std::string& op, const std::string& algo, uintptr_t stream, double timeout, int root,
-                      int peer) {
-        const GpuBuffer i = gpu_buffer(in, dtype), o = gpu_buffer(out, dtype);
-        const Coll c = coll_named(coll);
-        const RedOp r = op_named(op);
-        py::gil_scoped_release nogil;
-        g.call(c, i, o, r, algo, reinterpret_cast<cudaStream_t>(stream), timeout, root, peer);
-      }, py::arg("coll"), py::arg("in"), py::arg("out"), py::arg("dtype"), py::arg("op"), py::arg("algo"),
-         py::arg("stream"), py::arg("timeout"), py::arg("root") = 0, py::arg("peer") = -1)
-      .def("record", [](std::shared_ptr<IpcComm> g, uintptr_t stream, double timeout) {
-        return std::make_shared<GpuEvent>(std::static_pointer_cast<GpuWork>(g), reinterpret_cast<cudaStream_t>(stream), timeout);
-      })
-      .def("finalize", [](IpcComm& g) {
-        py::gil_scoped_release nogil;
-        g.finalize();
       });
+  bind_gpu_work(ipc);
 
-  py::class_<GpuComm, std::shared_ptr<GpuComm>>(m, "GpuCommunicator")
+  py::class_<GpuComm, std::shared_ptr<GpuComm>> gpu(m, "GpuCommunicator");
+  gpu
       // rank/size >= 0: the NCCL communicator spans more ranks than `cpu` (a hierarchical job: cpu is
       // the host-local communicator, whose abort stops this host's peers; other hosts learn of an
       // error through NCCL's own errors and the call's deadline).
@@ -240,24 +249,8 @@ void bind_gpu(py::module_& m) {
            py::arg("cpu"), py::arg("unique_id"), py::arg("device"), py::arg("timeout"), py::arg("chunk_bytes"),
            py::arg("algo_override"), py::arg("nccl_path"), py::arg("rank") = -1, py::arg("size") = -1,
            py::keep_alive<1, 2>())
-      .def_property_readonly("device", &GpuComm::device)
-      .def("call", [](GpuComm& g, const std::string& coll, py::object in, py::object out, const std::string& dtype,
-                      const std::string& op, const std::string& algo, uintptr_t stream, double timeout, int root,
-                      int peer) {
-        const GpuBuffer i = gpu_buffer(in, dtype), o = gpu_buffer(out, dtype);
-        const Coll c = coll_named(coll);
-        const RedOp r = op_named(op);
-        py::gil_scoped_release nogil;
-        g.call(c, i, o, r, algo, reinterpret_cast<cudaStream_t>(stream), timeout, root, peer);
-      }, py::arg("coll"), py::arg("in"), py::arg("out"), py::arg("dtype"), py::arg("op"), py::arg("algo"),
-         py::arg("stream"), py::arg("timeout"), py::arg("root") = 0, py::arg("peer") = -1)
-      .def("record", [](std::shared_ptr<GpuComm> g, uintptr_t stream, double timeout) {
-        return std::make_shared<GpuEvent>(std::static_pointer_cast<GpuWork>(g), reinterpret_cast<cudaStream_t>(stream), timeout);
-      })
-      .def("finalize", [](GpuComm& g) {
-        py::gil_scoped_release nogil;
-        g.finalize();
-      });
+      .def_property_readonly("device", &GpuComm::device);
+  bind_gpu_work(gpu);
 #else
   for (const char* name : {"gpu_algorithms", "ipc_algorithms"})
     m.def(name, [](const std::string& coll) {

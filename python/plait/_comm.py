@@ -48,6 +48,14 @@ def open_segment(info):
     return _C.open_segment(info["name"], info["size"], info["staging"], info["pair_slot"], *info["token"])
 
 
+def close_all(things):
+    """Closes what a communicator keeps alive (a rendezvous store server, a client, ...)."""
+    for k in things:
+        close = getattr(k, "close", None)
+        if close:
+            close()
+
+
 class Handle:
     """An asynchronous call in flight. Keeps its arrays alive until it is finished."""
 
@@ -273,10 +281,7 @@ class Communicator:
             g.finalize()
         self._c.finalize()
         self._inflight = []
-        for k in self._keep:
-            close = getattr(k, "close", None)
-            if close:
-                close()
+        close_all(self._keep)
         self._keep = []
 
     close = finalize

@@ -561,10 +561,7 @@ class HierCommunicator:
         for g in (self.inter, self.world):
             if g is not None:
                 g.close(aborted=self._error is not None)
-        for k in self._keep:
-            close = getattr(k, "close", None)
-            if close:
-                close()
+        _comm.close_all(self._keep)
         self._keep = []
 
     close = finalize
