@@ -136,12 +136,7 @@ void GpuComm::fail(ErrorKind kind, const std::string& msg) {
     if (!failed_) first_error_ = msg;
     failed_ = true;
   }
-  try {
-    if (peers_.fail) peers_.fail(kind, msg);
-  } catch (const std::exception&) {
-    // The CPU communicator reports the abort by throwing: ours is the error to raise here.
-  }
-  throw_error(kind, msg);
+  peers_.tell_and_throw(kind, msg);
 }
 
 void GpuComm::poll_once(const std::string& what) { poll_once(what, deadline_); }

@@ -38,6 +38,16 @@ struct GpuOptions {
 struct GpuPeers {
   std::function<void()> throw_if_aborted;                     // the abort some rank recorded
   std::function<void(ErrorKind, const std::string&)> fail;  // record one (may throw; ignored)
+
+  // Records the error for the CPU communicator's ranks, then raises it here (the CPU
+  // communicator reports an abort by throwing too: ours is the error to raise).
+  [[noreturn]] void tell_and_throw(ErrorKind kind, const std::string& msg) const {
+    try {
+      if (fail) fail(kind, msg);
+    } catch (const std::exception&) {
+    }
+    throw_error(kind, msg);
+  }
 };
 
 // A GPU communicator (NCCL or CUDA IPC) as a pending event sees it.
