@@ -257,6 +257,31 @@ def test_cli_smoke_two_ranks(tmp_path):
         assert isinstance(rec["trials_us"], list) and rec["nranks"] == 2
 
 
+def test_cli_shared_buffers_variant(tmp_path):
+    # --shared adds plait over plait.empty buffers, checked and timed like every other variant.
+    js = tmp_path / "bench.json"
+    r = _bench("-n", 2, "-c", "allreduce,reduce_scatter,allgather", "-b", "64K", "-e", "1M", "-f", 16,
+               "--shared", "--time", 0.01, "--trials", 3, "--json", js)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "# #wrong total: 0 OK" in r.stdout
+    doc = json.loads(js.read_text())
+    for coll in ("allreduce", "reduce_scatter", "allgather"):
+        recs = [x for x in doc["results"] if x["collective"] == coll]
+        assert {x["impl"] for x in recs} == {"plait", peers.SHARED}, coll
+        assert {(x["bytes"], x["placement"]) for x in recs if x["impl"] == peers.SHARED} == \
+            {(nb, p) for nb in (65536, 1048576) for p in (peers.OUT, peers.IN)}
+        assert all(x["wrong"] == 0 for x in recs)
+
+
+def test_comparison_has_shared_ratios():
+    recs = [{"bytes": 8, "impl": i, "time_us": t, "placement": peers.OUT, "busbw_GBps": 1.0}
+            for i, t in (("plait", 2.0), (peers.SHARED, 1.0), ("mpi", 4.0))]
+    head, row = report.comparison("allreduce", recs)[1:]
+    assert head.split()[-2:] == ["plait/mpi", "shared/mpi"] and row.split()[-2:] == ["0.5", "0.25"]
+    assert "plait/mpi 0.5x..0.5x" in report.summary("allreduce", recs)
+    assert "shared/mpi 0.25x..0.25x" in report.summary("allreduce", recs)
+
+
 def test_cli_peers_run_or_are_skipped():
     r = _bench("-n", 2, "-c", "allreduce", "-b", 8, "-e", 8, "--time", 0.01, "--trials", 3,
                "--peers", "gloo,mpi")

@@ -128,6 +128,8 @@ inline char* scratch(size_t bytes) {
 // output chunk together must fit L2 with room to spare: on the 2 MiB-L2 VM a 2-rank in-place
 // 64 MiB allreduce took 12.4 ms with 1 MiB, 8.2-10.0 ms with 128-512 KiB (256 KiB best).
 constexpr size_t kSingleCopyScratch = size_t(256) << 10;
+// Out-of-place single-copy outputs at least this large are written with non-temporal stores.
+constexpr size_t kStreamOutMin = size_t(8) << 20;
 
 // The single-copy reductions' inner step: reads `len` elements at byte offset `off` of every
 // peer's input (Transport::read_peer) into scratch `tmp` (n-1 slots of `stride` bytes) and
@@ -142,8 +144,13 @@ inline void reduce_from_peers(Ctx& c, void* dst, const void* own, size_t off, in
       src[size_t(p)] = own;
       continue;
     }
+    const char* theirs = c.tp.peer_in(p) + off;
+    if (const char* mapped = c.tp.peer_local(p, theirs, size_t(len) * c.esize)) {
+      src[size_t(p)] = mapped;  // a plait shared buffer: reduced straight from the peer's memory
+      continue;
+    }
     char* t = tmp + size_t(slot++) * stride;
-    c.tp.read_peer(p, t, c.tp.peer_in(p) + off, size_t(len) * c.esize);
+    c.tp.read_peer(p, t, theirs, size_t(len) * c.esize);
     src[size_t(p)] = t;
   }
   c.reduce(dst, src.data(), c.size, len, true);

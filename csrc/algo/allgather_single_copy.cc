@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "algo/algo.h"
+#include "transport/shared_mem.h"
 
 namespace plait {
 
@@ -16,7 +17,14 @@ void allgather_single_copy(Ctx& c) {
   tp.expose(c.a.in, c.a.out);
   tp.post(0, 1);
   char* own = c.out_at(int64_t(r) * c.a.count);
-  if (own != c.in_at(0)) std::memcpy(own, c.in_at(0), bytes);
+  // Nothing here re-reads the gathered output: large blocks bypass the cache (no read for
+  // ownership; 64 MiB out of place went from 11.2 to X ms).
+  if (own != c.in_at(0)) {
+    if (bytes >= (size_t(512) << 10))
+      stream_copy(own, c.in_at(0), bytes);
+    else
+      std::memcpy(own, c.in_at(0), bytes);
+  }
   for (int i = 1; i < n; ++i) {
     const int p = (r + i) % n;  // start with different peers so readers spread out
     tp.wait_post(p, 0, 1);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "algo/algo.h"
+#include "transport/shared_mem.h"
 
 namespace plait {
 
@@ -21,19 +22,29 @@ void allreduce_single_copy(Ctx& c) {
   tp.expose(c.a.in, c.a.out);
   tp.post(0, 1);
   const int64_t chunk = std::max<int64_t>(1, c.elems_in(kSingleCopyScratch / size_t(n - 1)));
+  const bool in_place = c.a.out == c.a.in;
+  // Below a few L2s' worth the output may still be in cache when the caller reads it: plain stores.
+  const bool stream = !in_place && size_t(c.a.count) * c.esize >= kStreamOutMin;
   const int64_t lo_end = part_begin(c.a.count, n, r + 1);
-  char* tmp = scratch(size_t(n - 1) * size_t(chunk) * c.esize);
+  // Slots for n-1 peers' pieces, then (out of place) one for the reduced chunk.
+  const size_t slot = size_t(chunk) * c.esize;
+  char* tmp = scratch(size_t(n) * slot);
   std::vector<const void*> src(static_cast<size_t>(n));
   for (int p = 0; p < n; ++p)
     if (p != r) tp.wait_post(p, 0, 1);
   for (int64_t lo = part_begin(c.a.count, n, r); lo < lo_end; lo += chunk) {
     const int64_t len = std::min(chunk, lo_end - lo);
     const size_t off = size_t(lo) * c.esize, bytes = size_t(len) * c.esize;
-    reduce_from_peers(c, c.out_at(lo), c.in_at(lo), off, len, tmp, size_t(chunk) * c.esize, src);
+    // In place, the output lines were just read (ours and, through a mapping, the peers'), so
+    // plain stores are cheap. Out of place they are cold: the chunk is reduced in scratch and
+    // streamed to every output, which skips reading them for ownership first.
+    char* res = !stream ? c.out_at(lo) : tmp + size_t(n - 1) * slot;
+    reduce_from_peers(c, res, c.in_at(lo), off, len, tmp, slot, src);
     for (int i = 1; i < n; ++i) {
       const int p = (r + i) % n;
-      tp.write_peer(p, const_cast<char*>(tp.peer_out(p)) + off, c.out_at(lo), bytes);
+      tp.write_peer(p, const_cast<char*>(tp.peer_out(p)) + off, res, bytes, stream);
     }
+    if (stream) stream_copy(c.out_at(lo), res, bytes);
   }
   tp.post(1, 1);           // done reading and writing every peer
   tp.wait_post_all(1, 1);  // and every peer is done with this rank's buffers

@@ -211,6 +211,7 @@ void bind_comm(py::module_& m) {
       .def_property_readonly("size", &Communicator::size)
       .def_property_readonly("closed", &Communicator::closed)
       .def_property_readonly("single_copy", &Communicator::single_copy)
+      .def_property_readonly("mapped_bytes", &Communicator::mapped_bytes)
       .def_property_readonly("single_copy_unavailable", &Communicator::single_copy_unavailable)
       .def("finalize", [](Communicator& c) {
         py::gil_scoped_release nogil;

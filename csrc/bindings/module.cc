@@ -5,12 +5,42 @@
 #include "algo/algo.h"
 #include "core/errors.h"
 #include "reduce/reduce.h"
+#include "transport/shared_mem.h"
 
 namespace py = pybind11;
 
 namespace plait {
 void bind_comm(py::module_& m);
 void bind_gpu(py::module_& m);
+
+namespace {
+// Memory of one plait.empty() array: a writable buffer that frees its region when the last
+// array viewing it goes away (numpy keeps this object as the array's base).
+struct SharedBuffer {
+  explicit SharedBuffer(size_t n) : bytes(n) { ptr = static_cast<char*>(shared_alloc(n, &id)); }
+  ~SharedBuffer() { shared_free(id); }
+  SharedBuffer(const SharedBuffer&) = delete;
+  SharedBuffer& operator=(const SharedBuffer&) = delete;
+  char* ptr = nullptr;
+  size_t bytes;
+  uint64_t id = 0;
+};
+}  // namespace
+
+void bind_shared(py::module_& m) {
+  py::class_<SharedBuffer>(m, "SharedBuffer", py::buffer_protocol())
+      .def(py::init<size_t>(), py::arg("nbytes"))
+      .def_buffer([](SharedBuffer& b) {
+        return py::buffer_info(b.ptr, 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {py::ssize_t(b.bytes)}, {py::ssize_t(1)}, /*readonly=*/false);
+      })
+      .def_readonly("nbytes", &SharedBuffer::bytes);
+  m.def("shared_region_count", &shared_region_count, "Live plait shared buffers in this process.");
+  m.def("is_shared", [](uintptr_t addr, size_t bytes) {
+    RegionRef r;
+    return shared_find(reinterpret_cast<const void*>(addr), std::max<size_t>(bytes, 1), &r);
+  }, py::arg("addr"), py::arg("nbytes"));
+}
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -51,6 +81,7 @@ PYBIND11_MODULE(_C, m) {
     d["reduce_isa"] = reduce_isa();
     return d;
   });
+  bind_shared(m);
   bind_comm(m);
   bind_gpu(m);
 }

@@ -67,6 +67,7 @@ class Communicator {
   int rank() const { return rank_; }
   // Whether single-copy algorithms can run here, and if not, why.
   bool single_copy() const { return tp_.can_read_peers(); }
+  uint64_t mapped_bytes() const { return tp_.mapped_bytes(); }
   std::string single_copy_unavailable() const { return single_copy() ? "" : tp_.read_unavailable(); }
   int size() const { return size_; }
   bool closed() const { return closed_; }

@@ -16,7 +16,7 @@ namespace plait {
 namespace {
 
 constexpr uint64_t kMagic = 0x474553544941504cull;  // "PLAITSEG"
-constexpr uint32_t kVersion = 3;
+constexpr uint32_t kVersion = 4;
 constexpr uint32_t kWriting = 0xffffffffu;
 constexpr size_t kPage = 4096;
 constexpr size_t kPairHeader = 64;
@@ -490,6 +490,25 @@ void ShmTransport::expose(const void* in, void* out) {
   uint64_t* a = seg_.ctl(rank_)->addr[seq_ & 1];
   a[0] = reinterpret_cast<uint64_t>(in);
   a[1] = reinterpret_cast<uint64_t>(out);
+  // Published only where peers could use it (they map through the same permission as CMA).
+  RegionRef* r = seg_.ctl(rank_)->reg[seq_ & 1];
+  r[0] = r[1] = RegionRef{};
+  if (!can_read_) return;
+  if (in) shared_find(in, 1, &r[0]);
+  if (out) shared_find(out, 1, &r[1]);
+}
+
+char* ShmTransport::peer_local(int p, const char* remote, size_t bytes) {
+  if (!can_read_) return nullptr;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(remote);
+  for (const RegionRef& r : seg_.ctl(p)->reg[seq_ & 1]) {
+    if (!r.id || a < r.base || a + bytes > r.base + r.bytes) continue;
+    char* base = maps_.map(peer_pid_[size_t(p)], r);
+    if (!base) return nullptr;
+    mapped_bytes_ += bytes;
+    return base + (a - r.base);
+  }
+  return nullptr;
 }
 
 const char* ShmTransport::peer_in(int p) {
@@ -500,11 +519,28 @@ const char* ShmTransport::peer_out(int p) {
   return reinterpret_cast<const char*>(seg_.ctl(p)->addr[seq_ & 1][1]);
 }
 
+// Copies larger than this go around the cache when the destination will not be re-read here.
+constexpr size_t kStreamMin = size_t(512) << 10;
+
 void ShmTransport::read_peer(int p, void* dst, const char* src, size_t bytes) {
+  if (const char* m = peer_local(p, src, bytes)) {
+    if (bytes >= kStreamMin)
+      stream_copy(dst, m, bytes);
+    else
+      std::memcpy(dst, m, bytes);
+    return;
+  }
   copy_peer(false, p, static_cast<char*>(dst), const_cast<char*>(src), bytes);
 }
 
-void ShmTransport::write_peer(int p, char* dst, const void* src, size_t bytes) {
+void ShmTransport::write_peer(int p, char* dst, const void* src, size_t bytes, bool stream) {
+  if (char* m = peer_local(p, dst, bytes)) {
+    if (stream)
+      stream_copy(m, src, bytes);
+    else
+      std::memcpy(m, src, bytes);
+    return;
+  }
   copy_peer(true, p, static_cast<char*>(const_cast<void*>(src)), dst, bytes);
 }
 

@@ -17,6 +17,7 @@
 #include "algo/algo.h"
 #include "core/errors.h"
 #include "core/wait.h"
+#include "transport/shared_mem.h"
 #include "transport/transport.h"
 
 namespace plait {
@@ -58,6 +59,7 @@ struct RankCtl {
   std::atomic<uint32_t> can_read;           // 0 probing, 1 this rank can read every peer, 2 not
   uint64_t probe_addr;                      // an address in this process holding a known word
   alignas(64) uint64_t addr[2][2];          // {in, out} exposed by call seq, at [seq & 1]
+  RegionRef reg[2][2];                      // the plait shared buffers holding them, if any
   alignas(64) pthread_mutex_t alive;        // robust; held by the rank's progress thread
 };
 
@@ -167,7 +169,9 @@ class ShmTransport final : public Transport {
   const char* peer_in(int p) override;
   const char* peer_out(int p) override;
   void read_peer(int p, void* dst, const char* src, size_t bytes) override;
-  void write_peer(int p, char* dst, const void* src, size_t bytes) override;
+  void write_peer(int p, char* dst, const void* src, size_t bytes, bool stream = false) override;
+  char* peer_local(int p, const char* remote, size_t bytes) override;
+  uint64_t mapped_bytes() const override { return mapped_bytes_; }
 
  private:
   void verify(int peer);
@@ -192,6 +196,8 @@ class ShmTransport final : public Transport {
   std::string no_read_why_ = "not probed";
   uint64_t probe_word_ = 0;
   std::vector<int32_t> peer_pid_;
+  PeerMappings maps_;
+  uint64_t mapped_bytes_ = 0;
   void copy_peer(bool write, int p, char* local, char* remote, size_t bytes);
 };
 

@@ -62,7 +62,13 @@ class Transport {
   // Copies `bytes` from address `src` in peer p's memory to local `dst`; throws on failure.
   virtual void read_peer(int p, void* dst, const char* src, size_t bytes) {}
   // Copies `bytes` from local `src` to address `dst` in peer p's memory; throws on failure.
-  virtual void write_peer(int p, char* dst, const void* src, size_t bytes) {}
+  // `stream`: nobody here reads dst again soon (a hint for copies that can bypass the cache).
+  virtual void write_peer(int p, char* dst, const void* src, size_t bytes, bool stream = false) {}
+  // A local address of [remote, remote + bytes) in peer p's memory, when that range lies in a
+  // plait shared buffer (plait.empty) this rank could map; else nullptr. Counts as `bytes`
+  // moved through a mapping (mapped_bytes).
+  virtual char* peer_local(int p, const char* remote, size_t bytes) { return nullptr; }
+  virtual uint64_t mapped_bytes() const { return 0; }
 
  protected:
   int rank_ = 0;

@@ -15,13 +15,14 @@ from . import _C, _comm, _cuda, _errors, _hier, _hosts, _shm, _store
 from ._comm import Communicator, Handle
 from ._hier import HierCommunicator
 from ._errors import InvalidArgument, MismatchError, PeerLostError, PlaitError, TimeoutError
+from ._shared import empty, is_shared, zeros
 
 __all__ = [
     "init", "finalize", "get_default", "is_initialized", "algorithms", "build_info",
     "cuda_available", "Communicator", "HierCommunicator", "Handle",
     "allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "send", "recv",
     "barrier", "split", "PlaitError", "InvalidArgument", "MismatchError", "TimeoutError",
-    "PeerLostError",
+    "PeerLostError", "empty", "zeros", "is_shared",
 ]
 __version__ = "0.1.0"
 

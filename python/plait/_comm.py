@@ -271,6 +271,12 @@ class Communicator:
         return self._c.single_copy_unavailable
 
     @property
+    def mapped_bytes(self):
+        """Bytes this rank has read from or written to peers through mapped plait.empty buffers
+        (plain loads and stores, not kernel copies) since init."""
+        return self._c.mapped_bytes
+
+    @property
     def closed(self):
         return self._c.closed
 

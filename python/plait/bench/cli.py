@@ -70,6 +70,9 @@ def parser():
     a("-o", "--op", choices=OPS, default="sum", help="reduction op (default sum)")
     a("-r", "--root", type=int, default=0, help="root of broadcast and reduce (default 0)")
     a("-a", "--algorithm", default="auto", help="'auto' (default), 'all' or a comma list of algorithms")
+    a("--shared", action="store_true",
+      help="also time plait (auto) over buffers from plait.empty, which peers on the host map instead "
+           "of reaching through kernel copies (row plait+shared; like nccl-tests' registered buffers)")
     a("-w", "--warmup", type=int, default=2, help="warm-up calls per measurement (default 2)")
     a("--iters", type=int, default=0, help="iterations per trial (default: from --time, 1..1000)")
     a("--trials", type=int, default=5, help="trials per measurement; the median is reported (default 5)")

@@ -6,7 +6,7 @@ import time
 
 from . import harness, report
 from .collectives import COLLECTIVES
-from .peers import IN, OUT, Mpi, Skip, plait_impls, start_deepspeed, start_gloo
+from .peers import IN, OUT, Mpi, Plait, Skip, plait_impls, start_deepspeed, start_gloo
 
 ENV_SKIPPED = "PLAIT_BENCH_SKIPPED"  # peers the launcher found unusable, passed to the ranks
 
@@ -114,6 +114,7 @@ def _run(args, argv, rank, size, local, mpi):
     for cname in args.collectives:
         impls, notes = plait_impls(comm, cname, args.algorithm, plait.algorithms(cname))
         impls += [hier] if hier is not None else []
+        impls += [Plait(comm, shared=True)] if args.shared else []
         mine = _sweep(comm, COLLECTIVES[cname], impls + peers, cfg, notes, skips, progress, say)
         results += mine
         summaries.append(report.summary(cname, mine))

@@ -41,6 +41,7 @@ class _Variant:
     x: object
     out: object
     result: object
+    recv: object = None
     fn: object = None
     iters: int = 1
 
@@ -86,6 +87,10 @@ def measure(comm, coll, nbytes, impls, cfg):
     exp = None if exp is None else data.encode(exp)
     send = np.empty(coll.send_count(count, n), storage(cfg.dtype))
     recv = np.empty(coll.recv_count(count, n), storage(cfg.dtype))
+    bufs = {False: (send, recv)}
+    if any(getattr(i, "shared", False) for i in impls):
+        import plait
+        bufs[True] = (plait.empty(send.shape, send.dtype), plait.empty(recv.shape, recv.dtype))
 
     variants, skips = [], []
     for impl in impls:
@@ -94,8 +99,9 @@ def measure(comm, coll, nbytes, impls, cfg):
             if why:
                 skips.append((impl.name, p, why))
                 continue
-            x, out, res = coll.views(send, recv, rank, n, cfg.root, p == IN)
-            v = _Variant(impl, p, x, out, res)
+            s, r = bufs[bool(getattr(impl, "shared", False))]
+            x, out, res = coll.views(s, r, rank, n, cfg.root, p == IN)
+            v = _Variant(impl, p, x, out, res, r)
             v.fn = impl.prepare(coll, x, out, cfg.dtype, cfg.op, cfg.root)
             variants.append(v)
     if not variants:
@@ -105,7 +111,7 @@ def measure(comm, coll, nbytes, impls, cfg):
     wrong = np.zeros(len(variants), np.int64)
     est = np.zeros(len(variants), np.float64)
     for i, v in enumerate(variants):
-        _load(v, inp, recv, poison=True)
+        _load(v, inp, v.recv, poison=True)
         t0 = time.perf_counter()
         v.fn()
         best = time.perf_counter() - t0
@@ -128,7 +134,7 @@ def measure(comm, coll, nbytes, impls, cfg):
             i = (j + t) % len(variants)  # rotate so no implementation always runs first
             v = variants[i]
             if v.placement == IN:
-                _load(v, inp, recv, poison=False)  # each trial starts from the same data
+                _load(v, inp, v.recv, poison=False)  # each trial starts from the same data
             comm.barrier()
             fn, k = v.fn, v.iters
             t0 = time.perf_counter_ns()

@@ -14,10 +14,16 @@ class Skip(Exception):
     """A peer that is not available here; the message says why."""
 
 
+SHARED = "plait+shared"
+
+
 class Plait:
-    def __init__(self, comm, algorithm="auto", name=None):
-        self.comm, self.algorithm = comm, algorithm
-        self.name = name or ("plait" if algorithm == "auto" else f"plait:{algorithm}")
+    """plait itself; `shared`: over buffers from plait.empty (the harness allocates them), which
+    peers on the host map instead of reaching through kernel copies."""
+
+    def __init__(self, comm, algorithm="auto", name=None, shared=False):
+        self.comm, self.algorithm, self.shared = comm, algorithm, shared
+        self.name = name or (SHARED if shared else "plait" if algorithm == "auto" else f"plait:{algorithm}")
         self.version = getattr(comm, "engine", "")
 
     def supports(self, coll, dtype, op, inplace):

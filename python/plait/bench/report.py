@@ -5,7 +5,7 @@ import os
 import platform
 import sys
 
-from .peers import IN, OUT
+from .peers import IN, OUT, SHARED
 
 SCHEMA = "plait-bench/1"
 RECORD_KEYS = ("collective", "impl", "algorithm", "placement", "bytes", "count", "dtype", "op", "root",
@@ -69,18 +69,21 @@ def comparison(coll, records):
     peers = [i for i in impls if not i.startswith("plait")]
     if len(impls) < 2:
         return []
+    refs = [("plait", None)] + ([("shared", SHARED)] if SHARED in impls else [])
+    cols = [(f"{tag}/{p}", key, p) for tag, key in refs for p in peers]
     lines = [f"# {coll}: time (us), each implementation at its faster of {OUT}/{IN}; "
-             f"plait/peer = plait (auto) time / peer time, < 1: plait faster",
+             f"plait/peer = plait (auto) time / peer time"
+             + (f", shared/peer = {SHARED} time / peer time" if len(refs) > 1 else "") + ", < 1: plait faster",
              "#" + ("%11s" % "size") + "".join(" %*s" % (max(14, len(i)), i) for i in impls)
-             + "".join(" %*s" % (max(12, len(p) + 6), f"plait/{p}") for p in peers)]
+             + "".join(" %*s" % (max(12, len(c) ), c) for c, _, _ in cols)]
     for nb in sorted({k[0] for k in best}):
         line = "#%11s" % human(nb) + "".join(
             " %*s" % (max(14, len(i)), fmt_time(best[(nb, i)]) if (nb, i) in best else "-")
             for i in impls)
-        ref = _plait_ref(best, nb)
-        for p in peers:
+        for c, key, p in cols:
+            ref = _plait_ref(best, nb) if key is None else best.get((nb, key))
             ok = ref is not None and (nb, p) in best and best[(nb, p)] > 0
-            line += " %*s" % (max(12, len(p) + 6), "%.3g" % (ref / best[(nb, p)]) if ok else "-")
+            line += " %*s" % (max(12, len(c)), "%.3g" % (ref / best[(nb, p)]) if ok else "-")
         lines.append(line)
     return lines
 
@@ -88,7 +91,7 @@ def comparison(coll, records):
 def _plait_ref(best, nb):
     if (nb, "plait") in best:
         return best[(nb, "plait")]
-    mine = [t for (b, i), t in best.items() if b == nb and i.startswith("plait")]
+    mine = [t for (b, i), t in best.items() if b == nb and i.startswith("plait") and i != SHARED]
     return min(mine) if mine else None
 
 
@@ -140,6 +143,10 @@ def summary(coll, records):
              if (nb, p) in best and _plait_ref(best, nb) is not None and best[(nb, p)] > 0]
         if q:
             parts.append(f"plait/{p} {min(q):.3g}x..{max(q):.3g}x")
+        q = [best[(nb, SHARED)] / best[(nb, p)] for nb in sizes
+             if (nb, p) in best and (nb, SHARED) in best and best[(nb, p)] > 0]
+        if q:
+            parts.append(f"shared/{p} {min(q):.3g}x..{max(q):.3g}x")
     return f"# summary {coll}: " + ("; ".join(parts) if parts else "nothing measured")
 
 
