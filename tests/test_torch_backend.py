@@ -366,3 +366,33 @@ def test_example_ddp_train(launcher):
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "epoch 1" in p.stdout and "communication" in p.stdout, p.stdout
+
+
+# ---------------------------------------------------------------- shared-memory tensors
+
+def _shared_tensors(rank, n, store_dir):
+    init_pg("plait", rank, n, store_dir)
+    comm = dist.group.WORLD._get_backend(torch.device("cpu"))._comm
+    before = comm.mapped_bytes
+    count = 300_001  # above the single_copy thresholds and its 256 KiB chunk
+    base = torch.arange(count, dtype=torch.int64) % 64  # sums stay exact in bfloat16
+    for dtype in (torch.float32, torch.bfloat16, torch.int32):
+        t = plait.torch.empty(count, dtype=dtype)
+        assert t.shape == (count,) and t.dtype == dtype and t.is_contiguous()
+        assert not t.any()  # zero-filled
+        t.copy_((base * (rank + 1)).to(dtype))
+        dist.all_reduce(t)
+        want = (base * sum(range(1, n + 1))).to(dtype)
+        assert torch.equal(t, want), (rank, dtype)
+        g = plait.torch.empty((n, count), dtype=dtype)
+        dist.all_gather_into_tensor(g, t)
+        assert all(torch.equal(g[r], want) for r in range(n)), (rank, dtype)
+    two = plait.torch.zeros(2, 3)
+    assert two.shape == (2, 3) and two.dtype == torch.get_default_dtype()
+    # the fast path was taken: this rank reduced from and wrote into its peers' mapped tensors
+    return comm.mapped_bytes - before, comm.single_copy
+
+
+def test_shared_memory_tensors_through_the_backend(tmp_path):
+    for moved, single_copy in run_torch(_shared_tensors, 2, tmp_path, timeout=90):
+        assert moved > 0 or not single_copy, moved

@@ -21,6 +21,10 @@ def _shape(shape):
     return dims
 
 
+def _count(shape):
+    return int(np.prod(_shape(shape), dtype=np.int64))
+
+
 def empty(shape, dtype="float32"):
     """A C-contiguous numpy array of `shape` and `dtype` in plait shared memory. Its contents are
     zero (a fresh memfd), so this is also plait.zeros. Use it (or torch.from_numpy of it) for the

@@ -10,6 +10,8 @@ and all_gather of contiguous tensors, plait's dtypes and ops) run on plait's GPU
 current stream; everything else takes CPU tensors.
 Errors are torch.distributed.DistBackendError subclasses that are also plait's classes.
 `pg_options=plait.torch.Options(buffer_bytes=...)` sets a group's staging size.
+`plait.torch.empty(*size, dtype=None)` (alias `zeros`) gives a CPU tensor in plait shared memory
+(see plait.empty): collectives on it reach peers through mappings instead of kernel copies.
 """
 import atexit
 
@@ -19,10 +21,28 @@ from ._errors import (PlaitBackendError, PlaitInvalidArgument, PlaitMismatchErro
                       PlaitPeerLostError, PlaitTimeoutError, PlaitUnsupportedError)
 from ._group import Options, ProcessGroupPlait, shutdown_all
 
-__all__ = ["ProcessGroupPlait", "Options", "BACKEND", "PlaitBackendError", "PlaitInvalidArgument",
+__all__ = ["ProcessGroupPlait", "Options", "BACKEND", "empty", "zeros", "PlaitBackendError", "PlaitInvalidArgument",
            "PlaitMismatchError", "PlaitTimeoutError", "PlaitPeerLostError", "PlaitUnsupportedError"]
 
 BACKEND = "plait"
+
+
+def empty(*size, dtype=None):
+    """A contiguous CPU tensor of `size` (ints, or one tuple / torch.Size) and `dtype` (default:
+    torch's default dtype) in plait shared memory, zero-filled: what torch.empty would give, but
+    peers on the host map it, so plait's collectives on it skip the kernel copies. Any dtype
+    works, bfloat16 included."""
+    import torch
+
+    from .. import _shared
+    shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else tuple(size)
+    dtype = dtype or torch.get_default_dtype()
+    esize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(_shared.empty(_shared._count(shape) * esize, "uint8"))
+    return raw.view(dtype).view(shape)
+
+
+zeros = empty
 
 
 def _create(opts, pg_options):
