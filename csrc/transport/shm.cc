@@ -505,7 +505,7 @@ char* ShmTransport::peer_local(int p, const char* remote, size_t bytes) {
     if (!r.id || a < r.base || a + bytes > r.base + r.bytes) continue;
     char* base = maps_.map(peer_pid_[size_t(p)], r);
     if (!base) return nullptr;
-    mapped_bytes_ += bytes;
+    mapped_bytes_.fetch_add(bytes, std::memory_order_relaxed);
     return base + (a - r.base);
   }
   return nullptr;

@@ -171,7 +171,7 @@ class ShmTransport final : public Transport {
   void read_peer(int p, void* dst, const char* src, size_t bytes) override;
   void write_peer(int p, char* dst, const void* src, size_t bytes, bool stream = false) override;
   char* peer_local(int p, const char* remote, size_t bytes) override;
-  uint64_t mapped_bytes() const override { return mapped_bytes_; }
+  uint64_t mapped_bytes() const override { return mapped_bytes_.load(std::memory_order_relaxed); }
 
  private:
   void verify(int peer);
@@ -197,7 +197,7 @@ class ShmTransport final : public Transport {
   uint64_t probe_word_ = 0;
   std::vector<int32_t> peer_pid_;
   PeerMappings maps_;
-  uint64_t mapped_bytes_ = 0;
+  std::atomic<uint64_t> mapped_bytes_{0};  // read by other threads (comm.mapped_bytes)
   void copy_peer(bool write, int p, char* local, char* remote, size_t bytes);
 };
 
