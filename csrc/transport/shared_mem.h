@@ -52,7 +52,9 @@ class PeerMappings {
     uint64_t id, bytes, last_use;
     char* local;
   };
-  static constexpr size_t kMaxEntries = 32;  // the least recently used one is unmapped beyond this
+  // Beyond this the least recently used mapping is unmapped. Generous: remapping a region costs an
+  // open, an mmap and populating its page tables (milliseconds for tens of MiB).
+  static constexpr size_t kMaxEntries = 128;
   std::vector<Entry> entries_;
   uint64_t clock_ = 0;
   void drop(size_t i);
