@@ -185,6 +185,40 @@ def run_coll(comm, chk, coll, dt, count, *, op="sum", root=0, mode="out", place=
         chk.eq(label + " (input changed)", x, x0)
 
 
+def _whole_call(comm, chk, coll, algo, dt, count, label, in_place):
+    """One call of `coll` on a shared input of count*n elements with shared outputs, checked
+    against the closed form. in_place: allreduce in place and broadcast from the last rank into x
+    (else out of place, from rank 0)."""
+    rank, n = comm.rank, comm.size
+    x = filled(data(rank, count * n, dt), dt)
+    kw = dict(algorithm=algo, **dtype_kw(dt))
+    full = reduce_ref([data(r, count * n, dt) for r in range(n)], dt, "sum")
+    with case(label):
+        if coll == "allreduce":
+            got, want = comm.allreduce(x, x if in_place else shared(count * n, dt), **kw), full
+        elif coll == "reduce_scatter":
+            got = comm.reduce_scatter(x, shared(count, dt), **kw)
+            want = full[rank * count:(rank + 1) * count]
+        elif coll == "allgather":
+            got = comm.allgather(x, shared(count * n * n, dt), **kw)
+            want = np.concatenate([data(r, count * n, dt) for r in range(n)])
+        elif coll == "broadcast":
+            root = n - 1 if in_place else 0
+            got = comm.broadcast(x, root, out=None if in_place else shared(count * n, dt), **kw)
+            want = data(root, count * n, dt)
+        elif coll == "reduce":
+            got = comm.reduce(x, 0, out=shared(count * n, dt) if rank == 0 else None, **kw)
+            want = full if rank == 0 else None
+        else:
+            got = comm.alltoall(x, shared(count * n, dt), **kw)
+            want = np.concatenate([data(j, count * n, dt)[rank * count:(rank + 1) * count]
+                                   for j in range(n)])
+    if want is None:
+        chk.true(label + ": non-root got a result", got is None)
+    else:
+        chk.eq(label, np.asarray(got).reshape(-1), want)
+
+
 # ---------------------------------------------------------------- 1: exact, all shared
 
 def _exact_worker(rank, n, store):
@@ -427,35 +461,8 @@ def _mixed_worker(rank, n, store):
             for k, algo in enumerate(a for a in plait.algorithms(coll) if a != "single_copy"):
                 dt = ("float32", "int8", "bfloat16")[k % 3]
                 for count in (37, 20_001):
-                    x = filled(data(rank, count * n, dt), dt)
                     label = "%s %s on shared buffers %s count=%d" % (coll, algo, dt, count)
-                    kw = dict(algorithm=algo, **dtype_kw(dt))
-                    full = reduce_ref([data(r, count * n, dt) for r in range(n)], dt, "sum")
-                    with case(label):
-                        if coll == "allreduce":
-                            got, want = comm.allreduce(x, shared(count * n, dt), **kw), full
-                        elif coll == "reduce_scatter":
-                            got = comm.reduce_scatter(x, shared(count, dt), **kw)
-                            want = full[rank * count:(rank + 1) * count]
-                        elif coll == "allgather":
-                            got = comm.allgather(x, shared(count * n * n, dt), **kw)
-                            want = np.concatenate([data(r, count * n, dt) for r in range(n)])
-                        elif coll == "broadcast":
-                            got = comm.broadcast(x, 0, out=shared(count * n, dt), **kw)
-                            want = data(0, count * n, dt)
-                        elif coll == "reduce":
-                            got = comm.reduce(x, 0, out=shared(count * n, dt) if rank == 0
-                                              else None, **kw)
-                            want = full if rank == 0 else None
-                        else:
-                            got = comm.alltoall(x, shared(count * n, dt), **kw)
-                            want = np.concatenate([data(j, count * n, dt)[rank * count:
-                                                                          (rank + 1) * count]
-                                                   for j in range(n)])
-                    if want is None:
-                        chk.true(label + ": non-root got a result", got is None)
-                    else:
-                        chk.eq(label, np.asarray(got).reshape(-1), want)
+                    _whole_call(comm, chk, coll, algo, dt, count, label, in_place=False)
         return {"digests": chk.done(), "mapped": mapped}
 
 
@@ -777,34 +784,8 @@ def _off_worker(rank, n, store):
             for a, algo in enumerate(algos):
                 for count in (37, 20_001) + ((BIG,) if algo == "auto" else ()):
                     dt = ("int32", "float32", "bfloat16", "uint8")[(k + a) % 4]
-                    x = filled(data(rank, count * n, dt), dt)
-                    kw = dict(algorithm=algo, **dtype_kw(dt))
                     label = "%s %s %s count=%d, PLAIT_SINGLE_COPY=0" % (coll, algo, dt, count)
-                    full = reduce_ref([data(r, count * n, dt) for r in range(n)], dt, "sum")
-                    with case(label):
-                        if coll == "allreduce":
-                            got, want = comm.allreduce(x, x, **kw), full
-                        elif coll == "reduce_scatter":
-                            got = comm.reduce_scatter(x, shared(count, dt), **kw)
-                            want = full[rank * count:(rank + 1) * count]
-                        elif coll == "allgather":
-                            got = comm.allgather(x, shared(count * n * n, dt), **kw)
-                            want = np.concatenate([data(r, count * n, dt) for r in range(n)])
-                        elif coll == "broadcast":
-                            got, want = comm.broadcast(x, n - 1, **kw), data(n - 1, count * n, dt)
-                        elif coll == "reduce":
-                            got = comm.reduce(x, 0, out=shared(count * n, dt) if rank == 0
-                                              else None, **kw)
-                            want = full if rank == 0 else None
-                        else:
-                            got = comm.alltoall(x, shared(count * n, dt), **kw)
-                            want = np.concatenate([data(j, count * n, dt)[rank * count:
-                                                                          (rank + 1) * count]
-                                                   for j in range(n)])
-                    if want is None:
-                        chk.true(label + ": non-root got a result", got is None)
-                    else:
-                        chk.eq(label, np.asarray(got).reshape(-1), want)
+                    _whole_call(comm, chk, coll, algo, dt, count, label, in_place=True)
         try:
             comm.allreduce(shared(BIG, "float32"), algorithm="single_copy")
             chk.true("algorithm='single_copy' ran with PLAIT_SINGLE_COPY=0", False)
