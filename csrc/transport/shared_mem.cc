@@ -206,4 +206,11 @@ void stream_copy(void* dst, const void* src, size_t n) {
   std::memcpy(d, s, n);
 }
 
+void copy_out(void* dst, const void* src, size_t n) {
+  if (n >= kStreamMin)
+    stream_copy(dst, src, n);
+  else
+    std::memcpy(dst, src, n);
+}
+
 }  // namespace plait

@@ -63,5 +63,9 @@ class PeerMappings {
 // Copies n bytes with non-temporal stores (the destination is not pulled into the cache, and
 // not read for ownership first): for data this core will not touch again soon.
 void stream_copy(void* dst, const void* src, size_t n);
+// A copy into memory nobody here re-reads soon: streamed when it is too big to stay in cache
+// anyway (kStreamMin and up), else memcpy, which leaves it cached for a caller reading it next.
+constexpr size_t kStreamMin = size_t(512) << 10;
+void copy_out(void* dst, const void* src, size_t n);
 
 }  // namespace plait

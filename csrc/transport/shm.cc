@@ -519,15 +519,9 @@ const char* ShmTransport::peer_out(int p) {
   return reinterpret_cast<const char*>(seg_.ctl(p)->addr[seq_ & 1][1]);
 }
 
-// Copies larger than this go around the cache when the destination will not be re-read here.
-constexpr size_t kStreamMin = size_t(512) << 10;
-
 void ShmTransport::read_peer(int p, void* dst, const char* src, size_t bytes) {
   if (const char* m = peer_local(p, src, bytes)) {
-    if (bytes >= kStreamMin)
-      stream_copy(dst, m, bytes);
-    else
-      std::memcpy(dst, m, bytes);
+    copy_out(dst, m, bytes);
     return;
   }
   copy_peer(false, p, static_cast<char*>(dst), const_cast<char*>(src), bytes);
