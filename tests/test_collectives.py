@@ -519,6 +519,19 @@ def body_barrier(comm, lean, chk):
     return {"times": times}
 
 
+def wait_rotated(chk, hs, rank, label):
+    """Waits for handles hs last-issued first, rotated by rank so that ranks wait in different
+    orders (odd ones with a timeout); their results, and a check that each reports done()."""
+    order = list(range(len(hs)))[::-1]
+    order = order[rank % len(order):] + order[:rank % len(order)]
+    res = [None] * len(hs)
+    with case("%s: wait in order %s" % (label, order)):
+        for i in order:
+            res[i] = hs[i].wait(timeout=CALL_TIMEOUT) if i % 2 else hs[i].wait()
+    chk.true("%s: a handle is not done() after wait()" % label, all(h.done() for h in hs))
+    return res
+
+
 def body_async(comm, lean, chk):
     n, rank = comm.size, comm.rank
     for rnd in range(1 if lean else 3):
@@ -536,14 +549,7 @@ def body_async(comm, lean, chk):
             hs.append(comm.alltoall(e, async_op=True))
             hs.append(comm.reduce(f, root=0, op="min", async_op=True))
             hs.append(comm.barrier(async_op=True))
-        order = list(range(len(hs)))[::-1]
-        order = order[rank % len(order):] + order[:rank % len(order)]
-        res = [None] * len(hs)
-        with case("async round %d: wait in order %s" % (rnd, order)):
-            for i in order:
-                res[i] = hs[i].wait(timeout=CALL_TIMEOUT) if i % 2 else hs[i].wait()
-        chk.true("async round %d: a handle is not done() after wait()" % rnd,
-                 all(h.done() for h in hs))
+        res = wait_rotated(chk, hs, rank, "async round %d" % rnd)
         for s, arr in enumerate(a):
             want = reduce_ref([data(r, 5001, "float32", salt=rnd * 10 + s) for r in range(n)],
                               "float32", "sum")

@@ -19,7 +19,7 @@ import pytest
 
 import plait
 from conftest import run_ranks
-from test_collectives import Check, case, data, dtype_kw, reduce_ref, storage
+from test_collectives import Check, case, data, dtype_kw, reduce_ref, storage, wait_rotated
 
 CALL_TIMEOUT = 30
 RUN_TIMEOUT = 180
@@ -839,14 +839,7 @@ def _async_worker(rank, n, store):
                                                 "bfloat16"), n - 1, out=outs["broadcast"],
                                          async_op=True, dtype="bfloat16", **sc))
             gc.collect()
-            order = list(range(len(hs)))[::-1]
-            order = order[rank % len(order):] + order[:rank % len(order)]
-            res = [None] * len(hs)
-            with case("async round %d: wait in order %s" % (rnd, order)):
-                for i in order:
-                    res[i] = hs[i].wait(timeout=CALL_TIMEOUT) if i % 2 else hs[i].wait()
-            chk.true("async round %d: a handle is not done() after wait()" % rnd,
-                     all(h.done() for h in hs))
+            res = wait_rotated(chk, hs, rank, "async round %d" % rnd)
             for s, arr in enumerate(a):
                 want = reduce_ref([data(r, count, "float32", salt=rnd * 10 + s) for r in range(n)],
                                   "float32", "sum")

@@ -266,15 +266,7 @@ def _ddp(rank, n, store_dir, backend, steps, hook=None):
         state = P.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=3,
                                 min_compression_rate=0.5)
         model.register_comm_hook(state, P.powerSGD_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for step in range(steps):
-        x, y = _batch(step, rank)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(model, rank, steps, momentum=0.9)
     state = _plain(model.module.state_dict())
     dist.destroy_process_group()
     return state, losses
@@ -297,9 +289,9 @@ def test_ddp_matches_gloo(n, hook, tmp_path):
     assert plait_runs[0][1][-1] < plait_runs[0][1][0]  # it trained
 
 
-def _train(model, rank, steps):
+def _train(model, rank, steps, momentum=0.0):
     """SGD on the rank's batches; the loss of every step."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     losses = []
     for step in range(steps):
         x, y = _batch(step, rank)
