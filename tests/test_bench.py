@@ -250,11 +250,32 @@ def test_cli_smoke_two_ranks(tmp_path):
     assert {"cpu", "cores", "kernel", "build_info", "python", "numpy", "plait"} <= set(doc["machine"])
     assert doc["config"]["nranks"] == 2 and doc["config"]["sizes"] == [8, 512, 32768]
     assert {r["collective"] for r in doc["results"]} == set(COLLECTIVES)
-    assert {r["impl"] for r in doc["results"] if r["collective"] == "allreduce"} == \
-        {"plait"} | {f"plait:{a}" for a in plait.algorithms("allreduce")}
+    for coll in COLLECTIVES:  # -a all: a row per algorithm of every collective, not only allreduce's
+        assert {r["impl"] for r in doc["results"] if r["collective"] == coll} == \
+            {"plait"} | {f"plait:{a}" for a in plait.algorithms(coll)}, coll
     for rec in doc["results"]:
         assert set(rec) == set(report.RECORD_KEYS) and rec["wrong"] == 0 and rec["time_us"] > 0
         assert isinstance(rec["trials_us"], list) and rec["nranks"] == 2
+
+
+def test_every_variant_runs_the_algorithm_it_is_named_after():
+    # A row labelled plait:<algo> must call that algorithm for every collective (it once ran
+    # `auto` for broadcast, reduce and alltoall under a single_copy label).
+    class Recorder:
+        engine = ""
+
+        def __getattr__(self, name):
+            return lambda *a, **kw: calls.append((name, kw.get("algorithm", "auto")))
+
+    x = np.zeros(4, np.float32)
+    for coll in COLLECTIVES.values():
+        for algo in plait.algorithms(coll.name):
+            calls = []
+            peers.Plait(Recorder(), algo).prepare(coll, x, x.copy(), "float32", "sum", 0)()
+            assert calls == [(coll.name, algo)], (coll.name, algo, calls)
+        calls = []
+        peers.Plait(Recorder()).prepare(coll, x, x.copy(), "float32", "sum", 0)()
+        assert calls == [(coll.name, "auto")]
 
 
 def test_cli_shared_buffers_variant(tmp_path):

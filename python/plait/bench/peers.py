@@ -30,14 +30,16 @@ class Plait:
         return None
 
     def prepare(self, coll, x, out, dtype, op, root):
-        c, a, name = self.comm, self.algorithm, coll.name
+        c, name = self.comm, coll.name
         kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+        if self.algorithm != "auto":  # every collective takes the one the row is named after
+            kw["algorithm"] = self.algorithm
         if name == "allreduce":
-            return lambda: c.allreduce(x, out, op=op, algorithm=a, **kw)
+            return lambda: c.allreduce(x, out, op=op, **kw)
         if name == "reduce_scatter":
-            return lambda: c.reduce_scatter(x, out, op=op, algorithm=a, **kw)
+            return lambda: c.reduce_scatter(x, out, op=op, **kw)
         if name == "allgather":
-            return lambda: c.allgather(x, out, algorithm=a, **kw)
+            return lambda: c.allgather(x, out, **kw)
         if name == "broadcast":
             o = None if out is x else out
             return lambda: c.broadcast(x, root, out=o, **kw)
