@@ -303,6 +303,7 @@ def test_comparison_has_shared_ratios():
     assert "shared/mpi 0.25x..0.25x" in report.summary("allreduce", recs)
 
 
+@pytest.mark.slow
 def test_cli_peers_run_or_are_skipped():
     r = _bench("-n", 2, "-c", "allreduce", "-b", 8, "-e", 8, "--time", 0.01, "--trials", 3,
                "--peers", "gloo,mpi")

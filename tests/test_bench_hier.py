@@ -7,6 +7,8 @@ import pytest
 
 from test_bench import _ENV
 
+pytestmark = pytest.mark.slow  # minutes of multi-process runs: full suite only
+
 pytest.importorskip("torch")
 
 

@@ -147,6 +147,7 @@ def _dropped_handles(rank, n, store):
     return clobbered
 
 
+@pytest.mark.slow
 def test_dropped_async_handle_keeps_its_arrays_alive():
     """A Handle dropped before its call finishes must not let the call write into freed memory."""
     assert run_ranks(_dropped_handles, 2, timeout=60) == [0, 0]

@@ -57,6 +57,7 @@ def _exact(rank, n, addr, hosts):
     return checks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_collective_dtype_and_op_is_exact(layout):
     hosts = LAYOUTS[layout]

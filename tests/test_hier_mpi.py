@@ -12,8 +12,9 @@ from test_run import _ENV
 
 WHY = ("mpirun is not on PATH" if shutil.which("mpirun") is None else
        "mpi4py is not installed" if importlib.util.find_spec("mpi4py") is None else None)
-pytestmark = pytest.mark.skipif(WHY is not None, reason=f"{WHY} (apt-get install openmpi-bin "
-                                "libopenmpi-dev && pip install mpi4py)")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(WHY is not None, reason=f"{WHY} (apt-get install openmpi-bin "
+                                 "libopenmpi-dev && pip install mpi4py)")]
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 # No RANK, WORLD_SIZE or store in the environment: plait takes mpirun's ranks and rank 0 serves the

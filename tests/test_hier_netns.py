@@ -11,6 +11,8 @@ import pytest
 from test_run import _ENV, script
 from test_run_multinode import PROGRAM
 
+pytestmark = pytest.mark.slow  # minutes of multi-process runs: full suite only
+
 pytest.importorskip("torch")
 
 

@@ -10,10 +10,12 @@ import pytest
 from test_run import _ENV, script
 
 pytest.importorskip("torch")  # gloo carries the traffic between the simulated hosts
+pytestmark = pytest.mark.slow  # two launchers of two ranks each: full suite only
 
 # Each rank: a hierarchical communicator, an exact allreduce and allgather, its environment.
 PROGRAM = """
 import numpy as np, plait, signal
+
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the test reads what each rank saw before teardown
 out = sys.argv[1]
 rec = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",

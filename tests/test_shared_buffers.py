@@ -293,6 +293,7 @@ def _exact_worker(rank, n, store):
                 "total": comm.mapped_bytes}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", (1, 2, 3, 4), ids=lambda n: "n%d" % n)
 def test_exact_all_shared(n):
     results = run_ranks(_exact_worker, n, timeout=RUN_TIMEOUT)
@@ -466,6 +467,7 @@ def _mixed_worker(rank, n, store):
         return {"digests": chk.done(), "mapped": mapped}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", (2, 3), ids=lambda n: "n%d" % n)
 def test_mixed_placement_and_views(n):
     results = run_ranks(_mixed_worker, n, timeout=RUN_TIMEOUT)
@@ -876,6 +878,7 @@ def _async_worker(rank, n, store):
         return {"digests": chk.done(), "mapped": comm.mapped_bytes - m0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", (2, 3), ids=lambda n: "n%d" % n)
 def test_async_with_shared_buffers(n):
     results = run_ranks(_async_worker, n, timeout=RUN_TIMEOUT)

@@ -21,6 +21,8 @@ import plait
 from conftest import run_ranks
 from test_collectives import FLOATS, OPS, data, dtype_kw, reduce_ref, storage
 
+pytestmark = pytest.mark.slow  # minutes of multi-process runs: full suite only
+
 LONG = os.environ.get("PLAIT_SOAK_LONG", "") not in ("", "0")
 SEED = int(os.environ.get("PLAIT_SOAK_SEED", "1066"))
 BUFFER = 8192  # 4 KiB per call: anything above that is multi-chunk

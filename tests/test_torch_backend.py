@@ -272,6 +272,7 @@ def _ddp(rank, n, store_dir, backend, steps, hook=None):
     return state, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,hook", [(2, None), (3, None), (2, "powersgd")])
 def test_ddp_matches_gloo(n, hook, tmp_path):
     steps = 200 if hook is None else 40
@@ -333,6 +334,7 @@ def _fsdp1(rank, n, store_dir, backend, steps):
     return full, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["fsdp2", "fsdp1"])
 def test_fsdp_matches_gloo(which, tmp_path):
     fn = {"fsdp2": _fsdp2, "fsdp1": _fsdp1}[which]
@@ -346,6 +348,7 @@ def test_fsdp_matches_gloo(which, tmp_path):
 
 # ---------------------------------------------------------------- the example, two launchers
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["plait-run", "torchrun"])
 def test_example_ddp_train(launcher):
     env = dict(os.environ)  # the plait under test: installed, or on the caller's PYTHONPATH

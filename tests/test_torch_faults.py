@@ -58,6 +58,7 @@ def _die(stamp):
     os.kill(os.getpid(), 9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDS, ids=lambda s: "seed%d" % s)
 def test_rank_killed_during_ddp_training(seed, tmp_path):
     p = _plan(seed)
