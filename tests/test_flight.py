@@ -312,3 +312,39 @@ def test_dump_on_error_launcher_prints_once(tmp_path):
     assert out.count("last entered allreduce #4") == 2, out  # one line per rank, printed once
     assert "report written to" in out  # the ranks' own messages point at their files
     assert set(glob.glob("/dev/shm/plait-*")) <= before
+
+
+def _torch_traced(rank, n, store, store_dir):
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    import plait.torch  # noqa: F401  (registers the backend)
+
+    torch.set_num_threads(1)
+    path = os.path.join(store_dir, "store-flight")
+    dist.init_process_group("plait", init_method="file://" + path, rank=rank, world_size=n,
+                            timeout=timedelta(seconds=60))
+    sub = dist.new_group([0, 1])
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    dist.all_reduce(t, group=sub)
+    assert t.tolist() == [float(n * (n + 1) // 2 * 2)] * 4
+    names = (dist.group.WORLD.group_name, sub.group_name)
+    dist.destroy_process_group()
+    plait._C.flush_traces()
+    return names, os.getpid()
+
+
+def test_torch_calls_traced_with_group_names(tmp_path):
+    pytest.importorskip("torch")
+    n = 2
+    res = run_ranks(_torch_traced, n, args=(str(tmp_path),), env={"PLAIT_TRACE": str(tmp_path)})
+    for rank, ((world, sub), pid) in enumerate(res):
+        events = json.loads((tmp_path / ("trace-rank%d-%d.json" % (rank, pid))).read_text())
+        tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+        for group in (world, sub):
+            tids = [t for t, name in tracks.items() if name.startswith("pg:%s " % group)]
+            assert len(tids) == 1, (group, tracks)
+            reduces = [e for e in events if e["ph"] == "X" and e["tid"] == tids[0] and e["name"] == "allreduce"]
+            assert len(reduces) == 1 and reduces[0]["args"]["count"] == 4, reduces

@@ -387,13 +387,14 @@ void Communicator::run(CallArgs& a) {
   tp_.throw_if_aborted();
   const Algorithm* algo = algorithms_for(a.coll)[size_t(a.algo)];
   const uint64_t seq = ++seq_;
-  const uint64_t t0 = flight_.on() || trace_ ? mono_ns() : 0;
+  // One clock reading serves the call's deadline and its flight record.
+  const uint64_t t0 = mono_ns();
   const uint64_t rec = flight_.begin(a, seq, uint8_t(a.algo), t0);
   try {
     if (size_ == 1) {
       run_local(a);
     } else {
-      tp_.begin(a, algo->name, seq, uint8_t(a.algo));
+      tp_.begin(a, algo->name, seq, uint8_t(a.algo), double(t0) * 1e-9);
       Ctx ctx(tp_, a);
       algo->run(ctx);
       tp_.end();
@@ -412,8 +413,10 @@ void Communicator::run(CallArgs& a) {
 void Communicator::recorded(const CallArgs& a, uint64_t rec, uint64_t call, const char* algo, uint64_t t0,
                             uint64_t wait_ns, bool ok) {
   if (!flight_.on() && !trace_) return;
-  const uint64_t t1 = mono_ns();
-  flight_.end(rec, ok, t1);
+  // A finished call's end time need not be exact unless a trace shows it; a failed one's is.
+  const bool exact = trace_ || !ok;
+  const uint64_t t1 = exact ? mono_ns() : std::max(coarse_ns(), t0);
+  flight_.end(rec, ok, t1, exact);
   if (trace_) {
     const bool p2p = a.coll == Coll::send || a.coll == Coll::recv;
     const bool rooted = a.coll == Coll::broadcast || a.coll == Coll::reduce;

@@ -20,7 +20,7 @@ namespace {
 struct RawRecord {
   uint32_t ver;
   uint8_t coll, dtype, op, algo;
-  uint8_t transport, state, pad[2];
+  uint8_t transport, state, exact, pad;
   int32_t root;
   uint64_t index, call;
   int64_t count, tag;
@@ -202,7 +202,7 @@ std::string summary_line(const RankView& v, uint64_t now) {
     if (c.r.state == uint8_t(FlightState::running))
       m << (v.wait.on ? " and is waiting " + describe_wait(v.wait) : " and is still in it");
     else if (c.r.state == uint8_t(FlightState::ok))
-      m << " and finished it in " << dur;
+      m << " and finished it" << (c.r.exact ? " in " + dur : "");
     else
       m << " and failed in it after " << dur << (v.wait.on ? ", waiting " + describe_wait(v.wait) : "");
     if (v.untrusted) m << " (" << v.untrusted << " records not trusted)";
@@ -260,6 +260,7 @@ FlightReport flight_report(const Segment& seg, int me, const std::string& label,
         << c.end_ns << ", \"age_s\": " << double(int64_t(now - c.start_ns)) * 1e-9 << ", \"duration_s\": ";
       if (c.end_ns) j << double(c.end_ns - c.start_ns) * 1e-9;
       else j << "null";
+      j << ", \"end_exact\": " << (c.exact ? "true" : "false");
       j << ", \"text\": ";
       json_str(j, describe_call(v.calls[i]));
       j << "}";

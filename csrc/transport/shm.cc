@@ -220,13 +220,13 @@ void ShmTransport::wait_ack(int peer, int ch, int64_t step) {
     slow_wait([&] { return c.load(std::memory_order_acquire) >= target; }, peer, FlightWait::ack, uint64_t(step));
 }
 
-void ShmTransport::begin(const CallArgs& a, const char* algo_name, uint64_t seq, uint8_t algo_idx) {
+void ShmTransport::begin(const CallArgs& a, const char* algo_name, uint64_t seq, uint8_t algo_idx, double now) {
   call_ = &a;
   algo_name_ = algo_name;
   seq_ = seq;
   epoch_ = seq << kStepBits;
   half_ = (seq & 1) * staging_bytes();
-  deadline_ = now_s() + a.timeout_s;
+  deadline_ = (now > 0 ? now : now_s()) + a.timeout_s;
   std::fill(verified_.begin(), verified_.end(), 0);
   verified_[size_t(rank_)] = 1;
   throw_if_aborted();

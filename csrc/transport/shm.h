@@ -143,7 +143,8 @@ class ShmTransport final : public Transport {
 
   // Collective calls: begin() waits until the previous-but-one call is finished everywhere,
   // publishes the fingerprint and arrives; end() verifies the left neighbour and marks done.
-  void begin(const CallArgs& a, const char* algo_name, uint64_t seq, uint8_t algo_idx);
+  // now: the caller's clock reading (seconds), 0 to read it here.
+  void begin(const CallArgs& a, const char* algo_name, uint64_t seq, uint8_t algo_idx, double now = 0);
   void end();
   // Runs `ready` until it returns true, with backoff, deadline and liveness of `peers` (-1: none).
   template <class Ready>
