@@ -1,5 +1,6 @@
 #include "core/trace.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -16,7 +17,7 @@ constexpr size_t kFlushEvents = 256;  // as many as a flight ring holds
 
 // The process's trace file, shared by its communicators (each is one track, tid).
 struct File {
-  std::mutex mu;
+  std::recursive_mutex mu;  // flush_all holds it across the traces' own flushes
   std::string path;
   int pid = 0;  // the process the file belongs to (a forked child starts its own)
   bool any = false;  // events written: the next one needs a comma, and the "]" is rewound over
@@ -50,12 +51,13 @@ void json_str(std::ostream& o, const std::string& s) {
 std::unique_ptr<Trace> Trace::from_env(int rank, int size) {
   const char* d = getenv("PLAIT_TRACE");
   if (!d || !*d) return nullptr;
+  mkdir(d, 0755);  // the last level, as plait-bench --trace does; an error shows as no file
   return std::unique_ptr<Trace>(new Trace(d, rank, size));
 }
 
 Trace::Trace(std::string dir, int rank, int size) : dir_(std::move(dir)), rank_(rank), size_(size) {
   File& f = file();
-  std::lock_guard<std::mutex> lk(f.mu);
+  std::lock_guard<std::recursive_mutex> lk(f.mu);
   tid_ = f.next_tid++;
   label_ = "comm" + std::to_string(tid_);
   f.live.insert(this);
@@ -64,7 +66,7 @@ Trace::Trace(std::string dir, int rank, int size) : dir_(std::move(dir)), rank_(
 Trace::~Trace() {
   flush();
   File& f = file();
-  std::lock_guard<std::mutex> lk(f.mu);
+  std::lock_guard<std::recursive_mutex> lk(f.mu);
   f.live.erase(this);
 }
 
@@ -122,7 +124,7 @@ void Trace::flush() {
     }
   }
   File& f = file();
-  std::lock_guard<std::mutex> lk(f.mu);
+  std::lock_guard<std::recursive_mutex> lk(f.mu);
   if (f.pid != getpid()) f.path.clear(), f.any = false, f.pid = getpid();
   if (f.path.empty())
     f.path = dir_ + "/trace-rank" + std::to_string(world_rank(rank_)) + "-" + std::to_string(getpid()) + ".json";
@@ -141,13 +143,9 @@ void Trace::flush() {
 }
 
 void Trace::flush_all() {
-  std::vector<Trace*> all;
-  {
-    File& f = file();
-    std::lock_guard<std::mutex> lk(f.mu);
-    all.assign(f.live.begin(), f.live.end());
-  }
-  for (Trace* t : all) t->flush();
+  File& f = file();
+  std::lock_guard<std::recursive_mutex> lk(f.mu);  // no trace is destroyed meanwhile
+  for (Trace* t : f.live) t->flush();
 }
 
 }  // namespace plait
