@@ -16,9 +16,8 @@ import threading
 import time
 
 import numpy as np
-import pytest
-
 import plait
+import pytest
 from conftest import run_ranks
 
 SEED = int(os.environ.get("PLAIT_FLIGHT_SEED", "1414"))
@@ -125,7 +124,8 @@ def test_victim_last_call(how, i, tmp_path):
     counter = str(tmp_path / "victim_calls")
     results = run_ranks(_faulty, p["n"], timeout=60, args=(p, counter, how), may_die={p["victim"]})
     v, n = p["victim"], p["n"]
-    finished = int(open(counter, "rb").read())
+    with open(counter, "rb") as f:
+        finished = int(f.read())
     for rank, res in enumerate(results):
         if rank == v:
             continue
@@ -317,9 +317,9 @@ def test_dump_on_error_launcher_prints_once(tmp_path):
 def _torch_traced(rank, n, store, store_dir):
     from datetime import timedelta
 
+    import plait.torch
     import torch
     import torch.distributed as dist
-    import plait.torch  # noqa: F401  (registers the backend)
 
     torch.set_num_threads(1)
     path = os.path.join(store_dir, "store-flight")

@@ -55,8 +55,9 @@ def side_by_side(reports, directory="", last=4, width=28, max_ranks=8):
         return ""
     view = reports[min(reports)]
     ranks = view.get("ranks", [])
-    lines = [f"flight recorder: {len(reports)} report(s){' in ' + directory if directory else ''}; "
-             f"rank {view.get('rank')}'s view of {view.get('label', '?')}:"]
+    where = f" in {directory}" if directory else ""
+    lines = [f"flight recorder: {len(reports)} report(s){where}; rank {view.get('rank')}'s view of "
+             + f"{view.get('label', '?')}:"]
     for r, rep in sorted(reports.items()):
         lines.append(f"  rank {r} raised: {message_only(str(rep.get('error', ''))).splitlines()[0][:200]}")
     for info in ranks:
