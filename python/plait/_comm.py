@@ -307,10 +307,6 @@ class Communicator:
     def label(self, value):
         self._c.label = str(value)
 
-    def flight(self):
-        """The flight recorder's report: every rank's last calls, read from shared memory."""
-        return json.loads(self._c.flight_json())
-
     def finalize(self):
         """Finishes queued calls and leaves; peers that wait on this rank afterwards get PeerLostError."""
         if self._gpu is not None:

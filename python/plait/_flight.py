@@ -14,7 +14,11 @@ MARKER = "\nflight recorder"  # where an exception's message hands over to the r
 
 
 def dump(comm, path=None):
-    """comm's flight report as a dict; also written as JSON to `path` when given."""
+    """comm's flight report as a dict; also written as JSON to `path` when given. A hierarchical
+    communicator reports its host's ranks (their shared segment is where the rings are)."""
+    local = getattr(comm, "local", None)
+    if local is not None and not hasattr(getattr(comm, "_c", None), "flight_json"):
+        return dump(local, path)
     native = getattr(comm, "_c", None)
     if native is None or not hasattr(native, "flight_json"):
         raise _errors.InvalidArgument(f"plait.dump needs a plait Communicator, got {type(comm).__name__}")
