@@ -142,7 +142,7 @@ def test_victim_last_call(how, i, tmp_path):
         check_entry(last, n)
         killer = min(set(range(n)) - {v})  # under SIGSTOP it kills the victim after its report
         assert rep["state"] == "dead" if how == "kill" else (
-            rep["state"] == "alive" if rank == killer else rep["state"] in ("alive", "dead")), where
+            rep["state"] == "stopped" if rank == killer else rep["state"] in ("stopped", "dead")), where
         head = "rank %d last entered %s #%d" % (v, last["collective"], last["call"])
         assert head in res["msg"] and head in res["flight"]["summary"], where
         mine = res["flight"]["ranks"][rank]["calls"][-1]

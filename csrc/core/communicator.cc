@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -441,6 +442,23 @@ std::string Communicator::label() const {
   return label_;
 }
 
+namespace {
+// The kernel's word for a live process: a rank that is alive but frozen (SIGSTOP, a debugger)
+// looks just like a slow one from the segment.
+std::string process_state(int32_t pid) {
+  char path[64], buf[256];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", int(pid));
+  FILE* f = pid > 0 ? std::fopen(path, "r") : nullptr;
+  if (!f) return "alive";
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* close = std::strrchr(buf, ')');  // "pid (comm) S ...": comm may hold anything
+  const char s = close && close[1] == ' ' ? close[2] : '?';
+  return s == 'T' || s == 't' ? "stopped" : s == 'Z' || s == 'X' ? "dead" : "alive";
+}
+}  // namespace
+
 std::vector<std::string> Communicator::peer_states() {
   std::vector<std::string> st(static_cast<size_t>(size_));
   for (int p = 0; p < size_; ++p) {
@@ -448,7 +466,7 @@ std::vector<std::string> Communicator::peer_states() {
     const uint32_t s = seg_->ctl(p)->state.load(std::memory_order_acquire);
     if (p == rank_) st[size_t(p)] = "this rank";
     else if (tp_.peer_gone(p, &why)) st[size_t(p)] = s == kExited ? "exited" : "dead";
-    else st[size_t(p)] = s == kStarting ? "starting" : "alive";
+    else st[size_t(p)] = s == kStarting ? "starting" : process_state(seg_->ctl(p)->pid);
   }
   return st;
 }
