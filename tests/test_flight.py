@@ -348,3 +348,32 @@ def test_torch_calls_traced_with_group_names(tmp_path):
             assert len(tids) == 1, (group, tracks)
             reduces = [e for e in events if e["ph"] == "X" and e["tid"] == tids[0] and e["name"] == "allreduce"]
             assert len(reduces) == 1 and reduces[0]["args"]["count"] == 4, reduces
+
+
+def test_bench_trace(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
+    r = subprocess.run([sys.executable, "-m", "plait.bench", "-n", "2", "-b", "8", "-e", "8", "-c", "allreduce",
+                        "--time", "0.02", "--trials", "1", "--trace", str(tmp_path / "tr")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    files = sorted(glob.glob(str(tmp_path / "tr" / "trace-rank*.json")))
+    assert [os.path.basename(f).split("-")[1] for f in files] == ["rank0", "rank1"], files
+    counts = []
+    for f in files:
+        with open(f) as fh:
+            slices = [e for e in json.load(fh) if e["ph"] == "X"]
+        assert slices and {e["name"] for e in slices} <= {"allreduce", "barrier", "allgather", "broadcast"}
+        assert [e["args"]["call"] for e in slices] == list(range(1, len(slices) + 1))  # none lost
+        counts.append(len(slices))
+    assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("value", ("0", "65537", "x"))
+def test_flight_size_must_be_a_count(value, monkeypatch):
+    from plait import _comm
+
+    monkeypatch.setenv("PLAIT_FLIGHT_SIZE", value)
+    with pytest.raises(plait.InvalidArgument, match="PLAIT_FLIGHT_SIZE"):
+        _comm.flight_slots()
+    monkeypatch.setenv("PLAIT_FLIGHT", "0")
+    assert _comm.flight_slots() == 0
