@@ -4,8 +4,9 @@
 // One ring per rank: a head line (records begun, what the rank waits on now) and N one-line
 // records. The owner writes; any rank reads. A record is published seqlock-style (version odd
 // while it is written), and a reader trusts nothing it reads from the segment: a torn, stale or
-// scribbled record is reported as such (flight.cc). Writing a call costs two clock reads and a
-// dozen stores to lines only this rank writes (bench/RESULTS.md: flight recorder).
+// scribbled record is reported as such (flight.cc). Recording a call costs a coarse clock read
+// (its start is the reading the call's deadline takes anyway) and a dozen stores to lines only
+// this rank writes: ~9 ns (bench/RESULTS.md, flight recorder).
 #pragma once
 #include <time.h>
 
