@@ -38,6 +38,8 @@ def outcome(call):
 
 def names_rank(msg, r):
     """Whether msg names rank r ("rank 1", "ranks [0, 1]", "peer 1", "rank=1", ...)."""
+    # The message proper: the flight report appended to it names every rank.
+    msg = msg.split("\nflight recorder", 1)[0]
     return re.search(r"\b(?:ranks?|peers?)\b[^.;\n]*?\b%d\b" % r, msg, re.I) is not None
 
 

@@ -111,6 +111,8 @@ def _victim_or_survivor(rank, n, store, p, stamp):
 
 
 def names_rank(msg, r):
+    # The message proper: the flight report appended to it names every rank.
+    msg = msg.split("\nflight recorder", 1)[0]
     return re.search(r"\b(?:ranks?|peers?)\b[^.;\n]*?\b%d\b" % r, msg, re.I) is not None
 
 

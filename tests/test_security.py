@@ -177,8 +177,9 @@ def _layout(n, staging, pair_slot):
     pair_ctl = page + up(ctl * n)
     staging_off = pair_ctl + up(2 * 64 * n * n)
     pair_data = staging_off + n * staging
+    flight = _comm.flight_slots()  # the flight recorder's rings come last
     return {"ctl": page, "ctl_size": ctl, "pair_ctl": pair_ctl, "pair_data": pair_data,
-            "total": pair_data + up(n * n * 2 * (64 + pair_slot))}
+            "total": pair_data + up(n * n * 2 * (64 + pair_slot)) + (up(n * (flight + 1) * 64) if flight else 0)}
 
 
 def _write(addr, data):

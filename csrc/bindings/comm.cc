@@ -168,8 +168,9 @@ void bind_comm(py::module_& m) {
       .def_static("bytes_needed", &Segment::bytes_needed)
       .def("unlink", &Segment::unlink);
   auto params = [](const std::string& name, int size, size_t staging, size_t pair_slot,
-                   uint64_t t0, uint64_t t1) {
+                   uint64_t t0, uint64_t t1, uint32_t flight) {
     Segment::Params p;
+    p.flight_slots = flight;
     p.name = name;
     p.size = size;
     p.staging_bytes = staging;
@@ -179,13 +180,19 @@ void bind_comm(py::module_& m) {
     return p;
   };
   m.def("create_segment", [params](const std::string& name, int size, size_t staging, size_t pair_slot,
-                                   uint64_t t0, uint64_t t1) {
-    return std::shared_ptr<Segment>(Segment::create(params(name, size, staging, pair_slot, t0, t1)));
-  });
+                                   uint64_t t0, uint64_t t1, uint32_t flight) {
+    return std::shared_ptr<Segment>(Segment::create(params(name, size, staging, pair_slot, t0, t1, flight)));
+  }, py::arg("name"), py::arg("size"), py::arg("staging"), py::arg("pair_slot"), py::arg("t0"), py::arg("t1"),
+     py::arg("flight") = 0);
   m.def("open_segment", [params](const std::string& name, int size, size_t staging, size_t pair_slot,
-                                 uint64_t t0, uint64_t t1) {
-    return std::shared_ptr<Segment>(Segment::open(params(name, size, staging, pair_slot, t0, t1)));
-  });
+                                 uint64_t t0, uint64_t t1, uint32_t flight) {
+    return std::shared_ptr<Segment>(Segment::open(params(name, size, staging, pair_slot, t0, t1, flight)));
+  }, py::arg("name"), py::arg("size"), py::arg("staging"), py::arg("pair_slot"), py::arg("t0"), py::arg("t1"),
+     py::arg("flight") = 0);
+  m.def("flush_traces", [] {
+    py::gil_scoped_release nogil;
+    Trace::flush_all();
+  }, "Writes every communicator's pending trace slices (PLAIT_TRACE); plait calls it at exit.");
 
   py::class_<Task, std::shared_ptr<Task>>(m, "Task")
       .def("wait", [](Task& t, double timeout) {
@@ -213,6 +220,13 @@ void bind_comm(py::module_& m) {
       .def_property_readonly("single_copy", &Communicator::single_copy)
       .def_property_readonly("mapped_bytes", &Communicator::mapped_bytes)
       .def_property_readonly("single_copy_unavailable", &Communicator::single_copy_unavailable)
+      .def_property("label", &Communicator::label, &Communicator::set_label)
+      .def("flight_json", [](Communicator& c) {
+        py::gil_scoped_release nogil;
+        return c.flight_json();
+      }, "Every rank's last calls from the flight recorder, as JSON text.")
+      .def("_flight_scribble", &Communicator::flight_scribble, py::arg("rank"), py::arg("seed"),
+           "Test hook: overwrites rank's flight ring with garbage drawn from seed.")
       .def("finalize", [](Communicator& c) {
         py::gil_scoped_release nogil;
         c.finalize();

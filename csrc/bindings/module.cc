@@ -60,8 +60,19 @@ PYBIND11_MODULE(_C, m) {
         case ErrorKind::peer_lost: cls = "PeerLostError"; break;
         default: break;
       }
-      py::object errors = py::module_::import("plait._errors");
-      PyErr_SetString(errors.attr(cls).ptr(), e.what());
+      py::object type = py::module_::import("plait._errors").attr(cls);
+      if (!e.flight) {
+        PyErr_SetString(type.ptr(), e.what());
+        return;
+      }
+      // The flight recorder's report rides along as e.flight (a dict); see core/flight.h.
+      try {
+        py::object exc = type(e.what());
+        exc.attr("flight") = py::module_::import("json").attr("loads")(*e.flight);
+        PyErr_SetObject(type.ptr(), exc.ptr());
+      } catch (py::error_already_set&) {
+        PyErr_SetString(type.ptr(), e.what());
+      }
     }
   });
   m.def("algorithms", [](const std::string& coll) {

@@ -3,6 +3,9 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -19,15 +22,16 @@ bool Task::wait(double timeout_s) {
       return false;
     }
   }
-  if (state_.load(std::memory_order_acquire) == 2) throw_error(kind_, msg_);
+  if (state_.load(std::memory_order_acquire) == 2) throw_error(kind_, msg_, flight_);
   return true;
 }
 
-void Task::finish(ErrorKind kind, std::string msg) {
+void Task::finish(ErrorKind kind, std::string msg, std::shared_ptr<const std::string> flight) {
   {
     std::lock_guard<std::mutex> lk(m_);
     kind_ = kind;
     msg_ = std::move(msg);
+    flight_ = std::move(flight);
     state_.store(kind == ErrorKind::none ? 1 : 2, std::memory_order_release);
   }
   cv_.notify_all();
@@ -48,6 +52,14 @@ Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options
     throw;
   }
   for (auto* v : {&send_chunk_, &send_msg_, &recv_chunk_, &recv_msg_}) v->assign(size_t(size_), 0);
+  static std::atomic<int> made{0};
+  label_ = "comm" + std::to_string(made.fetch_add(1));
+  const char* fl = getenv("PLAIT_FLIGHT");
+  if (!(fl && std::string(fl) == "0"))
+    flight_.attach(seg_->flight_head(rank_), seg_->flight_ring(rank_), seg_->flight_slots());
+  trace_ = Trace::from_env(rank_, size_);
+  if (trace_) trace_->set_label(label_);
+  tp_.set_flight(flight_.on() ? &flight_ : nullptr, trace_ != nullptr);
   thread_ = std::thread([this] { progress_loop(); });
   {
     std::unique_lock<std::mutex> lk(ready_mu_);
@@ -144,6 +156,7 @@ void Communicator::progress_loop() {
     }
     ErrorKind kind = ErrorKind::none;
     std::string msg;
+    std::shared_ptr<const std::string> flight;
     {
       std::lock_guard<std::mutex> ex(exec_mu_);
       try {
@@ -151,10 +164,11 @@ void Communicator::progress_loop() {
       } catch (const PlaitError& e) {
         kind = e.kind();
         msg = e.what();
+        flight = annotate(kind, &msg);
       }
     }
     pending_.fetch_sub(1, std::memory_order_acq_rel);
-    t->finish(kind, msg);
+    t->finish(kind, msg, flight);
   }
   me->state.store(kExited, std::memory_order_release);
   pthread_mutex_unlock(&me->alive);
@@ -178,6 +192,7 @@ void Communicator::finalize() {
   }
   q_cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  if (trace_) trace_->flush();
 }
 
 void Communicator::fail(ErrorKind kind, const std::string& msg) {
@@ -192,8 +207,11 @@ void Communicator::rethrow(const PlaitError& e) {
   // The first error a rank sees is raised as what it is; after that the communicator is dead.
   if (!reported_abort_) {
     reported_abort_ = true;
-    first_error_ = e.what();
-    throw_error(e.kind(), e.what());
+    std::string msg = e.what();
+    first_error_ = msg.substr(0, msg.find(kFlightMarker));
+    // An error from the progress thread comes with its report already.
+    auto flight = e.flight ? e.flight : annotate(e.kind(), &msg);
+    throw_error(e.kind(), msg, flight);
   }
   throw PlaitError("communicator aborted after an earlier error: " + first_error_);
 }
@@ -369,21 +387,124 @@ void Communicator::run_local(const CallArgs& a) {
 void Communicator::run(CallArgs& a) {
   tp_.throw_if_aborted();
   const Algorithm* algo = algorithms_for(a.coll)[size_t(a.algo)];
-  if (size_ == 1) {
-    run_local(a);
-    return;
-  }
+  const uint64_t seq = ++seq_;
+  // One clock reading serves the call's deadline and its flight record.
+  const uint64_t t0 = mono_ns();
+  const uint64_t rec = flight_.begin(a, seq, uint8_t(a.algo), t0);
   try {
-    tp_.begin(a, algo->name, ++seq_, uint8_t(a.algo));
-    Ctx ctx(tp_, a);
-    algo->run(ctx);
-    tp_.end();
+    if (size_ == 1) {
+      run_local(a);
+    } else {
+      tp_.begin(a, algo->name, seq, uint8_t(a.algo), double(t0) * 1e-9);
+      Ctx ctx(tp_, a);
+      algo->run(ctx);
+      tp_.end();
+    }
   } catch (const PlaitError&) {
+    recorded(a, rec, seq, algo->name, t0, tp_.take_waited_ns(), false);
     throw;
   } catch (const std::exception& e) {
+    recorded(a, rec, seq, algo->name, t0, tp_.take_waited_ns(), false);
     tp_.fail(ErrorKind::generic, "rank " + std::to_string(rank_) + ": " + tp_.describe_call() +
                                      " failed: " + e.what());
   }
+  recorded(a, rec, seq, algo->name, t0, tp_.take_waited_ns(), true);
+}
+
+void Communicator::recorded(const CallArgs& a, uint64_t rec, uint64_t call, const char* algo, uint64_t t0,
+                            uint64_t wait_ns, bool ok) {
+  if (!flight_.on() && !trace_) return;
+  // A finished call's end time need not be exact unless a trace shows it; a failed one's is.
+  const bool exact = trace_ || !ok;
+  const uint64_t t1 = exact ? mono_ns() : std::max(coarse_ns(), t0);
+  flight_.end(rec, ok, t1, exact);
+  if (trace_) {
+    const bool p2p = a.coll == Coll::send || a.coll == Coll::recv;
+    const bool rooted = a.coll == Coll::broadcast || a.coll == Coll::reduce;
+    trace_->add(TraceEvent{t0, t1, wait_ns, call, a.count, a.tag, p2p ? a.peer : rooted ? a.root : -1,
+                           uint8_t(a.coll), uint8_t(a.dtype), uint8_t(a.op), ok, algo});
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flight recorder reports
+
+void Communicator::set_label(const std::string& label) {
+  {
+    std::lock_guard<std::mutex> lk(label_mu_);
+    label_ = label;
+  }
+  if (trace_) trace_->set_label(label);
+}
+
+std::string Communicator::label() const {
+  std::lock_guard<std::mutex> lk(label_mu_);
+  return label_;
+}
+
+namespace {
+// The kernel's word for a live process: a rank that is alive but frozen (SIGSTOP, a debugger)
+// looks just like a slow one from the segment.
+std::string process_state(int32_t pid) {
+  char path[64], buf[256];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", int(pid));
+  FILE* f = pid > 0 ? std::fopen(path, "r") : nullptr;
+  if (!f) return "alive";
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* close = std::strrchr(buf, ')');  // "pid (comm) S ...": comm may hold anything
+  const char s = close && close[1] == ' ' ? close[2] : '?';
+  return s == 'T' || s == 't' ? "stopped" : s == 'Z' || s == 'X' ? "dead" : "alive";
+}
+}  // namespace
+
+std::vector<std::string> Communicator::peer_states() {
+  std::vector<std::string> st(static_cast<size_t>(size_));
+  for (int p = 0; p < size_; ++p) {
+    std::string why;
+    const uint32_t s = seg_->ctl(p)->state.load(std::memory_order_acquire);
+    if (p == rank_) st[size_t(p)] = "this rank";
+    else if (tp_.peer_gone(p, &why)) st[size_t(p)] = s == kExited ? "exited" : "dead";
+    else st[size_t(p)] = s == kStarting ? "starting" : process_state(seg_->ctl(p)->pid);
+  }
+  return st;
+}
+
+std::string Communicator::flight_json() {
+  return flight_report(*seg_, rank_, label(), "", peer_states()).json;
+}
+
+void Communicator::flight_scribble(int r, uint64_t seed) {
+  if (r < 0 || r >= size_) throw InvalidArgument("flight_scribble: no rank " + std::to_string(r));
+  plait::flight_scribble(*seg_, r, seed);
+}
+
+std::shared_ptr<const std::string> Communicator::annotate(ErrorKind kind, std::string* msg) {
+  if (!seg_->flight_slots() || (kind != ErrorKind::timeout && kind != ErrorKind::peer_lost &&
+                                kind != ErrorKind::mismatch))
+    return nullptr;
+  FlightReport rep = flight_report(*seg_, rank_, label(), *msg, peer_states());
+  auto json = std::make_shared<const std::string>(rep.json);
+  // Under plait-run --dump-on-error the launcher prints one summary for all ranks: each rank
+  // writes its report there and its message says where, instead of repeating the summary.
+  const char* dir = getenv("PLAIT_DUMP_ON_ERROR");
+  if (dir && *dir) {
+    const char* r = getenv("RANK");
+    const std::string path = std::string(dir) + "/flight-rank" + (r && *r ? r : std::to_string(rank_)) + ".json";
+    // O_EXCL: the first error of this process wins (a later one is "aborted after an earlier").
+    int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+    if (fd >= 0) {
+      const bool whole = write(fd, rep.json.data(), rep.json.size()) == ssize_t(rep.json.size());
+      close(fd);
+      if (whole) {
+        *msg += std::string(kFlightMarker) + ": report written to " + path;
+        return json;
+      }
+    }
+  }
+  *msg += "\n" + rep.summary;
+  return json;
 }
 
 }  // namespace plait

@@ -16,6 +16,8 @@
 
 #include "algo/algo.h"
 #include "core/errors.h"
+#include "core/flight.h"
+#include "core/trace.h"
 #include "transport/shm.h"
 
 namespace plait {
@@ -49,12 +51,13 @@ class Task {
 
  private:
   friend class Communicator;
-  void finish(ErrorKind kind, std::string msg);
+  void finish(ErrorKind kind, std::string msg, std::shared_ptr<const std::string> flight = nullptr);
   std::mutex m_;
   std::condition_variable cv_;
   std::atomic<int> state_{0};  // 0 pending, 1 ok, 2 failed
   ErrorKind kind_ = ErrorKind::none;
   std::string msg_;
+  std::shared_ptr<const std::string> flight_;
 };
 
 class Communicator {
@@ -84,6 +87,13 @@ class Communicator {
   void throw_if_aborted() { tp_.throw_if_aborted(); }
   void finalize();
 
+  // Flight recorder and trace (core/flight.h, core/trace.h). The label names this communicator
+  // in reports and as the trace's track (the torch backend sets its process group's name).
+  void set_label(const std::string& label);
+  std::string label() const;
+  std::string flight_json();  // every rank's last calls, as plait.dump writes them
+  void flight_scribble(int r, uint64_t seed);  // test hook: garbage into rank r's ring
+
  private:
   struct P2P {
     CallArgs* a;
@@ -91,6 +101,7 @@ class Communicator {
     bool started = false;
     uint64_t msg = 0, first = 0, nchunks = 0, done = 0;
     double deadline = 0;
+    uint64_t rec = 0, t0 = 0, idle0 = 0;  // flight record, start, batch idle time at start
   };
 
   CallArgs validate(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root, int peer,
@@ -105,6 +116,13 @@ class Communicator {
   void enqueue(const std::shared_ptr<Task>& t);
   void wait_for_all_ranks(double timeout_s);
   [[noreturn]] void rethrow(const PlaitError& e);
+  // Ends a call's flight record and trace slice.
+  void recorded(const CallArgs& a, uint64_t rec, uint64_t call, const char* algo, uint64_t t0,
+                uint64_t wait_ns, bool ok);
+  // For a timeout, lost peer or mismatch: the flight report, with its summary (or where it was
+  // written, under plait-run --dump-on-error) appended to msg. Null for other errors.
+  std::shared_ptr<const std::string> annotate(ErrorKind kind, std::string* msg);
+  std::vector<std::string> peer_states();
 
   std::shared_ptr<Segment> seg_;
   int rank_, size_;
@@ -118,6 +136,12 @@ class Communicator {
   bool closed_ = false;
 
   std::vector<uint64_t> send_chunk_, send_msg_, recv_chunk_, recv_msg_;
+  uint64_t p2p_idle_ns_ = 0;  // time run_p2p spent waiting, for trace slices
+
+  FlightRecorder flight_;
+  std::unique_ptr<Trace> trace_;
+  mutable std::mutex label_mu_;
+  std::string label_;
 
   std::mutex exec_mu_;  // held while a call executes
   std::mutex q_mu_;

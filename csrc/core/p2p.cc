@@ -25,6 +25,9 @@ bool Communicator::p2p_step(P2P& op) {
     op.first = chunk;
     op.msg = msg++;
     chunk += op.nchunks;
+    op.t0 = flight_.on() || trace_ ? mono_ns() : 0;
+    op.rec = flight_.begin(a, op.msg, 0, op.t0);
+    op.idle0 = p2p_idle_ns_;
   }
   const uint64_t g = op.first + op.done;
   const size_t off = size_t(op.done) * slot_bytes;
@@ -67,10 +70,12 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
   bool unhealthy = false;
   ErrorKind bad_kind = ErrorKind::none;
   std::string bad_msg;
-  auto finish = [&](P2P& op, ErrorKind kind, const std::string& msg) {
+  auto finish = [&](P2P& op, ErrorKind kind, const std::string& msg,
+                    const std::shared_ptr<const std::string>& flight) {
+    if (op.started) recorded(*op.a, op.rec, op.msg, "", op.t0, p2p_idle_ns_ - op.idle0, kind == ErrorKind::none);
     if (!op.task) return;
     pending_.fetch_sub(1, std::memory_order_acq_rel);
-    op.task->finish(kind, msg);
+    op.task->finish(kind, msg, flight);
   };
   try {
     while (!ops.empty()) {
@@ -87,7 +92,7 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
         b = 1;
         while (!(op.started && op.done == op.nchunks) && p2p_step(op)) progressed = true;
         if (op.started && op.done == op.nchunks) {
-          finish(op, ErrorKind::none, "");
+          finish(op, ErrorKind::none, "", nullptr);
           ops.erase(ops.begin() + long(i));
         } else {
           ++i;
@@ -107,20 +112,33 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
       }
       if (!progressed) {
         if (unhealthy) tp_.fail(bad_kind, bad_msg);
+        const P2P& first = ops.front();
+        flight_.waiting(first.a->peer, FlightWait::p2p, first.first + first.done);
+        const uint64_t idle_from = trace_ ? mono_ns() : 0;
         backoff.idle([&](double t) {
           for (auto& op : ops) {
             tp_.set_deadline(op.deadline, op.a, "");
             if (!unhealthy && !tp_.healthy(t, op.a->peer, &bad_kind, &bad_msg)) unhealthy = true;
           }
         });
+        if (trace_) p2p_idle_ns_ += mono_ns() - idle_from;
       } else {
         backoff.reset();
         unhealthy = false;
       }
     }
+    flight_.waited();
   } catch (const PlaitError& e) {
-    for (auto& op : ops) finish(op, e.kind(), e.what());
-    if (ops.empty() || !ops.front().task) throw;
+    const bool inline_call = ops.empty() || !ops.front().task;
+    std::string msg = e.what();
+    for (auto& op : ops) {  // failed in the records before the report reads them
+      if (op.started) recorded(*op.a, op.rec, op.msg, "", op.t0, p2p_idle_ns_ - op.idle0, false);
+      op.started = false;
+    }
+    // An inline call's report is made by rethrow(), with the rest of its error handling.
+    auto flight = inline_call ? nullptr : annotate(e.kind(), &msg);
+    for (auto& op : ops) finish(op, e.kind(), msg, flight);
+    if (inline_call) throw;
   }
 }
 

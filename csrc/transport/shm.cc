@@ -16,7 +16,7 @@ namespace plait {
 namespace {
 
 constexpr uint64_t kMagic = 0x474553544941504cull;  // "PLAITSEG"
-constexpr uint32_t kVersion = 4;
+constexpr uint32_t kVersion = 5;
 constexpr uint32_t kWriting = 0xffffffffu;
 constexpr size_t kPage = 4096;
 constexpr size_t kPairHeader = 64;
@@ -30,15 +30,19 @@ uint64_t probe_value(const SegHeader* h, int rank) {
   return h->token[0] ^ (0x9e3779b97f4a7c15ull * uint64_t(rank + 1));
 }
 
+size_t flight_bytes(int n, uint32_t slots) {
+  return slots ? round_up(size_t(n) * (size_t(slots) + 1) * 64, kPage) : 0;
+}
+
 }  // namespace
 
-size_t Segment::bytes_needed(int n, size_t staging, size_t pair_slot) {
+size_t Segment::bytes_needed(int n, size_t staging, size_t pair_slot, uint32_t flight_slots) {
   size_t b = kPage;
   b += round_up(sizeof(RankCtl) * size_t(n), kPage);
   b += round_up(2 * sizeof(Line) * size_t(n) * size_t(n), kPage);
   b += size_t(n) * staging;
   b += round_up(size_t(n) * size_t(n) * 2 * (kPairHeader + pair_slot), kPage);
-  return b;
+  return b + flight_bytes(n, flight_slots);
 }
 
 Segment::Segment(const Params& p, char* base, size_t bytes) : p_(p), base_(base), bytes_(bytes) {
@@ -47,6 +51,7 @@ Segment::Segment(const Params& p, char* base, size_t bytes) : p_(p), base_(base)
   pair_ctl_off_ = ctl_off_ + round_up(sizeof(RankCtl) * n, kPage);
   staging_off_ = pair_ctl_off_ + round_up(2 * sizeof(Line) * n * n, kPage);
   pair_data_off_ = staging_off_ + n * p.staging_bytes;
+  flight_off_ = pair_data_off_ + round_up(n * n * 2 * (kPairHeader + p.pair_slot_bytes), kPage);
 }
 
 Segment::~Segment() {
@@ -60,9 +65,10 @@ char* Segment::pair_slot(int src, int dst, uint64_t slot) const {
 }
 
 std::unique_ptr<Segment> Segment::create(const Params& p) {
-  if (p.size < 1 || p.staging_bytes % kPage || p.staging_bytes < 2 * kPage || p.pair_slot_bytes % 64)
+  if (p.size < 1 || p.staging_bytes % kPage || p.staging_bytes < 2 * kPage || p.pair_slot_bytes % 64 ||
+      p.flight_slots > kMaxFlightSlots)
     throw InvalidArgument("bad segment parameters for " + p.name);
-  const size_t bytes = bytes_needed(p.size, p.staging_bytes, p.pair_slot_bytes);
+  const size_t bytes = bytes_needed(p.size, p.staging_bytes, p.pair_slot_bytes, p.flight_slots);
   struct statvfs vfs;
   if (statvfs("/dev/shm", &vfs) == 0) {
     size_t avail = size_t(vfs.f_bavail) * size_t(vfs.f_frsize);
@@ -101,6 +107,7 @@ std::unique_ptr<Segment> Segment::create(const Params& p) {
   h->staging_bytes = p.staging_bytes;
   h->pair_slot_bytes = p.pair_slot_bytes;
   h->total_bytes = bytes;
+  h->flight_slots = p.flight_slots;
   h->attached.store(1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
   reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->store(kMagic, std::memory_order_release);
@@ -109,7 +116,8 @@ std::unique_ptr<Segment> Segment::create(const Params& p) {
 }
 
 std::unique_ptr<Segment> Segment::open(const Params& p) {
-  const size_t bytes = bytes_needed(p.size, p.staging_bytes, p.pair_slot_bytes);
+  if (p.flight_slots > kMaxFlightSlots) throw InvalidArgument("bad segment parameters for " + p.name);
+  const size_t bytes = bytes_needed(p.size, p.staging_bytes, p.pair_slot_bytes, p.flight_slots);
   int fd = shm_open(p.name.c_str(), O_RDWR, 0);
   if (fd < 0) throw PlaitError("cannot open shared memory " + p.name + ": " + errno_text(errno));
   struct stat st;
@@ -137,7 +145,7 @@ std::unique_ptr<Segment> Segment::open(const Params& p) {
   if (magic != kMagic || h->version != kVersion || h->size != uint32_t(p.size) ||
       h->token[0] != p.token[0] || h->token[1] != p.token[1] ||
       h->staging_bytes != p.staging_bytes || h->pair_slot_bytes != p.pair_slot_bytes ||
-      h->total_bytes != bytes)
+      h->total_bytes != bytes || h->flight_slots != p.flight_slots)
     throw PlaitError("refusing shared memory " + p.name +
                      ": it is not the segment this job created (stale or foreign)");
   if (h->attached.fetch_add(1, std::memory_order_acq_rel) + 1 == uint32_t(p.size)) seg->unlink();
@@ -189,7 +197,7 @@ void ShmTransport::meet(int peer) {
   arrive();
   auto& arrival = seg_.ctl(peer)->post0[seq_ & 1].v;
   if (arrival.load(std::memory_order_acquire) < epoch_)
-    wait_until([&] { return arrival.load(std::memory_order_acquire) >= epoch_; }, peer);
+    slow_wait([&] { return arrival.load(std::memory_order_acquire) >= epoch_; }, peer, FlightWait::arrival, 0);
   verify(peer);
 }
 
@@ -199,7 +207,7 @@ void ShmTransport::wait_post(int peer, int ch, int64_t step) {
   const uint64_t target = epoch_ + uint64_t(step);
   auto& c = post_ctr(peer, ch);
   if (c.load(std::memory_order_acquire) < target)
-    wait_until([&] { return c.load(std::memory_order_acquire) >= target; }, peer);
+    slow_wait([&] { return c.load(std::memory_order_acquire) >= target; }, peer, FlightWait::post, uint64_t(step));
 }
 
 void ShmTransport::wait_ack(int peer, int ch, int64_t step) {
@@ -209,16 +217,16 @@ void ShmTransport::wait_ack(int peer, int ch, int64_t step) {
   const uint64_t target = epoch_ + uint64_t(step);
   auto& c = seg_.ctl(peer)->ack[ch];
   if (c.load(std::memory_order_acquire) < target)
-    wait_until([&] { return c.load(std::memory_order_acquire) >= target; }, peer);
+    slow_wait([&] { return c.load(std::memory_order_acquire) >= target; }, peer, FlightWait::ack, uint64_t(step));
 }
 
-void ShmTransport::begin(const CallArgs& a, const char* algo_name, uint64_t seq, uint8_t algo_idx) {
+void ShmTransport::begin(const CallArgs& a, const char* algo_name, uint64_t seq, uint8_t algo_idx, double now) {
   call_ = &a;
   algo_name_ = algo_name;
   seq_ = seq;
   epoch_ = seq << kStepBits;
   half_ = (seq & 1) * staging_bytes();
-  deadline_ = now_s() + a.timeout_s;
+  deadline_ = (now > 0 ? now : now_s()) + a.timeout_s;
   std::fill(verified_.begin(), verified_.end(), 0);
   verified_[size_t(rank_)] = 1;
   throw_if_aborted();

@@ -3,7 +3,7 @@
 // Layout (all offsets computed locally from the rendezvous parameters, never read from the
 // segment): a header page; one control block per rank (post/ack step counters, the call
 // fingerprints, liveness); the ranks' staging areas; one two-slot channel per ordered rank pair
-// for send/recv.
+// for send/recv; each rank's flight recorder ring (core/flight.h).
 #pragma once
 #include <pthread.h>
 
@@ -12,10 +12,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "algo/algo.h"
 #include "core/errors.h"
+#include "core/flight.h"
 #include "core/wait.h"
 #include "transport/shared_mem.h"
 #include "transport/transport.h"
@@ -69,6 +71,7 @@ struct SegHeader {
   uint64_t token[2];
   uint64_t staging_bytes, pair_slot_bytes, total_bytes;
   std::atomic<uint32_t> attached;
+  uint32_t flight_slots;
   alignas(64) std::atomic<uint32_t> abort_kind;  // ErrorKind, or kWriting while the text is written
   int32_t abort_rank;
   char abort_msg[1536];
@@ -89,10 +92,11 @@ class Segment {
     size_t staging_bytes = 0;    // per rank
     size_t pair_slot_bytes = 0;  // per send/recv slot
     uint64_t token[2] = {0, 0};
+    uint32_t flight_slots = 0;   // flight records per rank (0: no recorder)
   };
   static std::unique_ptr<Segment> create(const Params& p);
   static std::unique_ptr<Segment> open(const Params& p);
-  static size_t bytes_needed(int size, size_t staging, size_t pair_slot);
+  static size_t bytes_needed(int size, size_t staging, size_t pair_slot, uint32_t flight_slots = 0);
   ~Segment();
 
   // Every rank has mapped it: removes the name. Idempotent.
@@ -104,6 +108,11 @@ class Segment {
   Line* pair_posted(int src, int dst) const { return pair_lines(0) + (src * p_.size + dst); }
   Line* pair_taken(int src, int dst) const { return pair_lines(1) + (src * p_.size + dst); }
   char* pair_slot(int src, int dst, uint64_t slot) const;  // header followed by data
+  uint32_t flight_slots() const { return p_.flight_slots; }
+  FlightHead* flight_head(int r) const {
+    return reinterpret_cast<FlightHead*>(base_ + flight_off_ + size_t(r) * (size_t(p_.flight_slots) + 1) * 64);
+  }
+  FlightRecord* flight_ring(int r) const { return reinterpret_cast<FlightRecord*>(flight_head(r) + 1); }
 
  private:
   Segment(const Params& p, char* base, size_t bytes);
@@ -113,7 +122,7 @@ class Segment {
   Params p_;
   char* base_;
   size_t bytes_;
-  size_t ctl_off_, pair_ctl_off_, staging_off_, pair_data_off_;
+  size_t ctl_off_, pair_ctl_off_, staging_off_, pair_data_off_, flight_off_;
   bool unlinked_ = false;
 };
 
@@ -134,11 +143,18 @@ class ShmTransport final : public Transport {
 
   // Collective calls: begin() waits until the previous-but-one call is finished everywhere,
   // publishes the fingerprint and arrives; end() verifies the left neighbour and marks done.
-  void begin(const CallArgs& a, const char* algo_name, uint64_t seq, uint8_t algo_idx);
+  // now: the caller's clock reading (seconds), 0 to read it here.
+  void begin(const CallArgs& a, const char* algo_name, uint64_t seq, uint8_t algo_idx, double now = 0);
   void end();
   // Runs `ready` until it returns true, with backoff, deadline and liveness of `peers` (-1: none).
   template <class Ready>
   void wait_until(Ready&& ready, int peer);
+  // wait_until for a wait that found its condition false: tells the flight recorder whom it waits
+  // for, and (when a trace is written) adds the time to waited_ns().
+  template <class Ready>
+  void slow_wait(Ready&& ready, int peer, FlightWait what, uint64_t step);
+  void set_flight(FlightRecorder* f, bool timing) { flight_ = f, timing_ = timing; }
+  uint64_t take_waited_ns() { return std::exchange(waited_ns_, 0); }
 
   // Communicator-wide abort: records (kind, text) once; every rank's waits then throw it.
   [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
@@ -198,6 +214,9 @@ class ShmTransport final : public Transport {
   std::vector<int32_t> peer_pid_;
   PeerMappings maps_;
   std::atomic<uint64_t> mapped_bytes_{0};  // read by other threads (comm.mapped_bytes)
+  FlightRecorder* flight_ = nullptr;
+  bool timing_ = false;
+  uint64_t waited_ns_ = 0;
   void copy_peer(bool write, int p, char* local, char* remote, size_t bytes);
 };
 
@@ -218,6 +237,15 @@ void ShmTransport::wait_until(Ready&& ready, int peer) {
       if (!healthy(t, peer, &kind, &msg) && !ready()) fail(kind, msg);
     });
   } while (!ready());
+}
+
+template <class Ready>
+void ShmTransport::slow_wait(Ready&& ready, int peer, FlightWait what, uint64_t step) {
+  if (flight_) flight_->waiting(peer, what, step);
+  const uint64_t t0 = timing_ ? mono_ns() : 0;
+  wait_until(ready, peer);
+  if (timing_) waited_ns_ += mono_ns() - t0;
+  if (flight_) flight_->waited();
 }
 
 }  // namespace plait

@@ -6,12 +6,13 @@
 
 Collectives run over shared memory between the processes of one host; see docs/api.md.
 """
+import atexit
 import json
 import os
 
 import numpy as np  # noqa: F401  (the facade's one dependency; arrays cross as numpy views)
 
-from . import _C, _comm, _cuda, _errors, _hier, _hosts, _shm, _store
+from . import _C, _comm, _cuda, _errors, _flight, _hier, _hosts, _shm, _store
 from ._comm import Communicator, Handle
 from ._hier import HierCommunicator
 from ._errors import InvalidArgument, MismatchError, PeerLostError, PlaitError, TimeoutError
@@ -22,11 +23,13 @@ __all__ = [
     "cuda_available", "Communicator", "HierCommunicator", "Handle",
     "allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "send", "recv",
     "barrier", "split", "PlaitError", "InvalidArgument", "MismatchError", "TimeoutError",
-    "PeerLostError", "empty", "zeros", "is_shared",
+    "PeerLostError", "empty", "zeros", "is_shared", "dump",
 ]
 __version__ = "0.1.0"
 
 _default = None
+# PLAIT_TRACE: slices still in memory are written when the interpreter exits.
+atexit.register(_C.flush_traces)
 
 
 def algorithms(collective, device="cpu"):
@@ -212,6 +215,13 @@ def finalize():
     if _default is not None:
         _default.finalize()
         _default = None
+
+
+def dump(comm=None, path=None):
+    """The flight recorder's report of `comm` (default: the default communicator): every rank's
+    last calls read from shared memory, the dead or frozen ones included, as a dict; written as
+    JSON to `path` when given."""
+    return _flight.dump(get_default() if comm is None else comm, path)
 
 
 def allreduce(x, out=None, **kw):

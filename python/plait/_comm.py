@@ -34,18 +34,35 @@ def segment_params(size, buffer_bytes):
     return staging, pair_slot
 
 
+def flight_slots():
+    """Flight records per rank for a new segment: PLAIT_FLIGHT=0 turns the recorder off,
+    PLAIT_FLIGHT_SIZE sets the ring's length (default 256)."""
+    if os.environ.get("PLAIT_FLIGHT", "1") == "0":
+        return 0
+    v = os.environ.get("PLAIT_FLIGHT_SIZE", "256")
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 1 << 16:
+        raise _errors.InvalidArgument(f"PLAIT_FLIGHT_SIZE={v!r} is not a number of records in 1..65536")
+    return n
+
+
 def new_segment_info(size, buffer_bytes):
     staging, pair_slot = segment_params(size, buffer_bytes)
     return {"name": _shm.segment_name(), "size": size, "staging": staging, "pair_slot": pair_slot,
-            "token": [secrets.randbits(64), secrets.randbits(64)]}
+            "token": [secrets.randbits(64), secrets.randbits(64)], "flight": flight_slots()}
 
 
 def create_segment(info):
-    return _C.create_segment(info["name"], info["size"], info["staging"], info["pair_slot"], *info["token"])
+    return _C.create_segment(info["name"], info["size"], info["staging"], info["pair_slot"], *info["token"],
+                             info.get("flight", 0))
 
 
 def open_segment(info):
-    return _C.open_segment(info["name"], info["size"], info["staging"], info["pair_slot"], *info["token"])
+    return _C.open_segment(info["name"], info["size"], info["staging"], info["pair_slot"], *info["token"],
+                           info.get("flight", 0))
 
 
 def close_all(things):
@@ -279,6 +296,16 @@ class Communicator:
     @property
     def closed(self):
         return self._c.closed
+
+    @property
+    def label(self):
+        """This communicator's name in flight reports and traces (the torch backend sets its
+        process group's name)."""
+        return self._c.label
+
+    @label.setter
+    def label(self, value):
+        self._c.label = str(value)
 
     def finalize(self):
         """Finishes queued calls and leaves; peers that wait on this rank afterwards get PeerLostError."""

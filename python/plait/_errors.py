@@ -3,7 +3,14 @@ import builtins
 
 
 class PlaitError(Exception):
-    """Base class of every error plait raises."""
+    """Base class of every error plait raises.
+
+    TimeoutError, PeerLostError and MismatchError from a communicator carry `flight`: the flight
+    recorder's report (a dict: every rank's last calls, "summary" the text appended to the
+    message); None otherwise, or with PLAIT_FLIGHT=0.
+    """
+
+    flight = None
 
 
 class InvalidArgument(PlaitError, ValueError):

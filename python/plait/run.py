@@ -4,6 +4,11 @@ down as soon as one fails.
     plait-run -n N [--master-addr A] [--master-port P] [--tee-prefix] [--] program [args...]
     plait-run -n N -m module [args...]
     plait-run --nnodes 2 --node-rank K --master-addr A --master-port P -n N program   (on each host)
+    plait-run -n N --dump-on-error DIR program
+
+--dump-on-error DIR: a rank that raises TimeoutError, PeerLostError or MismatchError writes its
+flight recorder report to DIR/flight-rank<R>.json (PLAIT_DUMP_ON_ERROR), and the launcher, once
+the ranks are down, prints one summary of every rank's last calls instead of one per rank.
 
 The ranks get RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK,
 ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torch's own store; plait leaves it alone) and
@@ -21,12 +26,12 @@ import sys
 import threading
 import time
 
-from . import _shm, _store
+from . import _flight, _shm, _store
 
 _PR_SET_PDEATHSIG = 1
 _VALUE_OPTIONS = {"-n", "--nproc", "--nproc-per-node", "--nproc_per_node", "--master-addr",
                   "--master_addr", "--master-port", "--master_port", "--grace", "--nnodes",
-                  "--node-rank", "--node_rank"}
+                  "--node-rank", "--node_rank", "--dump-on-error"}
 _FAILED, _DONE = "plait-run/failed", "plait-run/done"  # keys of the multi-node launchers
 
 
@@ -46,6 +51,9 @@ def _parser():
     p.add_argument("--tee-prefix", action="store_true", help="prefix each output line with [rank]")
     p.add_argument("--grace", type=float, default=3.0,
                    help="seconds between SIGTERM and SIGKILL when taking the ranks down")
+    p.add_argument("--dump-on-error", metavar="DIR", default=None,
+                   help="ranks write their flight recorder report here on a timeout, lost peer or "
+                   "mismatch; the launcher prints one summary of all ranks")
     return p
 
 
@@ -140,8 +148,16 @@ def _take_down(procs, grace):
             pass
 
 
-def _supervise(procs, grace, first=0, nodes=None):
-    """Waits for the ranks (global ranks first, first+1, ...); nodes: the multi-node store client."""
+def _linger(procs, seconds):
+    """Gives the other ranks up to `seconds` to fail on their own (and write their reports)."""
+    deadline = time.monotonic() + seconds
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _supervise(procs, grace, first=0, nodes=None, linger=0.0):
+    """Waits for the ranks (global ranks first, first+1, ...); nodes: the multi-node store client.
+    linger: seconds the others get after a failure before they are taken down."""
     where = f"node {nodes[1]}: " if nodes else ""
     next_check = 0.0
     while True:
@@ -155,6 +171,7 @@ def _supervise(procs, grace, first=0, nodes=None):
                 print(f"plait-run: {msg}", file=sys.stderr, flush=True)
                 if nodes:
                     _flag(nodes[0], msg)
+                _linger(procs, linger)
                 _take_down(procs, grace)
                 return code
         if not running:
@@ -225,6 +242,9 @@ def main(argv=None):
                GROUP_RANK=str(args.node_rank), MASTER_ADDR=args.master_addr,
                MASTER_PORT=str(args.master_port or _free_port(args.master_addr)),
                PLAIT_STORE=store_addr)
+    if args.dump_on_error:
+        os.makedirs(args.dump_on_error, exist_ok=True)
+        env["PLAIT_DUMP_ON_ERROR"] = os.path.abspath(args.dump_on_error)
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks x all-core thread pools oversubscribe
     if args.tee_prefix:
         env.setdefault("PYTHONUNBUFFERED", "1")  # otherwise lines arrive only when a rank exits
@@ -259,7 +279,11 @@ def main(argv=None):
                                          daemon=True)
                     t.start()
                     pumps.append(t)
-        code = _supervise(procs, args.grace, first, nodes)
+        code = _supervise(procs, args.grace, first, nodes, args.grace if args.dump_on_error else 0.0)
+        if code and args.dump_on_error:
+            text = _flight.side_by_side(_flight.load_dir(args.dump_on_error), args.dump_on_error)
+            if text:
+                print("plait-run: " + text, file=sys.stderr, flush=True)
         if nodes and code == 0 and not signals:
             nodes[0].add(_DONE, 1)
             if args.node_rank == 0:

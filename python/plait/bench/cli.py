@@ -89,6 +89,8 @@ def parser():
     a("--plot", metavar="FILE.png", help="plot busbw and latency vs size (needs matplotlib)")
     a("--seed", type=int, default=1, help="seed of the check data (default 1)")
     a("--no-pin", action="store_true", help="do not pin ranks to cores")
+    a("--trace", metavar="DIR", help="write a Chrome/Perfetto trace of every plait call per rank into "
+      "DIR (PLAIT_TRACE; open in ui.perfetto.dev or chrome://tracing)")
     a("--device", choices=("cpu", "cuda"), default="cpu",
       help="cpu (default) or cuda: GPU arrays, plait's GPU algorithms vs nccl (bench/gpu.py)")
     return p
@@ -107,6 +109,9 @@ def main(argv=None):
     if args.op == "avg" and not args.dtype.startswith(("float", "bfloat")) and \
             any(COLLECTIVES[c].reduces for c in args.collectives):
         p.error(f"op avg needs a float dtype, not {args.dtype}")
+    if args.trace:  # the ranks inherit it from here (launcher) or read it again (each rank)
+        os.makedirs(args.trace, exist_ok=True)
+        os.environ["PLAIT_TRACE"] = os.path.abspath(args.trace)
     mpi = _under_mpirun()
     if mpi or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         size = int(os.environ.get("WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE")

@@ -50,6 +50,7 @@ def to_torch(e, where=""):
         if isinstance(e, plait_cls):
             err = torch_cls(f"{where}: {e}" if where else str(e))
             err.__cause__ = e
+            err.flight = e.flight  # the flight recorder's report, when the error has one
             return err
     return e  # pragma: no cover - _MAP ends with the base class
 

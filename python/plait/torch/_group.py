@@ -75,6 +75,7 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
                                     buffer_bytes=buffer_bytes, set_default=False)
         except plait.PlaitError as e:
             raise _errors.to_torch(e, f"plait: creating {self._label}") from None
+        self._name_comm()
         self._completer = Completer(f"plait-torch-{self._group_name}")
         _live.add(self)
 
@@ -87,6 +88,12 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
     def setGroupName(self, name):
         self._group_name = str(name)
         self._label = f"group {self._group_name!r} (rank {self._rank} of {self._size})"
+        self._name_comm()
+
+    def _name_comm(self):
+        # Flight reports and PLAIT_TRACE tracks show the process group's name.
+        if getattr(self._comm, "label", None) is not None:
+            self._comm.label = f"pg:{self._group_name}"
 
     def getGroupName(self):
         return self._group_name
