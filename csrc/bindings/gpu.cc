@@ -61,7 +61,7 @@ int device_count() {
 
 // The GPU communicators' hooks into the CPU communicator of the same ranks.
 GpuPeers cpu_peers(Communicator* c) {
-  return GpuPeers{[c] { c->throw_if_aborted(); }, [c](ErrorKind k, const std::string& msg) { c->fail(k, msg); },
+  return GpuPeers{[c] { c->throw_if_aborted(); }, [c](ErrorKind k, const std::string& msg) { c->abort_all(k, msg); },
                   [c] { return c->dead_peer(); }};
 }
 

@@ -134,7 +134,7 @@ void GpuComm::throw_if_failed() {
   if (!failed_) return;
   abort_nccl();  // the watchdog could not: this thread held the communicator
   std::lock_guard<std::mutex> lock(abort_mu_);
-  throw PlaitError("GPU communicator aborted after an earlier error: " + first_error_);
+  throw_error(first_kind_, "GPU communicator aborted after an earlier error: " + first_error_);
 }
 
 void GpuComm::record(ErrorKind kind, const std::string& msg) {
@@ -142,6 +142,7 @@ void GpuComm::record(ErrorKind kind, const std::string& msg) {
     std::lock_guard<std::mutex> lock(abort_mu_);
     if (failed_) return;
     first_error_ = msg;
+    first_kind_ = kind;
     failed_ = true;
   }
   peers_.tell(kind, msg);
@@ -382,11 +383,16 @@ void GpuComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
     const char* name = resolve(c, algo);
     for (const GpuAlgorithm& a : gpu_algorithm_table())
       if (a.coll == c && std::strcmp(a.name, name) == 0) alg = &a;
-    refuse_capture(stream, who(), c);
   } catch (const InvalidArgument& e) {
     // Bad input aborts the call on every rank, as on the CPU path; no peer waits on GPU work
     // this rank will never enqueue.
     fail(ErrorKind::invalid, e.what());
+  }
+  try {
+    refuse_capture(stream, who(), c);
+  } catch (const InvalidArgument& e) {
+    record(ErrorKind::invalid, e.what());  // no abort inside a capture: the next call does it
+    throw;
   }
   cur_ = gpu_call_args(c, in, out, op, root, peer);
   cur_.timeout_s = timeout_s > 0 ? timeout_s : opt_.timeout_s;
@@ -436,7 +442,7 @@ void GpuComm::poll_pending(double deadline) {
   // Any thread: it never touches comm_ but through abort_async (the watchdog polls NCCL).
   if (failed_) {
     std::lock_guard<std::mutex> lock(abort_mu_);
-    throw PlaitError("GPU communicator aborted after an earlier error: " + first_error_);
+    throw_error(first_kind_, "GPU communicator aborted after an earlier error: " + first_error_);
   }
   ErrorKind kind = ErrorKind::generic;
   std::string why = peers_.why_stuck(&kind);

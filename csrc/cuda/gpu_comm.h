@@ -160,6 +160,7 @@ class GpuComm final : public GpuOps, public GpuWork {
   std::mutex abort_mu_;  // first_error_
   std::atomic<bool> failed_{false};
   std::string first_error_;
+  ErrorKind first_kind_ = ErrorKind::generic;  // raised again by every later call
   std::unique_ptr<Watchdog> wd_;  // last member but the call state: stopped first
   // The call in progress (for messages and deadlines).
   CallArgs cur_;

@@ -70,7 +70,7 @@ void IpcComm::open(const std::vector<std::string>& handles) {
 void IpcComm::throw_if_failed() {
   if (!failed_) return;
   std::lock_guard<std::mutex> lock(mu_);
-  throw PlaitError("GPU communicator aborted after an earlier error: " + first_error_);
+  throw_error(first_kind_, "GPU communicator aborted after an earlier error: " + first_error_);
 }
 
 void IpcComm::record(ErrorKind kind, const std::string& msg) {
@@ -81,6 +81,7 @@ void IpcComm::record(ErrorKind kind, const std::string& msg) {
     std::lock_guard<std::mutex> lock(mu_);
     if (failed_) return;
     first_error_ = msg;
+    first_kind_ = kind;
     failed_ = true;
   }
   peers_.tell(kind, msg);
@@ -130,9 +131,14 @@ void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
     const std::string name = resolve(c, algo);
     for (const IpcAlgorithm& a : ipc_algorithm_table())
       if (a.coll == c && name == a.name) alg = &a;
-    refuse_capture(stream, "rank " + std::to_string(rank_) + " (GPU " + std::to_string(device_) + ", CUDA IPC)", c);
   } catch (const InvalidArgument& e) {
     fail(ErrorKind::invalid, e.what());
+  }
+  try {
+    refuse_capture(stream, "rank " + std::to_string(rank_) + " (GPU " + std::to_string(device_) + ", CUDA IPC)", c);
+  } catch (const InvalidArgument& e) {
+    record(ErrorKind::invalid, e.what());  // peers learn of it; nothing was enqueued
+    throw;
   }
   CallArgs a = gpu_call_args(c, in, out, op, root, peer);
   a.timeout_s = timeout_s > 0 ? timeout_s : opt_.timeout_s;

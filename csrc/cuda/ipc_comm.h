@@ -54,6 +54,7 @@ class IpcComm final : public GpuWork {
   std::atomic<bool> failed_{false};
   bool finalized_ = false;
   std::string first_error_;
+  ErrorKind first_kind_ = ErrorKind::generic;  // raised again by every later call
   std::string cur_ = "idle";
   std::unique_ptr<Watchdog> wd_;
 };

@@ -4,7 +4,7 @@ synchronous and async, exact values; send/recv with a GPU per rank."""
 import pytest
 
 from conftest import run_ranks
-from gpu_util import skip_reason
+from gpu_util import RUN_TIMEOUT, skip_reason
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))]
@@ -37,7 +37,7 @@ def _torch_cuda(rank, n, store):
 
 
 def test_torch_cuda_tensors_world_of_one():
-    assert run_ranks(_torch_cuda, 1, 300, start_method="spawn") == [[True, True, True, True]]
+    assert run_ranks(_torch_cuda, 1, RUN_TIMEOUT, start_method="spawn") == [[True, True, True, True]]
 
 
 def _torch_cuda_more(rank, n, store):
@@ -68,7 +68,7 @@ def _torch_cuda_more(rank, n, store):
 
 
 def test_torch_cuda_broadcast_reduce_alltoall_world_of_one():
-    assert run_ranks(_torch_cuda_more, 1, 300, start_method="spawn") == [[True] * 4]
+    assert run_ranks(_torch_cuda_more, 1, RUN_TIMEOUT, start_method="spawn") == [[True] * 4]
 
 
 def _torch_cuda_p2p(rank, n, store, port):
@@ -97,4 +97,4 @@ def test_torch_cuda_send_recv_gpu_per_rank():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert run_ranks(_torch_cuda_p2p, 2, 300, args=(port,), start_method="spawn") == [True, True]
+    assert run_ranks(_torch_cuda_p2p, 2, RUN_TIMEOUT, args=(port,), start_method="spawn") == [True, True]
