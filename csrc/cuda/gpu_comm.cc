@@ -3,6 +3,7 @@
 #include <sched.h>
 #include <time.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -31,6 +32,14 @@ void cuda_ok(cudaError_t e, const std::string& what) {
 }
 
 }  // namespace
+
+double gpu_watchdog_interval_s() {
+  // 10 ms: a deadline is seconds, and a thread that wakes 100 times a second while calls are in
+  // flight costs nothing measurable; PLAIT_GPU_WATCHDOG_MS tunes it (tests, debugging).
+  const char* v = std::getenv("PLAIT_GPU_WATCHDOG_MS");
+  const double ms = v && *v ? std::atof(v) : 10.0;
+  return ms > 0 ? ms * 1e-3 : 10e-3;
+}
 
 double gpu_now_s() {
   timespec ts;
@@ -97,7 +106,7 @@ GpuComm::GpuComm(const NcclApi& api, const nccl::UniqueId& id, int rank, int siz
     Watchdog::Hooks h = cuda_event_hooks(device_);
     h.poll = [this](ErrorKind* k) { return watch_poll(k); };
     h.abort = [this](ErrorKind k, const std::string& m) { abort_async(k, who() + ": " + m + "; NCCL communicator aborted"); };
-    wd_ = std::make_unique<Watchdog>(std::move(h), 1e-3);
+    wd_ = std::make_unique<Watchdog>(std::move(h), gpu_watchdog_interval_s());
   } catch (...) {
     release();  // no destructor runs for a constructor that throws
     throw;

@@ -88,6 +88,7 @@ void validate_gpu_call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp 
 // The call as the algorithms see it (count: elements of the whole vector, as on the CPU path).
 CallArgs gpu_call_args(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int root, int peer);
 double gpu_now_s();
+double gpu_watchdog_interval_s();  // how often a watchdog polls while calls are in flight
 void gpu_pause(double waited_s);  // spin, then yield, then 100 us naps
 
 // The caller's current device is restored after plait's work (torch and cupy keep their own).

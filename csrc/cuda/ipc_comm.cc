@@ -31,7 +31,7 @@ IpcComm::IpcComm(int rank, int size, int device, size_t staging_bytes, const Gpu
     return peers_.why_stuck(k);
   };
   h.abort = [this](ErrorKind k, const std::string& m) { record(k, who() + ": " + m + "; communicator aborted"); };
-  wd_ = std::make_unique<Watchdog>(std::move(h), 1e-3);
+  wd_ = std::make_unique<Watchdog>(std::move(h), gpu_watchdog_interval_s());
 }
 
 IpcComm::~IpcComm() {
@@ -104,6 +104,7 @@ std::string IpcComm::kernel_error() {
 }
 
 void IpcComm::check_done() {
+  throw_if_failed();  // a kernel that gave up on the host's abort: the host's error is the cause
   const std::string e = kernel_error();
   if (e.empty()) return;
   fail(tp_->error() == IpcTransport::timed_out ? ErrorKind::timeout : ErrorKind::generic,

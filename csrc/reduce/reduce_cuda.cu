@@ -149,7 +149,7 @@ bool launch_vec(T* dst, const T* a, const T* b, int64_t n, AvgScale sc, const in
     return false;
   } else {
     const uintptr_t d = uintptr_t(dst);
-    if ((d - uintptr_t(a)) % B != 0 || (d - uintptr_t(b)) % B != 0) return false;
+    if (d % sizeof(T) != 0 || (d - uintptr_t(a)) % B != 0 || (d - uintptr_t(b)) % B != 0) return false;
     constexpr int V = B / int(sizeof(T));
     const int64_t head = std::min<int64_t>(n, int64_t((B - d % B) % B / sizeof(T)));
     const int64_t nvec = (n - head) / V;
