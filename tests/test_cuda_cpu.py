@@ -513,6 +513,14 @@ def test_aligned_parts_cover_the_window_and_start_aligned(count, n, align):
         _C.gpu_plan_parts(count, n, 0)
 
 
+def test_gpu_wait_timeouts_are_clamped():
+    assert _C.gpu_timeout_ns(2.0) == 2_000_000_000 and _C.gpu_timeout_ns(1e-9) == 1
+    for bad in (0.0, -1.0, float("nan"), float("-inf")):
+        assert _C.gpu_timeout_ns(bad) == 0
+    for huge in (float("inf"), 1e300, 2.0 ** 62):
+        assert _C.gpu_timeout_ns(huge) == 1 << 62
+
+
 # -- the GPU watchdog, with fake events ----------------------------------------------------------
 def _until(cond, limit=20.0):
     """Polls cond() until true; the limit only keeps a broken watchdog from hanging the test."""

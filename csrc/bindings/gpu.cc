@@ -231,6 +231,7 @@ void bind_gpu(py::module_& m) {
     return v;
   }, py::arg("collective"), py::arg("rank"), py::arg("size"), py::arg("count"), py::arg("slot_elems"),
      "An IPC ring's steps: (kind, block, in offset, out offset, count, read epoch, post epoch); 0 is none.");
+  m.def("gpu_timeout_ns", &gpu_timeout_ns, py::arg("seconds"), "A GPU wait kernel's timeout, clamped.");
   m.def("gpu_plan_parts", [](int64_t count, int n, int64_t align) {
     std::vector<int64_t> v;
     for (int q = 0; q <= n; ++q) v.push_back(aligned_part_begin(count, n, q, align));

@@ -112,13 +112,6 @@ void IpcTransport::open(const std::vector<std::string>& handles) {
   cuda_check(cudaMemcpy(flag_ptrs_, flags.data(), sizeof(uint64_t*) * flags.size(), cudaMemcpyHostToDevice), "cudaMemcpy");
 }
 
-uint64_t IpcTransport::clamp_timeout_ns(double seconds) {
-  // A double that does not fit uint64 is undefined behaviour to convert: clamp first.
-  if (!(seconds > 0)) return 0;
-  if (seconds >= double(kMaxTimeoutNs) * 1e-9) return kMaxTimeoutNs;
-  return uint64_t(seconds * 1e9);
-}
-
 void IpcTransport::post(int which, uint64_t epoch, cudaStream_t s) {
   post_kernel<<<1, 1, 0, s>>>(reinterpret_cast<uint64_t*>(base_[size_t(rank_)]) + which, epoch,
                               reinterpret_cast<const volatile int*>(skip_word()));

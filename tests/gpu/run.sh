@@ -59,11 +59,12 @@ if stage build 300 bash -c "cmake -S . -B build/gpu -G Ninja -DPLAIT_CUDA=ON -DC
   $PY -c "import plait; print('build_info:', plait.build_info())" >"$LOGS/build_info.txt" 2>&1
   cat "$LOGS/build_info.txt" >>"$OUT/setup.log"
   ndev=$($PY -c "import plait; print(plait.build_info()['cuda_devices'])" 2>/dev/null || echo 0)
-  PT=($PY -m pytest -q -rs -p no:cacheprovider)
+  PT=($PY -m pytest -q -rfEs -p no:cacheprovider)
   $PY -c "import pytest_timeout" 2>/dev/null && PT+=(--timeout=$(( PLAIT_GPU_TEST_TIMEOUT + 30 )))
   G=tests/gpu
   stage t_kernels 90 "${PT[@]}" $G/test_gpu_kernels.py tests/test_cuda_cpu.py
-  stage t_world1 120 "${PT[@]}" $G/test_gpu_collectives.py -k "world_of_one or unaligned or refused" $G/test_gpu_rooted_p2p.py $G/test_gpu_torch.py $G/test_gpu_hier.py
+  stage t_world1 120 "${PT[@]}" $G/test_gpu_collectives.py -k "world_of_one or unaligned or refused"
+  stage t_torch_p2p 120 "${PT[@]}" $G/test_gpu_torch.py $G/test_gpu_rooted_p2p.py $G/test_gpu_hier.py
   stage t_values 120 "${PT[@]}" $G/test_gpu_values.py
   stage t_missing_peer 120 "${PT[@]}" $G/test_gpu_collectives.py -k "missing_peer"
   stage t_ipc_sweeps 150 "${PT[@]}" $G/test_gpu_collectives.py -k "ipc_ranks_sharing or ipc_ring_small or one_gpu_per_rank"
