@@ -715,3 +715,46 @@ def test_torch_work_of_a_failed_cuda_call_raises(monkeypatch):
         work.wait()
     with pytest.raises(Exception, match="aborted after an earlier error"):
         work.get_future().wait()
+
+
+def test_synchronous_torch_calls_record_their_tensors_on_the_stream(monkeypatch):
+    """P7: a synchronous GPU call keeps no reference, so torch's caching allocator is told that
+    the tensors are in use on the call's stream (never for the default stream or cupy arrays)."""
+    torch = pytest.importorskip("torch")
+    from plait import _gpu
+    streams = {0: "stream of GPU 0", 1: "stream of GPU 1"}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams[device])
+
+    class _Owner:
+        def __init__(self):
+            self.recorded = []
+
+        def record_stream(self, s):
+            self.recorded.append(s)
+
+    t, c = _Owner(), _Owner()
+    torch_arr = _arrays.GpuArray(1 << 20, 64, 4, 1, "float32", 77, t, "torch")
+    cupy_arr = _arrays.GpuArray(2 << 20, 64, 4, 1, "float32", 77, c, "cupy")
+    _gpu._record_streams(77, torch_arr, None, cupy_arr)
+    assert t.recorded == ["stream of GPU 1"] and c.recorded == []
+    _gpu._record_streams(0, torch_arr)
+    assert t.recorded == ["stream of GPU 1"], "the default stream needs no record"
+
+
+def test_gpu_handle_block_makes_the_stream_wait():
+    from plait import _gpu
+
+    class _Event:
+        def __init__(self):
+            self.blocked = []
+
+        def block(self, stream):
+            self.blocked.append(stream)
+
+        def wait(self, timeout):
+            raise AssertionError("block() must not wait on the host")
+
+    ev = _Event()
+    h = _gpu.GpuHandle(ev, ("x", "out"), "result", 3)
+    h.block(0xABC)
+    assert ev.blocked == [0xABC] and h.device == 3
