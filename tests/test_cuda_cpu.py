@@ -458,3 +458,303 @@ def test_mismatched_gpu_calls_raise_mismatch_on_every_rank(field):
         assert cls == "MismatchError" and "mismatched GPU calls" in msg, (rank, msg)
         assert calls == ["allreduce"], (rank, calls)  # the agreed call ran, the mismatched one never did
     assert {"count": "count", "op": "op", "root": "root", "collective": "collective"}[field] in results[0][1]
+
+
+def test_gpu_calls_fingerprint_the_algorithm_that_runs():
+    """'auto' and the name it resolves to agree; ranks whose 'auto' resolves differently (e.g.
+    PLAIT_GPU_ALGO set on one rank only) raise MismatchError instead of hanging."""
+    for case, want in (("auto_vs_name", None), ("env_differs", "MismatchError")):
+        results = run_ranks(_resolved_algo, 2, RUN_TIMEOUT, args=(case,))
+        for rank, (cls, msg, calls) in enumerate(results):
+            assert cls == want, (case, rank, msg)
+            if want:
+                assert "algorithm" in msg and calls == [], (rank, msg, calls)
+            else:
+                assert calls == ["allreduce"], (rank, calls)
+
+
+class _ResolvingGpu(_RecordingGpu):
+    def __init__(self, auto):
+        super().__init__()
+        self.auto = auto
+
+    def resolve(self, coll, algo):
+        return self.auto if algo in ("auto", "") else algo
+
+
+def _resolved_algo(rank, n, store, case):
+    import plait as p
+    from plait import _cuda as cu, _gpu
+    comm = p.init(rank, n, store=store, timeout=30)
+    cu.compiled = lambda: True
+    cu.device_count = lambda: 1
+    p._C.cuda_pointer_device = lambda ptr: 0
+    fake = _ResolvingGpu("ring" if case == "env_differs" and rank == 1 else "nccl")
+    _gpu._communicator = lambda c, device, timeout, head: fake
+    algo = "nccl" if case == "auto_vs_name" and rank == 0 else None
+    try:
+        comm.allreduce(FakeCuda(ptr=1 << 20), out=FakeCuda(ptr=2 << 20), algorithm=algo)
+    except p.PlaitError as e:
+        return type(e).__name__, str(e), fake.calls
+    return None, "no error", fake.calls
+
+
+# -- two_shot's part boundaries ----------------------------------------------------------------
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 100, 1027, 4096, 5000])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("align", [1, 2, 4, 8, 16])
+def test_aligned_parts_cover_the_window_and_start_aligned(count, n, align):
+    b = _C.gpu_plan_parts(count, n, align)
+    assert len(b) == n + 1 and b[0] == 0 and b[-1] == count
+    assert all(lo <= hi for lo, hi in zip(b, b[1:])), "contiguous, in order"
+    assert all(x % align == 0 or x == count for x in b), "every part begins aligned (or is empty at the end)"
+    assert all(abs(x - count * q // n) < align for q, x in enumerate(b)), "at most align - 1 from an even split"
+    with pytest.raises(plait.InvalidArgument):
+        _C.gpu_plan_parts(count, n, 0)
+
+
+def test_gpu_wait_timeouts_are_clamped():
+    assert _C.gpu_timeout_ns(2.0) == 2_000_000_000 and _C.gpu_timeout_ns(1e-9) == 1
+    for bad in (0.0, -1.0, float("nan"), float("-inf")):
+        assert _C.gpu_timeout_ns(bad) == 0
+    for huge in (float("inf"), 1e300, 2.0 ** 62):
+        assert _C.gpu_timeout_ns(huge) == 1 << 62
+
+
+# -- the GPU watchdog, with fake events ----------------------------------------------------------
+def _until(cond, limit=20.0):
+    """Polls cond() until true; the limit only keeps a broken watchdog from hanging the test."""
+    import time
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < limit, "the watchdog did not act"
+        time.sleep(0.005)
+
+
+def test_watchdog_forgets_finished_calls_and_recycles_their_events():
+    p = _C._WatchdogProbe(None)
+    for i in range(50):
+        start, end = p.issue(0.05, f"call {i}")
+        p.set(start, 1)
+        p.set(end, 1)
+        assert p.drain(20.0)
+    assert p.in_flight() == 0 and p.aborts() == [] and not p.fired()
+    assert p.events() == 2, "one call at a time in flight: its two events are reused"
+
+
+def test_watchdog_deadline_runs_from_when_the_call_started():
+    import time
+    p = _C._WatchdogProbe(None)
+    start, _ = p.issue(0.2, "allreduce (ring, float32, count 8)")
+    time.sleep(0.6)  # queued behind other work on the stream: not started, so not late
+    assert p.aborts() == [] and p.in_flight() == 1
+    p.set(start, 1)
+    _until(p.fired)
+    msg, = p.aborts()
+    assert msg.startswith("timeout: allreduce (ring, float32, count 8): did not finish within its deadline (0.2 s"), msg
+    # A dead communicator watches nothing more.
+    p.issue(0.1, "later")
+    assert p.in_flight() == 0 and len(p.aborts()) == 1
+
+
+def test_watchdog_reports_the_communicators_error_once():
+    p = _C._WatchdogProbe(None)
+    p.issue(300, "allgather (nccl, int8, count 3)")
+    p.set_poll_error("NCCL reported an error for work in flight: remote process exited")
+    _until(p.fired)
+    assert p.aborts() == ["generic: NCCL reported an error for work in flight: remote process exited"]
+
+
+def test_watchdog_reads_the_error_word_after_the_last_call_ran():
+    """An IPC kernel that gave up finishes its call normally: the error is polled after the drain."""
+    p = _C._WatchdogProbe(None)
+    start, end = p.issue(300, "allreduce (one_shot, float16, count 5)")
+    p.set_poll_error("a peer did not reach the same step within the deadline (the waiting kernel gave up)")
+    p.set(start, 1)
+    p.set(end, 1)
+    _until(p.fired)
+    assert "waiting kernel gave up" in p.aborts()[0]
+
+
+def test_watchdog_reports_a_failed_gpu_event():
+    p = _C._WatchdogProbe(None)
+    start, end = p.issue(300, "reduce_scatter (ring, int32, count 9)")
+    p.set(start, 1)
+    p.set(end, -1)
+    _until(p.fired)
+    msg, = p.aborts()
+    assert msg.startswith("generic: reduce_scatter (ring, int32, count 9): the GPU reported an error"), msg
+
+
+def test_watchdog_is_idle_without_calls():
+    import time
+    p = _C._WatchdogProbe(None)
+    time.sleep(0.2)
+    assert p.polls() == 0, "no call in flight: the thread sleeps"
+    start, end = p.issue(300, "x")
+    _until(lambda: p.polls() > 3)
+    p.set(start, 1)
+    p.set(end, 1)
+    assert p.drain(20.0)
+    polled = p.polls()
+    time.sleep(0.2)
+    assert p.polls() == polled, "drained: the thread sleeps again"
+
+
+def _watchdog_ranks(rank, n, store, case):
+    import os
+
+    import plait as p
+    comm = p.init(rank, n, store=store, timeout=60)
+    probe = p._C._WatchdogProbe(comm._c)
+    if case == "deadline":
+        if rank == 0:  # its call never finishes: the watchdog aborts it for every rank
+            start, _ = probe.issue(0.3, "allreduce (nccl, float32, count 4)")
+            probe.set(start, 1)
+            _until(probe.fired)
+            return probe.aborts()
+        probe.issue(300, "allreduce (nccl, float32, count 4)")  # waits for rank 0, which gave up
+        _until(probe.fired)
+        try:
+            comm.barrier(timeout=30)
+        except p.PlaitError as e:
+            return probe.aborts() + [type(e).__name__ + ": " + str(e)]
+        return probe.aborts() + ["no error"]
+    # case == "died": rank 1 dies while rank 0's GPU call waits for it
+    if rank == 1:
+        comm.barrier(timeout=30)
+        os._exit(3)
+    comm.barrier(timeout=30)
+    probe.issue(300, "allreduce (ring, float32, count 4)")
+    _until(probe.fired)
+    return probe.aborts()
+
+
+def test_watchdog_deadline_reaches_every_rank():
+    first, second = run_ranks(_watchdog_ranks, 2, RUN_TIMEOUT, args=("deadline",))
+    assert len(first) == 1 and first[0].startswith("timeout: allreduce (nccl, float32, count 4): did not finish"), first
+    assert second[0].startswith("timeout: another rank aborted the communicator:") and "did not finish" in second[0], second
+    assert second[1].startswith("TimeoutError") and "did not finish within its deadline" in second[1], second
+
+
+def test_watchdog_sees_a_peer_die():
+    first, _ = run_ranks(_watchdog_ranks, 2, RUN_TIMEOUT, args=("died",), may_die=(1,))
+    assert len(first) == 1 and first[0].startswith("peer_lost: rank 1 (pid ") and "died" in first[0], first
+
+
+# -- torch Works of CUDA calls: stream-ordered, the host never waits ----------------------------
+class _FakeGpuHandle:
+    """A plait GPU handle as torch's Work sees it: block() makes a stream wait; wait() must not run."""
+
+    device = 0
+
+    def __init__(self, error=None):
+        self.blocked, self.error = [], error
+
+    def block(self, stream):
+        if self.error:
+            raise plait.PeerLostError(self.error)
+        self.blocked.append(stream)
+
+    def wait(self, timeout=None):
+        raise AssertionError("the host waited on a CUDA call")
+
+    def done(self):
+        raise AssertionError("the host polled a CUDA call")
+
+
+def _fake_cuda_torch(monkeypatch, stream):
+    """CPU torch cannot make CUDA streams or CUDA-aware Futures: stand-ins that record the asks."""
+    torch = pytest.importorskip("torch")
+    made = []
+
+    class _Stream:
+        cuda_stream = stream
+
+    def _future(devices):
+        made.append(devices)
+        return torch.futures.Future()
+
+    from plait.torch import _work
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(_work, "_new_future", _future)
+    return torch, made
+
+
+def test_torch_work_of_a_cuda_call_waits_in_stream_order(monkeypatch):
+    torch, made = _fake_cuda_torch(monkeypatch, 1234)
+    from plait.torch import _work
+    out = [torch.arange(4)]
+    h = _FakeGpuHandle()
+    op = _work._Op("plait allreduce on test", out)
+    op.handles.append(h)
+    assert op.cuda()
+    op.finish()  # what the group's _launch does for CUDA ops, on the issuing thread
+    work = _work.Work(op)
+    assert work.is_completed() and work.is_success() and h.blocked == [1234]
+    assert made and made[0] == [torch.device("cuda", 0)], "the Future is CUDA-aware"
+    fut = work.get_future()
+    assert fut.done() and fut.wait() is out
+    assert work.wait() is True and h.blocked == [1234, 1234], "wait() makes the current stream wait"
+    work.synchronize()
+    assert h.blocked == [1234] * 3
+    h.error = "rank 1 (pid 7) died"  # the watchdog recorded an error since
+    with pytest.raises(Exception, match="died"):
+        work.wait()
+
+
+def test_torch_work_of_a_failed_cuda_call_raises(monkeypatch):
+    _fake_cuda_torch(monkeypatch, 5)
+    from plait.torch import _work
+    op = _work._Op("plait allreduce on test", [])
+    op.handles.append(_FakeGpuHandle(error="GPU communicator aborted after an earlier error: x"))
+    op.finish()
+    work = _work.Work(op)
+    assert work.is_completed() and not work.is_success()
+    with pytest.raises(Exception, match="aborted after an earlier error"):
+        work.wait()
+    with pytest.raises(Exception, match="aborted after an earlier error"):
+        work.get_future().wait()
+
+
+def test_synchronous_torch_calls_record_their_tensors_on_the_stream(monkeypatch):
+    """P7: a synchronous GPU call keeps no reference, so torch's caching allocator is told that
+    the tensors are in use on the call's stream (never for the default stream or cupy arrays)."""
+    torch = pytest.importorskip("torch")
+    from plait import _gpu
+    streams = {0: "stream of GPU 0", 1: "stream of GPU 1"}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams[device])
+
+    class _Owner:
+        def __init__(self):
+            self.recorded = []
+
+        def record_stream(self, s):
+            self.recorded.append(s)
+
+    t, c = _Owner(), _Owner()
+    torch_arr = _arrays.GpuArray(1 << 20, 64, 4, 1, "float32", 77, t, "torch")
+    cupy_arr = _arrays.GpuArray(2 << 20, 64, 4, 1, "float32", 77, c, "cupy")
+    _gpu._record_streams(77, torch_arr, None, cupy_arr)
+    assert t.recorded == ["stream of GPU 1"] and c.recorded == []
+    _gpu._record_streams(0, torch_arr)
+    assert t.recorded == ["stream of GPU 1"], "the default stream needs no record"
+
+
+def test_gpu_handle_block_makes_the_stream_wait():
+    from plait import _gpu
+
+    class _Event:
+        def __init__(self):
+            self.blocked = []
+
+        def block(self, stream):
+            self.blocked.append(stream)
+
+        def wait(self, timeout):
+            raise AssertionError("block() must not wait on the host")
+
+    ev = _Event()
+    h = _gpu.GpuHandle(ev, ("x", "out"), "result", 3)
+    h.block(0xABC)
+    assert ev.blocked == [0xABC] and h.device == 3

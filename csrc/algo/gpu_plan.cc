@@ -15,6 +15,21 @@ std::vector<Span> chunk_plan(int64_t count, int64_t chunk_elems) {
   return out;
 }
 
+uint64_t gpu_timeout_ns(double seconds) {
+  constexpr uint64_t kMax = uint64_t(1) << 62;
+  if (!(seconds > 0)) return 0;
+  if (seconds >= double(kMax) * 1e-9) return kMax;
+  return uint64_t(seconds * 1e9);
+}
+
+int64_t aligned_part_begin(int64_t count, int n, int q, int64_t align) {
+  if (n < 1 || q < 0 || q > n || count < 0 || align < 1)
+    throw InvalidArgument("aligned_part_begin: part " + std::to_string(q) + " of " + std::to_string(n) + ", count " +
+                          std::to_string(count) + ", alignment " + std::to_string(align));
+  const int64_t lo = part_begin(count, n, q), up = (lo + align - 1) / align * align;
+  return up < count ? up : count;
+}
+
 RingPlan ring_plan(int rank, int n) {
   if (n < 1 || rank < 0 || rank >= n)
     throw InvalidArgument("ring_plan: rank " + std::to_string(rank) + " is not in a ring of " + std::to_string(n));

@@ -1,7 +1,8 @@
 // One-shot collectives over the CUDA IPC transport, per window of the staging size:
 // copy this rank's input into its staging, publish (post + wait for every peer: one
 // synchronisation), then read every peer's staging straight from its device memory, and say so
-// (finish). allreduce: each rank reduces all n stagings in rank order (bitwise-equal results),
+// (finish). allreduce: each rank reduces all n stagings in rank order (bitwise-equal results; avg
+// divides each raw staging as it enters the sum, as NCCL does),
 // reading (n - 1) copies of the vector from peers. reduce_scatter: each rank reduces block r of
 // every staging. allgather: each rank copies every staging into its block of the output.
 // Small and latency-bound by design: one exchange per window, no pipelining.
@@ -32,12 +33,9 @@ void ipc_reduce_scatter_one_shot(IpcCtx& c) {
   const int64_t m = c.a.count, per_block = std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize) / c.size);
   for (const Span& w : chunk_plan(m, per_block)) {
     const uint64_t e = c.begin();
-    // Window w of every block of the input, side by side in the staging.
-    const cudaError_t err = cudaMemcpy2DAsync(c.tp.staging(c.rank), c.bytes(per_block), c.in_at(w.offset), c.bytes(m),
-                                              c.bytes(w.count), size_t(c.size), cudaMemcpyDeviceToDevice, c.stream);
-    if (err != cudaSuccess)
-      throw PlaitError("rank " + std::to_string(c.rank) + ": reduce_scatter over CUDA IPC: cudaMemcpy2DAsync failed: " +
-                       cudaGetErrorString(err));
+    // Window w of every block of the input, side by side in the staging (a kernel: blocks of
+    // 2 GiB and more are beyond cudaMemcpy2DAsync's pitch limit).
+    c.copy_rows(c.tp.staging(c.rank), per_block, c.in_at(w.offset), m, w.count, c.size);
     c.publish(e);
     std::vector<const char*> srcs;
     for (int p = 0; p < c.size; ++p) srcs.push_back(c.tp.staging(p) + c.bytes(per_block) * size_t(c.rank));

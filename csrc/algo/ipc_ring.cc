@@ -2,7 +2,7 @@
 // posting it in this rank's staging (two slots, so a rank fills one while its right neighbour
 // still reads the other); the right neighbour reduces it with its own input block straight into
 // its staging, so a partial crosses each hop once and is never copied on the way. The owner of a
-// block finishes it once (avg divides there) and the allgather forwards those bytes unchanged, so
+// block finishes it once and the allgather forwards those bytes unchanged, so
 // every rank ends with identical bytes. Waits are per neighbour: a step waits for the left's post
 // of the epoch it reads and, before overwriting a slot, for the right's "done" with it.
 // allreduce: rounds of n blocks of at most half the staging, 2 (n - 1) steps each; each rank
@@ -35,14 +35,14 @@ void run_ring(IpcCtx& c) {
     // The slot last held epoch post - 2; those of earlier calls are covered by begin().
     if (s.post > 2) c.tp.wait(IpcTransport::kDone, post - 2, c.timeout_ns, c.stream, right);
     switch (s.kind) {
-      case IpcRingStep::load:
-        c.copy(to, c.in_at(s.in_offset), s.count);
+      case IpcRingStep::load:  // avg: every input is divided as it enters (NCCL's pre-scaled avg)
+        c.load(to, c.in_at(s.in_offset), s.count);
         break;
       case IpcRingStep::reduce:
-        c.reduce(to, from, c.in_at(s.in_offset), s.count, false);
+        c.reduce(to, from, c.in_at(s.in_offset), s.count, false, true);
         break;
       case IpcRingStep::finish:
-        c.reduce(to ? to : c.out_at(s.out_offset), from, c.in_at(s.in_offset), s.count, true);
+        c.reduce(to ? to : c.out_at(s.out_offset), from, c.in_at(s.in_offset), s.count, false, true);
         if (to) c.copy(c.out_at(s.out_offset), to, s.count);
         break;
       case IpcRingStep::gather:

@@ -10,6 +10,7 @@
 #include "algo/algo.h"
 #include "algo/gpu_plan.h"
 #include "core/communicator.h"
+#include "core/watchdog.h"
 
 #if PLAIT_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -58,6 +59,93 @@ int device_count() {
 #endif
 }
 
+// The GPU communicators' hooks into the CPU communicator of the same ranks.
+GpuPeers cpu_peers(Communicator* c) {
+  return GpuPeers{[c] { c->throw_if_aborted(); }, [c](ErrorKind k, const std::string& msg) { c->abort_all(k, msg); },
+                  [c] { return c->dead_peer(); }};
+}
+
+// A stand-in GPU communicator for CPU tests of the watchdog (every build): events are numbers a
+// test marks done (1), failed (-1) or pending (0); abort() records what the watchdog said and
+// tells the CPU communicator, as the GPU communicators do.
+class WatchdogProbe {
+ public:
+  WatchdogProbe(Communicator* cpu, double interval_s) : peers_(cpu ? cpu_peers(cpu) : GpuPeers{}) {
+    Watchdog::Hooks h;
+    h.create = [this] {
+      std::lock_guard<std::mutex> lock(mu_);
+      state_.push_back(0);
+      return reinterpret_cast<Watchdog::Event>(uintptr_t(state_.size()));
+    };
+    h.destroy = [](Watchdog::Event) {};
+    h.query = [this](Watchdog::Event e) {
+      std::lock_guard<std::mutex> lock(mu_);
+      return state_[id(e) - 1];
+    };
+    h.poll = [this](ErrorKind* k) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++polls_;
+        if (!poll_error_.empty()) {
+          *k = ErrorKind::generic;
+          return poll_error_;
+        }
+      }
+      return peers_.why_stuck(k);
+    };
+    h.abort = [this](ErrorKind k, const std::string& m) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        static const char* const names[] = {"none", "generic", "invalid", "mismatch", "timeout", "peer_lost"};
+        aborts_.push_back(std::string(names[int(k)]) + ": " + m);
+      }
+      peers_.tell(k, m);
+    };
+    wd_ = std::make_unique<Watchdog>(std::move(h), interval_s);
+  }
+  ~WatchdogProbe() { wd_.reset(); }
+
+  // One call: (start event, end event), both pending.
+  std::pair<int64_t, int64_t> issue(double timeout_s, const std::string& what) {
+    Watchdog::Event a = wd_->acquire(), b = wd_->acquire();
+    set(id(a), 0);
+    set(id(b), 0);
+    wd_->track(a, b, timeout_s, what);
+    return {id(a), id(b)};
+  }
+  void set(int64_t ev, int st) {
+    std::lock_guard<std::mutex> lock(mu_);
+    state_.at(size_t(ev - 1)) = st;
+  }
+  void set_poll_error(const std::string& e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    poll_error_ = e;
+  }
+  std::vector<std::string> aborts() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return aborts_;
+  }
+  int64_t events() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return int64_t(state_.size());
+  }
+  int64_t polls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return polls_;
+  }
+  Watchdog& wd() { return *wd_; }
+
+ private:
+  static int64_t id(Watchdog::Event e) { return int64_t(reinterpret_cast<uintptr_t>(e)); }
+  GpuPeers peers_;
+  std::mutex mu_;
+  std::vector<int> state_;
+  std::vector<std::string> aborts_;
+  std::string poll_error_;
+  int64_t polls_ = 0;
+  std::unique_ptr<Watchdog> wd_;
+};
+
 #if PLAIT_WITH_CUDA
 // (pointer, bytes, device) from plait._arrays.GpuArray, or None (reduce's output on a non-root,
 // send's output, recv's input); the caller holds the array.
@@ -93,7 +181,10 @@ void bind_gpu_work(py::class_<Comm, std::shared_ptr<Comm>>& cls) {
       .def("finalize", [](Comm& g) {
         py::gil_scoped_release nogil;
         g.finalize();
-      });
+      })
+      .def("resolve", [](Comm& g, const std::string& coll, const std::string& algo) {
+        return std::string(g.resolve(coll_named(coll), algo));
+      }, py::arg("coll"), py::arg("algo"), "The algorithm `algo` (auto, or a name) runs as here; InvalidArgument if none.");
 }
 #endif
 
@@ -140,6 +231,29 @@ void bind_gpu(py::module_& m) {
     return v;
   }, py::arg("collective"), py::arg("rank"), py::arg("size"), py::arg("count"), py::arg("slot_elems"),
      "An IPC ring's steps: (kind, block, in offset, out offset, count, read epoch, post epoch); 0 is none.");
+  m.def("gpu_timeout_ns", &gpu_timeout_ns, py::arg("seconds"), "A GPU wait kernel's timeout, clamped.");
+  m.def("gpu_plan_parts", [](int64_t count, int n, int64_t align) {
+    std::vector<int64_t> v;
+    for (int q = 0; q <= n; ++q) v.push_back(aligned_part_begin(count, n, q, align));
+    return v;
+  }, py::arg("count"), py::arg("parts"), py::arg("align"), "Where each part begins (and the end), aligned.");
+  py::class_<WatchdogProbe>(m, "_WatchdogProbe")
+      .def(py::init([](py::object cpu, double interval_s) {
+             Communicator* c = cpu.is_none() ? nullptr : &cpu.cast<Communicator&>();
+             return std::make_unique<WatchdogProbe>(c, interval_s);
+           }), py::arg("cpu"), py::arg("interval_s") = 1e-3, py::keep_alive<1, 2>())
+      .def("issue", &WatchdogProbe::issue, py::arg("timeout"), py::arg("what"))
+      .def("set", &WatchdogProbe::set, py::arg("event"), py::arg("state"))
+      .def("set_poll_error", &WatchdogProbe::set_poll_error)
+      .def("aborts", &WatchdogProbe::aborts)
+      .def("events", &WatchdogProbe::events)
+      .def("polls", &WatchdogProbe::polls)
+      .def("in_flight", [](WatchdogProbe& p) { return p.wd().in_flight(); })
+      .def("fired", [](WatchdogProbe& p) { return p.wd().fired(); })
+      .def("drain", [](WatchdogProbe& p, double max_s) {
+        py::gil_scoped_release nogil;
+        return p.wd().drain(max_s);
+      });
   m.def("gpu_plan_tree", [](int rank, int n) {
     const TreeLinks t = tree_links(rank, n);
     return py::make_tuple(t.parent, t.children);
@@ -176,7 +290,8 @@ void bind_gpu(py::module_& m) {
       throw InvalidArgument("_reduce_cuda: dst is not device memory");
     DeviceGuard g(at.device);  // launch on the GPU that holds the data, as torch/cupy chose it
     reduce_cuda(dtype_named(dtype), op_named(op), reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(a),
-                reinterpret_cast<const void*>(b), count, avg_divisor, reinterpret_cast<cudaStream_t>(stream));
+                reinterpret_cast<const void*>(b), count, AvgScale{avg_divisor, true, true}, nullptr,
+                reinterpret_cast<cudaStream_t>(stream));
   });
   m.def("gpu_algorithms", [](const std::string& coll) {
     const Coll c = coll_named(coll);
@@ -191,7 +306,9 @@ void bind_gpu(py::module_& m) {
         py::gil_scoped_release nogil;
         return e.wait(timeout);
       }, py::arg("timeout") = -1.0)
-      .def("done", &GpuEvent::done);
+      .def("done", &GpuEvent::done)
+      .def("block", [](GpuEvent& e, uintptr_t stream) { e.block(reinterpret_cast<cudaStream_t>(stream)); },
+           py::arg("stream"), "Makes `stream` wait for the call on the GPU; returns at once.");
 
   m.def("ipc_algorithms", [](const std::string& coll) {
     const Coll c = coll_named(coll);
@@ -207,7 +324,7 @@ void bind_gpu(py::module_& m) {
              GpuOptions o;
              o.timeout_s = timeout;
              Communicator* c = &cpu;
-             GpuPeers peers{[c] { c->throw_if_aborted(); }, [c](ErrorKind k, const std::string& msg) { c->fail(k, msg); }};
+             GpuPeers peers = cpu_peers(c);
              py::gil_scoped_release nogil;
              return std::make_shared<IpcComm>(cpu.rank(), cpu.size(), device, staging_bytes, o, std::move(peers));
            }),
@@ -242,7 +359,7 @@ void bind_gpu(py::module_& m) {
              o.chunk_bytes = chunk_bytes;
              o.algo_override = algo;
              Communicator* c = &cpu;
-             GpuPeers peers{[c] { c->throw_if_aborted(); }, [c](ErrorKind k, const std::string& msg) { c->fail(k, msg); }};
+             GpuPeers peers = cpu_peers(c);
              py::gil_scoped_release nogil;
              return std::make_shared<GpuComm>(nccl_load(nccl_path), u, rank, size, device, o, std::move(peers));
            }),

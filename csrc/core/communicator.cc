@@ -183,6 +183,15 @@ void Communicator::enqueue(const std::shared_ptr<Task>& t) {
   q_cv_.notify_one();
 }
 
+std::string Communicator::dead_peer() {
+  for (int p = 0; p < size_; ++p) {
+    std::string why;
+    bool died = false;
+    if (p != rank_ && tp_.peer_gone(p, &why, &died) && died) return why;
+  }
+  return "";
+}
+
 void Communicator::finalize() {
   if (closed_) return;
   closed_ = true;

@@ -85,6 +85,17 @@ class Communicator {
   // Throws the communicator-wide abort if any rank recorded one. Reads only the shared segment,
   // so other threads may call it (the GPU communicator polls it while it waits).
   void throw_if_aborted() { tp_.throw_if_aborted(); }
+  // Records an abort for every rank without raising here or touching this rank's own state, so
+  // any thread may call it (the GPU watchdog); this rank's next call raises it.
+  void abort_all(ErrorKind kind, const std::string& msg) {
+    try {
+      tp_.fail(kind, msg);
+    } catch (const PlaitError&) {
+    }
+  }
+  // "rank p (pid ...) died" for the first peer that died (not one that left in order), or "".
+  // Reads only the shared segment, like throw_if_aborted (a GPU watchdog polls it).
+  std::string dead_peer();
   void finalize();
 
   // Flight recorder and trace (core/flight.h, core/trace.h). The label names this communicator

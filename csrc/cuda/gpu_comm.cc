@@ -3,6 +3,7 @@
 #include <sched.h>
 #include <time.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -31,6 +32,14 @@ void cuda_ok(cudaError_t e, const std::string& what) {
 }
 
 }  // namespace
+
+double gpu_watchdog_interval_s() {
+  // 10 ms: a deadline is seconds, and a thread that wakes 100 times a second while calls are in
+  // flight costs nothing measurable; PLAIT_GPU_WATCHDOG_MS tunes it (tests, debugging).
+  const char* v = std::getenv("PLAIT_GPU_WATCHDOG_MS");
+  const double ms = v && *v ? std::atof(v) : 10.0;
+  return ms > 0 ? ms * 1e-3 : 10e-3;
+}
 
 double gpu_now_s() {
   timespec ts;
@@ -92,7 +101,12 @@ GpuComm::GpuComm(const NcclApi& api, const nccl::UniqueId& id, int rank, int siz
     deadline_ = now_s() + opt_.timeout_s;
     cur_.coll = Coll::barrier;
     cur_algo_ = "init";
+    std::lock_guard<std::mutex> lock(call_mu_);
     check(api_.CommInitRankConfig(&comm_, size_, id, rank_, &cfg), "ncclCommInitRankConfig");
+    Watchdog::Hooks h = cuda_event_hooks(device_);
+    h.poll = [this](ErrorKind* k) { return watch_poll(k); };
+    h.abort = [this](ErrorKind k, const std::string& m) { abort_async(k, who() + ": " + m + "; NCCL communicator aborted"); };
+    wd_ = std::make_unique<Watchdog>(std::move(h), gpu_watchdog_interval_s());
   } catch (...) {
     release();  // no destructor runs for a constructor that throws
     throw;
@@ -105,8 +119,9 @@ GpuComm::~GpuComm() {
 }
 
 void GpuComm::release() {
+  wd_.reset();  // its hooks use this communicator
   // Never a hang: whatever is still in flight is aborted, not waited for (finalize() waits).
-  std::lock_guard<std::mutex> lock(abort_mu_);
+  std::lock_guard<std::mutex> lock(call_mu_);
   if (comm_) api_.CommAbort(comm_);
   comm_ = nullptr;
   if (scratch_) cudaFree(scratch_);
@@ -119,29 +134,59 @@ std::string GpuComm::who() const {
   return "rank " + std::to_string(rank_) + " (GPU " + std::to_string(device_) + ", NCCL " + version_text(api_.version) + ")";
 }
 
+void GpuComm::abort_nccl() {
+  if (comm_) api_.CommAbort(comm_);  // ends the NCCL kernels of every call in flight
+  comm_ = nullptr;
+}
+
 void GpuComm::throw_if_failed() {
   if (!failed_) return;
+  abort_nccl();  // the watchdog could not: this thread held the communicator
   std::lock_guard<std::mutex> lock(abort_mu_);
-  throw PlaitError("GPU communicator aborted after an earlier error: " + first_error_);
+  throw_error(first_kind_, "GPU communicator aborted after an earlier error: " + first_error_);
+}
+
+void GpuComm::record(ErrorKind kind, const std::string& msg) {
+  {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    if (failed_) return;
+    first_error_ = msg;
+    first_kind_ = kind;
+    failed_ = true;
+  }
+  peers_.tell(kind, msg);
 }
 
 void GpuComm::fail(ErrorKind kind, const std::string& msg) {
-  {
-    // A waiting thread (torch's completion thread) and the issuing thread may both get here.
-    std::lock_guard<std::mutex> lock(abort_mu_);
-    if (comm_) {
-      api_.CommAbort(comm_);  // also ends NCCL work another thread is blocked in
-      comm_ = nullptr;
-    }
-    if (!failed_) first_error_ = msg;
-    failed_ = true;
-  }
-  peers_.tell_and_throw(kind, msg);
+  record(kind, msg);
+  abort_nccl();
+  throw_error(kind, msg);
+}
+
+void GpuComm::abort_async(ErrorKind kind, const std::string& msg) {
+  record(kind, msg);
+  // Only when no thread is inside an NCCL call on it; else that thread aborts at its next poll.
+  std::unique_lock<std::mutex> lock(call_mu_, std::try_to_lock);
+  if (lock.owns_lock()) abort_nccl();
+}
+
+std::string GpuComm::watch_poll(ErrorKind* kind) {
+  std::string why = peers_.why_stuck(kind);
+  if (!why.empty()) return why;
+  std::unique_lock<std::mutex> lock(call_mu_, std::try_to_lock);
+  if (!lock.owns_lock() || !comm_) return "";  // an issuing thread polls NCCL itself
+  nccl::Result st = nccl::Success;
+  if (api_.CommGetAsyncError(comm_, &st) != nccl::Success || st == nccl::Success || st == nccl::InProgress) return "";
+  const char* last = api_.GetLastError(comm_);
+  *kind = kind_of(st);
+  return std::string("NCCL reported an error for work in flight: ") + api_.GetErrorString(st) +
+         (last && *last ? std::string(" (") + last + ")" : std::string());
 }
 
 void GpuComm::poll_once(const std::string& what) { poll_once(what, deadline_); }
 
 void GpuComm::poll_once(const std::string& what, double deadline) {
+  throw_if_failed();  // the watchdog may have recorded an error while this thread held comm_
   if (peers_.throw_if_aborted) {
     try {
       peers_.throw_if_aborted();
@@ -207,21 +252,72 @@ void GpuComm::reduce(const void* in, void* out, size_t count, nccl::DataType t, 
   check(api_.Reduce(in, out, count, t, op, root, comm_, stream_), "ncclReduce to rank " + std::to_string(root));
 }
 
-const GpuAlgorithm& GpuComm::select(Coll c, const std::string& algo) {
-  const std::string& want = algo == "auto" || algo.empty() ? forced_[size_t(c)] : algo;
+const char* resolve_gpu_algo(Coll c, const std::string& algo, const std::vector<std::string>& forced,
+                             const std::string& override_text, int rank) {
+  const std::string& want = algo == "auto" || algo.empty() ? forced[size_t(c)] : algo;
   std::string names;
   const GpuAlgorithm* first = nullptr;
   for (const GpuAlgorithm& a : gpu_algorithm_table()) {
     if (a.coll != c) continue;
     if (!first) first = &a;
-    if (want == a.name) return a;
+    if (want == a.name) return a.name;
     names += std::string(names.empty() ? "" : ", ") + a.name;
   }
   // PLAIT_GPU_ALGO=ring forces ring where there is one; collectives without it keep auto.
-  const bool blanket = (algo == "auto" || algo.empty()) && opt_.algo_override.find('=') == std::string::npos;
-  if (first && (want.empty() || blanket)) return *first;
-  throw InvalidArgument("rank " + std::to_string(rank_) + ": " + coll_name(c) + ": no GPU algorithm '" + want +
+  const bool blanket = (algo == "auto" || algo.empty()) && override_text.find('=') == std::string::npos;
+  if (first && (want.empty() || blanket)) return first->name;
+  throw InvalidArgument("rank " + std::to_string(rank) + ": " + coll_name(c) + ": no GPU algorithm '" + want +
                         "' (" + (names.empty() ? "this collective has no GPU path yet" : names) + ")");
+}
+
+const char* resolve_ipc_algo(Coll c, const std::string& algo, int rank) {
+  std::string names;
+  const char* found = nullptr;
+  for (const IpcAlgorithm& a : ipc_algorithm_table()) {
+    if (a.coll != c) continue;
+    if (!found && (algo.empty() || algo == "auto" || algo == a.name)) found = a.name;  // auto: the first
+    names += std::string(names.empty() ? "" : ", ") + a.name;
+  }
+  if (names.empty())
+    throw InvalidArgument("rank " + std::to_string(rank) + ": " + coll_name(c) +
+                          " of GPU arrays has no path over the CUDA IPC transport (ranks sharing a GPU) in this "
+                          "version: it runs over NCCL, with one GPU per rank; IPC has allreduce, reduce_scatter "
+                          "and allgather");
+  if (!found)
+    throw InvalidArgument("rank " + std::to_string(rank) + ": " + coll_name(c) + ": no algorithm '" + algo +
+                          "' over the CUDA IPC transport (" + names + "; the others run over NCCL, with one GPU per rank)");
+  return found;
+}
+
+void refuse_capture(cudaStream_t stream, const std::string& who, Coll c) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  const cudaError_t e = cudaStreamIsCapturing(stream, &st);
+  if (e == cudaSuccess && st == cudaStreamCaptureStatusNone) return;
+  if (e != cudaSuccess) cudaGetLastError();
+  throw InvalidArgument(who + ": " + coll_name(c) + ": the stream is being captured into a CUDA graph (" +
+                        (e != cudaSuccess ? cudaGetErrorString(e) : "cudaStreamIsCapturing") +
+                        "): plait's GPU collectives cannot be captured (torch.cuda.graph, torch.compile "
+                        "mode=\"reduce-overhead\"); issue them outside the capture");
+}
+
+Watchdog::Hooks cuda_event_hooks(int device) {
+  Watchdog::Hooks h;
+  h.create = [device] {
+    DeviceGuard g(device);
+    cudaEvent_t e = nullptr;
+    cuda_ok(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    return static_cast<Watchdog::Event>(e);
+  };
+  h.destroy = [device](Watchdog::Event e) {
+    DeviceGuard g(device);
+    cudaEventDestroy(static_cast<cudaEvent_t>(e));
+  };
+  h.query = [device](Watchdog::Event e) {
+    DeviceGuard g(device);
+    const cudaError_t r = cudaEventQuery(static_cast<cudaEvent_t>(e));
+    return r == cudaSuccess ? 1 : r == cudaErrorNotReady ? 0 : -1;
+  };
+  return h;
 }
 
 void validate_gpu_call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int root, int peer, int rank_,
@@ -286,18 +382,27 @@ CallArgs gpu_call_args(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp 
 
 void GpuComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, const std::string& algo,
                    cudaStream_t stream, double timeout_s, int root, int peer) {
+  std::lock_guard<std::mutex> call_lock(call_mu_);
   throw_if_failed();
   if (peers_.throw_if_aborted) peers_.throw_if_aborted();
   const GpuAlgorithm* alg = nullptr;
+  DeviceGuard g(device_);
   try {
     validate_gpu_call(c, in, out, op, root, peer, rank_, size_, device_);
-    alg = &select(c, algo);
+    const char* name = resolve(c, algo);
+    for (const GpuAlgorithm& a : gpu_algorithm_table())
+      if (a.coll == c && std::strcmp(a.name, name) == 0) alg = &a;
   } catch (const InvalidArgument& e) {
     // Bad input aborts the call on every rank, as on the CPU path; no peer waits on GPU work
     // this rank will never enqueue.
     fail(ErrorKind::invalid, e.what());
   }
-  DeviceGuard g(device_);
+  try {
+    refuse_capture(stream, who(), c);
+  } catch (const InvalidArgument& e) {
+    record(ErrorKind::invalid, e.what());  // no abort inside a capture: the next call does it
+    throw;
+  }
   cur_ = gpu_call_args(c, in, out, op, root, peer);
   cur_.timeout_s = timeout_s > 0 ? timeout_s : opt_.timeout_s;
   cur_algo_ = alg->name;
@@ -308,8 +413,14 @@ void GpuComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
   const size_t es = dtype_size(cur_.dtype);
   GpuCtx ctx{*this, cur_, stream, es, rank_, size_, std::max<int64_t>(1, opt_.chunk_bytes / int64_t(es)), scratch_};
   try {
+    Watchdog::Event start = wd_->acquire(), end = wd_->acquire();
+    cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(start), stream), who() + ": cudaEventRecord");
     alg->run(ctx);
     cuda_ok(cudaEventRecord(last_, stream), who() + ": cudaEventRecord");
+    cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(end), stream), who() + ": cudaEventRecord");
+    wd_->track(start, end, cur_.timeout_s, std::string(coll_name(c)) + " (" + cur_algo_ + ", " + dtype_name(cur_.dtype) +
+                                               ", count " + std::to_string(cur_.count) + ")");
+    throw_if_failed();  // the watchdog fired while this thread held the communicator
   } catch (const PlaitError& e) {
     if (!failed_) fail(e.kind(), e.what());
     throw;
@@ -317,6 +428,7 @@ void GpuComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
 }
 
 void GpuComm::finalize() {
+  std::lock_guard<std::mutex> call_lock(call_mu_);
   if (!comm_ || failed_) return;
   DeviceGuard g(device_);
   deadline_ = now_s() + opt_.timeout_s;
@@ -336,21 +448,30 @@ void GpuComm::finalize() {
 }
 
 void GpuComm::poll_pending(double deadline) {
-  throw_if_failed();
-  nccl::Result st = nccl::Success;
-  {
+  // Any thread: it never touches comm_ but through abort_async (the watchdog polls NCCL).
+  if (failed_) {
     std::lock_guard<std::mutex> lock(abort_mu_);
-    if (comm_ && api_.CommGetAsyncError(comm_, &st) != nccl::Success) st = nccl::Success;
+    throw_error(first_kind_, "GPU communicator aborted after an earlier error: " + first_error_);
   }
-  if (st != nccl::Success && st != nccl::InProgress) check(st, "GPU work in flight");
-  poll_once("waiting for the GPU work", deadline);  // this call's deadline; never the issuer's state
+  ErrorKind kind = ErrorKind::generic;
+  std::string why = peers_.why_stuck(&kind);
+  if (why.empty() && now_s() > deadline) {
+    kind = ErrorKind::timeout;
+    why = "the GPU work waited for did not finish before its deadline";
+  }
+  if (why.empty()) return;
+  why = who() + ": " + why + "; NCCL communicator aborted";
+  abort_async(kind, why);
+  throw_error(kind, why);
 }
 
 GpuEvent::GpuEvent(std::shared_ptr<GpuWork> comm, cudaStream_t s, double timeout_s) : comm_(std::move(comm)) {
   DeviceGuard g(comm_->device());
   cuda_ok(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming), "cudaEventCreate");
   cuda_ok(cudaEventRecord(ev_, s), "cudaEventRecord");
-  deadline_ = now_s() + (timeout_s > 0 ? timeout_s : comm_->default_timeout());
+  // A backstop only: the watchdog enforces the deadline from when the call started on the GPU
+  // (work queued ahead of it on the stream does not count), and its error ends this wait.
+  deadline_ = now_s() + 2 * (timeout_s > 0 ? timeout_s : comm_->default_timeout());
 }
 
 GpuEvent::~GpuEvent() {
@@ -360,6 +481,12 @@ GpuEvent::~GpuEvent() {
 bool GpuEvent::done() {
   DeviceGuard g(comm_->device());
   return cudaEventQuery(ev_) == cudaSuccess;
+}
+
+void GpuEvent::block(cudaStream_t stream) {
+  DeviceGuard g(comm_->device());
+  comm_->poll_pending(deadline_ + 1e300);  // an error already recorded; no deadline here
+  cuda_ok(cudaStreamWaitEvent(stream, ev_, 0), "cudaStreamWaitEvent");
 }
 
 bool GpuEvent::wait(double timeout_s) {

@@ -3,7 +3,11 @@
 // its buffers, selects an algorithm and enqueues it; the host blocks only in wait().
 // It lives beside a CPU Communicator of the same ranks: errors abort both on every rank (the CPU
 // segment carries the abort to peers, whose GPU waits watch it), so no rank waits for a dead one
-// past its deadline.
+// past its deadline. A watchdog thread per communicator (core/watchdog.h) follows every call in
+// flight, waited on or not, so a synchronous call whose peer died is aborted too.
+// One thread issues at a time (call_mu_); the watchdog and waiting threads touch the NCCL
+// communicator only under it (try_lock: an issuing thread polls it itself), so an abort never
+// frees it under another NCCL call.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -15,6 +19,7 @@
 
 #include "algo/gpu_algo.h"
 #include "core/errors.h"
+#include "core/watchdog.h"
 #include "cuda/nccl_loader.h"
 
 namespace plait {
@@ -34,30 +39,14 @@ struct GpuOptions {
   std::string algo_override;      // PLAIT_GPU_ALGO: "ring" or "allreduce=tree,allgather=nccl"
 };
 
-// Hooks into the CPU communicator of the same ranks.
-struct GpuPeers {
-  std::function<void()> throw_if_aborted;                     // the abort some rank recorded
-  std::function<void(ErrorKind, const std::string&)> fail;  // record one (may throw; ignored)
-
-  // Records the error for the CPU communicator's ranks, then raises it here (the CPU
-  // communicator reports an abort by throwing too: ours is the error to raise).
-  [[noreturn]] void tell_and_throw(ErrorKind kind, const std::string& msg) const {
-    try {
-      if (fail) fail(kind, msg);
-    } catch (const std::exception&) {
-    }
-    throw_error(kind, msg);
-  }
-};
-
 // A GPU communicator (NCCL or CUDA IPC) as a pending event sees it.
 class GpuWork {
  public:
   virtual ~GpuWork() = default;
   virtual int device() const = 0;
   virtual double default_timeout() const = 0;
-  // While work is pending: throws the communicator's error, a peer's abort, or, past `deadline`,
-  // a TimeoutError after aborting the communicator.
+  // While work is pending (any thread): throws the communicator's error, a peer's abort, or, past
+  // `deadline`, a TimeoutError after aborting the communicator.
   virtual void poll_pending(double deadline) = 0;
   // Once the work has run: throws an error the GPU reported (e.g. a kernel that gave up).
   virtual void check_done() = 0;
@@ -72,12 +61,25 @@ class GpuEvent {
   // aborting the communicator). Throws the communicator's error.
   bool wait(double timeout_s);
   bool done();
+  // Makes `stream` wait for the calls on the GPU and returns at once (torch's Work.wait() for
+  // CUDA); throws an error already recorded. The watchdog enforces the deadline.
+  void block(cudaStream_t stream);
 
  private:
   std::shared_ptr<GpuWork> comm_;
   cudaEvent_t ev_ = nullptr;
   double deadline_;
 };
+
+// Throws InvalidArgument when `stream` is being captured into a CUDA graph: the calls' epochs,
+// deadlines and events would be baked into the graph and replay wrong.
+void refuse_capture(cudaStream_t stream, const std::string& who, Coll c);
+// The watchdog hooks for CUDA events on `device`.
+Watchdog::Hooks cuda_event_hooks(int device);
+// The name `algo` ("auto", "", or a name) resolves to for collective c; throws InvalidArgument.
+const char* resolve_gpu_algo(Coll c, const std::string& algo, const std::vector<std::string>& forced,
+                             const std::string& override_text, int rank);
+const char* resolve_ipc_algo(Coll c, const std::string& algo, int rank);
 
 // The checks every GPU call makes (sizes, dtype, devices, overlap, root, peer); throws
 // InvalidArgument. reduce takes no output on a non-root, send none, recv no input (present false).
@@ -86,6 +88,7 @@ void validate_gpu_call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp 
 // The call as the algorithms see it (count: elements of the whole vector, as on the CPU path).
 CallArgs gpu_call_args(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int root, int peer);
 double gpu_now_s();
+double gpu_watchdog_interval_s();  // how often a watchdog polls while calls are in flight
 void gpu_pause(double waited_s);  // spin, then yield, then 100 us naps
 
 // The caller's current device is restored after plait's work (torch and cupy keep their own).
@@ -109,6 +112,9 @@ class GpuComm final : public GpuOps, public GpuWork {
   double default_timeout() const override { return opt_.timeout_s; }
   void poll_pending(double deadline) override;
   void check_done() override {}
+  const char* resolve(Coll c, const std::string& algo) const {
+    return resolve_gpu_algo(c, algo, forced_, opt_.algo_override, rank_);
+  }
 
   // Validates and enqueues one collective on `stream`; timeout_s <= 0: the default. root is
   // broadcast's and reduce's, peer send's and recv's.
@@ -134,9 +140,12 @@ class GpuComm final : public GpuOps, public GpuWork {
   void poll_once(const std::string& what);       // the call's deadline and peers' abort
   void poll_once(const std::string& what, double deadline);
   void release();
-  [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
-  void throw_if_failed();
-  const GpuAlgorithm& select(Coll c, const std::string& algo);
+  [[noreturn]] void fail(ErrorKind kind, const std::string& msg);  // the issuing thread (call_mu_)
+  void record(ErrorKind kind, const std::string& msg);  // first error, for every rank; no throw
+  void abort_async(ErrorKind kind, const std::string& msg);  // any other thread; no throw
+  void abort_nccl();  // call_mu_ held
+  void throw_if_failed();  // call_mu_ held: aborts NCCL if another thread could not
+  std::string watch_poll(ErrorKind* kind);  // the watchdog's poll hook
   std::string who() const;
 
   const NcclApi& api_;
@@ -148,9 +157,12 @@ class GpuComm final : public GpuOps, public GpuWork {
   char* scratch_ = nullptr;
   int64_t scratch_bytes_ = 0;
   cudaEvent_t last_ = nullptr;  // recorded after every call: the next call's stream waits for it
-  std::mutex abort_mu_;            // comm_ and first_error_ against a concurrent fail()
+  std::mutex call_mu_;   // the issuing thread; comm_ is used only under it
+  std::mutex abort_mu_;  // first_error_
   std::atomic<bool> failed_{false};
   std::string first_error_;
+  ErrorKind first_kind_ = ErrorKind::generic;  // raised again by every later call
+  std::unique_ptr<Watchdog> wd_;  // last member but the call state: stopped first
   // The call in progress (for messages and deadlines).
   CallArgs cur_;
   const char* cur_algo_ = "";

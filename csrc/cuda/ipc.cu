@@ -23,28 +23,34 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
-__global__ void post_kernel(uint64_t* flag, uint64_t epoch) {
+__global__ void post_kernel(uint64_t* flag, uint64_t epoch, const volatile int* skip) {
   __threadfence_system();  // everything this stream wrote before is visible before the flag
-  store_release(flag, epoch);
+  // After a wait of this rank gave up, what this stream wrote is not what the epoch promises.
+  store_release(flag, *skip != 0 ? IpcTransport::kPoison : epoch);
 }
 
-// One thread per peer (or only `only`'s when >= 0). Gives up (and says why in words[1]) on the
-// host's abort or the deadline.
+// One thread per peer (or only `only`'s when >= 0). Gives up on the host's abort, the deadline,
+// a peer's poison or an earlier give-up of this rank (skip), and then says why in words[1] and
+// sets skip. Plain stores, not atomics: atomics on mapped host memory are not atomic over PCIe,
+// and any of the reasons is a true one.
 __global__ void wait_kernel(uint64_t** flags, int which, int self, int only, int n, uint64_t epoch,
-                            uint64_t timeout_ns, volatile int* words) {
+                            uint64_t timeout_ns, volatile int* words, volatile int* skip) {
   const int p = int(threadIdx.x);
-  if (p >= n || p == self || (only >= 0 && p != only)) return;
+  if (p >= n || p == self || (only >= 0 && p != only) || *skip != 0) return;
   const uint64_t* f = flags[p] + which;
   const uint64_t start = global_ns();
-  while (load_acquire(f) < epoch) {
-    // Plain stores, not atomics: atomics on mapped host memory are not atomic over PCIe, and
-    // any of the reasons is a true one.
-    if (words[0] != 0) {
-      words[1] = int(IpcTransport::aborted);
-      return;
-    }
-    if (global_ns() - start > timeout_ns) {
-      words[1] = int(IpcTransport::timed_out);
+  for (;;) {
+    const uint64_t v = load_acquire(f);
+    int why = IpcTransport::ok;
+    if (v & IpcTransport::kPoison) why = IpcTransport::peer_gave_up;
+    else if (v >= epoch) return;
+    else if (words[0] != 0) why = IpcTransport::aborted;
+    else if (global_ns() - start > timeout_ns) why = IpcTransport::timed_out;
+    else if (*skip != 0) return;  // another thread of this kernel gave up and said why
+    if (why != IpcTransport::ok) {
+      if (words[1] == IpcTransport::ok) words[1] = why;
+      *skip = 1;
+      __threadfence_system();
       return;
     }
     __nanosleep(200);
@@ -107,13 +113,15 @@ void IpcTransport::open(const std::vector<std::string>& handles) {
 }
 
 void IpcTransport::post(int which, uint64_t epoch, cudaStream_t s) {
-  post_kernel<<<1, 1, 0, s>>>(reinterpret_cast<uint64_t*>(base_[size_t(rank_)]) + which, epoch);
+  post_kernel<<<1, 1, 0, s>>>(reinterpret_cast<uint64_t*>(base_[size_t(rank_)]) + which, epoch,
+                              reinterpret_cast<const volatile int*>(skip_word()));
   cuda_check(cudaGetLastError(), "post kernel launch");
 }
 
 void IpcTransport::wait(int which, uint64_t epoch, uint64_t timeout_ns, cudaStream_t s, int peer) {
   const int threads = (size_ + 31) / 32 * 32;
-  wait_kernel<<<1, threads, 0, s>>>(flag_ptrs_, which, rank_, peer, size_, epoch, timeout_ns, dev_words_);
+  wait_kernel<<<1, threads, 0, s>>>(flag_ptrs_, which, rank_, peer, size_, epoch, timeout_ns, dev_words_,
+                                    const_cast<volatile int*>(reinterpret_cast<const volatile int*>(skip_word())));
   cuda_check(cudaGetLastError(), "wait kernel launch");
 }
 

@@ -2,9 +2,12 @@
 // ranks of the host map through cudaIpc handles, so ranks on one GPU (which NCCL refuses) or on
 // GPUs of one host exchange data through device memory. Synchronisation is by monotonic epochs
 // in device memory, published with system-scope release stores and read with acquire loads by
-// small kernels on the caller's stream. A waiting kernel gives up on a %globaltimer deadline or
-// when the host raises its abort word (mapped host memory), and reports why in an error word the
-// host reads once the stream has run (IpcTransport::error()).
+// small kernels on the caller's stream. A waiting kernel gives up on a %globaltimer deadline, when
+// the host raises its abort word (mapped host memory) or when a peer's flag carries the poison
+// bit; it then reports why in an error word the host reads (IpcTransport::error()) and sets this
+// rank's skip word (device memory): every later kernel of the rank does nothing (reductions and
+// copies skip, waits return at once) and its posts publish the poison instead of an epoch, so no
+// peer takes unready data for ready, and every peer's waits give up too.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -12,13 +15,17 @@
 #include <string>
 #include <vector>
 
+#include "algo/gpu_plan.h"
+
 namespace plait {
 
 class IpcTransport {
  public:
   static constexpr int kPost = 0;  // flag: my staging holds epoch e's data
   static constexpr int kDone = 1;  // flag: I finished reading everyone's staging of epoch e
-  enum Error : int { ok = 0, aborted = 1, timed_out = 2 };
+  enum Error : int { ok = 0, aborted = 1, timed_out = 2, peer_gave_up = 3 };
+  static constexpr uint64_t kPoison = uint64_t(1) << 63;  // a flag value: "I gave up"
+  static uint64_t clamp_timeout_ns(double seconds) { return gpu_timeout_ns(seconds); }  // algo/gpu_plan.h
 
   IpcTransport(int rank, int size, int device, size_t staging_bytes);
   ~IpcTransport();
@@ -42,9 +49,12 @@ class IpcTransport {
 
   void abort();      // makes every waiting kernel of this rank give up
   int error() const;  // what a kernel reported (Error), valid once the stream has run
+  // Device word: non-zero once a wait of this rank gave up; guards this rank's later kernels.
+  const int* skip_word() const { return reinterpret_cast<const int*>(base_[size_t(rank_)] + kSkipOffset); }
 
  private:
   static constexpr size_t kFlagBytes = 256;
+  static constexpr size_t kSkipOffset = 64;  // in this rank's flag area; peers never read it
   int rank_, size_, device_;
   size_t staging_bytes_;
   std::vector<char*> base_;              // every rank's region as mapped here

@@ -2,7 +2,10 @@
 // validates a call, runs an IPC algorithm on the caller's stream. Waits have two guards: the
 // waiting kernels give up on their own deadline, and the host raises the abort word when the
 // call's deadline passes or another rank aborted the CPU communicator; either way every rank
-// raises and the communicator is dead afterwards.
+// raises and the communicator is dead afterwards. A watchdog thread (core/watchdog.h) follows
+// every call in flight, waited on or not: it raises the abort word on the deadline, a peer's
+// abort or death, and reads the error word once a kernel gave up, recording the error for every
+// rank. One thread issues at a time (call_mu_).
 #pragma once
 #include <atomic>
 #include <memory>
@@ -31,9 +34,12 @@ class IpcComm final : public GpuWork {
   double default_timeout() const override { return opt_.timeout_s; }
   void poll_pending(double deadline) override;
   void check_done() override;
+  const char* resolve(Coll c, const std::string& algo) const { return resolve_ipc_algo(c, algo, rank_); }
 
  private:
   [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
+  void record(ErrorKind kind, const std::string& msg);  // any thread: abort word, first error, peers
+  std::string kernel_error();  // what a kernel that gave up reported, as a message ("" if none)
   void throw_if_failed();
   std::string who();  // rank, GPU and the call in progress
 
@@ -43,10 +49,14 @@ class IpcComm final : public GpuWork {
   std::unique_ptr<IpcTransport> tp_;
   uint64_t epoch_ = 0;
   cudaEvent_t last_ = nullptr;
-  std::mutex mu_;  // first_error_ and cur_: a waiting thread reads them
+  std::mutex call_mu_;  // the issuing thread: epoch_, the transport's flags and streams
+  std::mutex mu_;       // first_error_ and cur_: a waiting thread reads them
   std::atomic<bool> failed_{false};
+  bool finalized_ = false;
   std::string first_error_;
+  ErrorKind first_kind_ = ErrorKind::generic;  // raised again by every later call
   std::string cur_ = "idle";
+  std::unique_ptr<Watchdog> wd_;
 };
 
 }  // namespace plait

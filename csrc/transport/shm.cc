@@ -371,7 +371,7 @@ void ShmTransport::fail(ErrorKind kind, const std::string& msg) {
   throw_error(kind, msg);
 }
 
-bool ShmTransport::peer_gone(int p, std::string* why) {
+bool ShmTransport::peer_gone(int p, std::string* why, bool* died) {
   RankCtl* c = seg_.ctl(p);
   uint32_t st = c->state.load(std::memory_order_acquire);
   if (st == kStarting) return false;
@@ -395,6 +395,7 @@ bool ShmTransport::peer_gone(int p, std::string* why) {
   m << "rank " << p << " (pid " << c->pid << ")"
     << (st == kExited ? " has left the communicator (finalized or exited)" : " died");
   *why = m.str();
+  if (died) *died = st != kExited;
   return true;
 }
 

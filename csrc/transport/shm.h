@@ -161,8 +161,8 @@ class ShmTransport final : public Transport {
   void throw_if_aborted();
   bool aborted() const;
   std::string describe_call() const;
-  // Returns a message if peer p is known to be gone.
-  bool peer_gone(int p, std::string* why);
+  // Returns a message if peer p is known to be gone; *died: it died (not an orderly exit).
+  bool peer_gone(int p, std::string* why, bool* died = nullptr);
 
   // Send/recv use the same deadline and liveness machinery outside of collective epochs.
   void set_deadline(double deadline, const CallArgs* a, const char* algo_name);

@@ -176,7 +176,9 @@ def gpu_array(obj, name, pointer_device):
             dtype = "bfloat16"
         if mod == "cupy":
             import cupy
-            device, stream = int(obj.device.id), cupy.cuda.get_current_stream().ptr
+            device = int(obj.device.id)
+            with cupy.cuda.Device(device):  # the current stream of the array's device, not the current one's
+                stream = cupy.cuda.get_current_stream().ptr
         else:
             # CAI v3: "stream" is the producer's stream (None: already synchronised); order on it.
             s = cai.get("stream")

@@ -33,10 +33,10 @@ _OP_CODES = {o: i for i, o in enumerate(("sum", "prod", "min", "max", "avg"))}
 class GpuHandle:
     """A GPU call in flight: completes when the work enqueued on its stream has run."""
 
-    __slots__ = ("_event", "_keep", "_result")
+    __slots__ = ("_event", "_keep", "_result", "device")
 
-    def __init__(self, event, keep, result):
-        self._event, self._keep, self._result = event, keep, result
+    def __init__(self, event, keep, result, device=None):
+        self._event, self._keep, self._result, self.device = event, keep, result, device
 
     def wait(self, timeout=None):
         """Blocks the host until the call's GPU work is done; raises its error.
@@ -50,6 +50,12 @@ class GpuHandle:
 
     def done(self):
         return self._event.done()
+
+    def block(self, stream):
+        """Makes CUDA `stream` (a cudaStream_t as an int) wait for the call and returns at once, as
+        torch's NCCL Work.wait() does; raises an error already recorded. The communicator's
+        watchdog enforces the call's deadline (its error is raised by the next call)."""
+        self._event.block(int(stream))
 
 
 def wants_gpu(x, out):
@@ -166,12 +172,32 @@ def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result, ro
     g = _communicator(comm, ga.device, timeout, head)
     t = 0.0 if timeout is None else float(timeout)
     if coll not in ("send", "recv"):
-        _check_calls(comm, head, coll, dt, ga.nbytes // _ITEMSIZE[dt], op, root, algorithm, timeout)
+        # The algorithm that will run, not the one asked for: "auto" and its name agree, and a
+        # PLAIT_GPU_ALGO that differs between ranks is caught here instead of hanging.
+        resolve = getattr(g, "resolve", None)
+        algo = algorithm or "auto"
+        if resolve is not None:
+            try:
+                algo = resolve(coll, algo)
+            except _errors.InvalidArgument as e:
+                fail(f"{head}: {e}")
+        _check_calls(comm, head, coll, dt, ga.nbytes // _ITEMSIZE[dt], op, root, algo, timeout)
     g.call(coll, None if gx is None else (gx.ptr, gx.nbytes, gx.device),
            None if go is None else (go.ptr, go.nbytes, go.device), dt, op, algorithm, ga.stream, t, root, peer)
     if async_op:
-        return GpuHandle(g.record(ga.stream, t), (x, out), result)
+        return GpuHandle(g.record(ga.stream, t), (x, out), result, ga.device)
+    _record_streams(ga.stream, gx, go)
     return result
+
+
+def _record_streams(stream, *arrays):
+    """A synchronous call holds no reference to its tensors: tell torch's caching allocator they
+    are in use on the call's stream, so a tensor freed right after the call (allocated on another
+    stream) is not handed out again before the collective ran (as ProcessGroupNCCL does)."""
+    for a in arrays:
+        if a is not None and a.kind == "torch" and stream:  # the default stream needs none
+            import torch
+            a.owner.record_stream(torch.cuda.current_stream(a.device))
 
 
 def _communicator(comm, device, timeout, head):

@@ -7,6 +7,8 @@ import sys
 
 import numpy as np
 
+# Each spawned test's hard bound (run_ranks): run.sh lowers it to fit a short GPU lease.
+RUN_TIMEOUT = int(os.environ.get("PLAIT_GPU_TEST_TIMEOUT", "300"))
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool")
 OPS = ("sum", "prod", "min", "max", "avg")
 
@@ -57,10 +59,15 @@ def data(dtype, op, rank, n, count):
     elif op in ("min", "max"):
         v = (3 * i + 5 * rank) % 11
     elif op == "avg":
-        v = n * (i % 5) + 2 * rank  # the sum divides by n exactly
+        v = n * (i % 5 + rank)  # every input divides by n exactly (avg is pre-scaled, as NCCL's)
     else:
         v = i % 13 + rank
     return v.astype(_np_dtype(dtype))
+
+
+def gpu_sleep_cycles(seconds):
+    """Cycles for torch.cuda._sleep to keep the GPU busy at least `seconds` (at <= 2 GHz)."""
+    return int(seconds * 2e9)
 
 
 def expected(dtype, op, n, count):

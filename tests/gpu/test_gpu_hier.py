@@ -8,10 +8,9 @@ import importlib.util
 import pytest
 
 from conftest import run_ranks
-from gpu_util import DEVICES, Device, data, expected, skip_reason
+from gpu_util import DEVICES, RUN_TIMEOUT, Device, data, expected, skip_reason
 
 pytestmark = pytest.mark.cuda
-RUN_TIMEOUT = 300
 N = 4 if DEVICES >= 4 else 2
 _SKIP = skip_reason(2) or (None if importlib.util.find_spec("torch") else "needs torch (gloo between hosts)")
 

@@ -6,10 +6,9 @@ test proves the refusal is clear. Ranks are spawned, not forked (CUDA)."""
 import pytest
 
 from conftest import run_ranks
-from gpu_util import DEVICES, DTYPES, Device, data, expected, ops_for, skip_reason
+from gpu_util import DEVICES, DTYPES, RUN_TIMEOUT, Device, data, expected, ops_for, skip_reason
 
 pytestmark = pytest.mark.cuda
-RUN_TIMEOUT = 300
 COUNTS = (0, 1, 1027, 5000)
 LARGE = 1 << 20  # float32 and int8 only: the other dtypes take the same code
 

@@ -4,7 +4,7 @@ synchronous and async, exact values; send/recv with a GPU per rank."""
 import pytest
 
 from conftest import run_ranks
-from gpu_util import skip_reason
+from gpu_util import RUN_TIMEOUT, skip_reason
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))]
@@ -37,7 +37,7 @@ def _torch_cuda(rank, n, store):
 
 
 def test_torch_cuda_tensors_world_of_one():
-    assert run_ranks(_torch_cuda, 1, 300, start_method="spawn") == [[True, True, True, True]]
+    assert run_ranks(_torch_cuda, 1, RUN_TIMEOUT, start_method="spawn") == [[True, True, True, True]]
 
 
 def _torch_cuda_more(rank, n, store):
@@ -68,7 +68,7 @@ def _torch_cuda_more(rank, n, store):
 
 
 def test_torch_cuda_broadcast_reduce_alltoall_world_of_one():
-    assert run_ranks(_torch_cuda_more, 1, 300, start_method="spawn") == [[True] * 4]
+    assert run_ranks(_torch_cuda_more, 1, RUN_TIMEOUT, start_method="spawn") == [[True] * 4]
 
 
 def _torch_cuda_p2p(rank, n, store, port):
@@ -97,4 +97,36 @@ def test_torch_cuda_send_recv_gpu_per_rank():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert run_ranks(_torch_cuda_p2p, 2, 300, args=(port,), start_method="spawn") == [True, True]
+    assert run_ranks(_torch_cuda_p2p, 2, RUN_TIMEOUT, args=(port,), start_method="spawn") == [True, True]
+
+
+def _torch_stream_order(rank, n, store):
+    import torch
+    import torch.distributed as dist
+
+    import plait.torch  # noqa: F401
+    from gpu_util import gpu_sleep_cycles
+    torch.cuda.set_device(rank)
+    dist.init_process_group("plait", store=dist.HashStore(), rank=rank, world_size=n)
+    try:
+        base = torch.arange(1 << 16, dtype=torch.float32)
+        x = base.cuda()
+        dist.all_reduce(x)  # creates the GPU communicator
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(gpu_sleep_cycles(1))  # the collective queues behind a second of work
+            work = dist.all_reduce(x, async_op=True)
+        fut = work.get_future().then(lambda f: f.value()[0] * 2)
+        work.wait()  # the current (default) stream waits for the collective; the host does not
+        host_went_on = not side.query() and not torch.cuda.current_stream().query()
+        doubled = fut.wait()  # CUDA-aware: ordered after the collective on this stream
+        return [host_went_on, torch.equal(x.cpu(), base * n * n), torch.equal(doubled.cpu(), base * n * n * 2)]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_cuda_work_wait_is_stream_ordered():
+    """Work.wait() and the Future of a CUDA op follow torch's NCCL semantics: stream waits, not
+    host waits, and the values seen through them are the collective's."""
+    assert run_ranks(_torch_stream_order, 1, RUN_TIMEOUT, start_method="spawn") == [[True, True, True]]

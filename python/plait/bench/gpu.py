@@ -4,8 +4,10 @@ Each rank uses GPU LOCAL_RANK % devices. With a GPU per rank the algorithms are 
 plait's over NCCL (nccl, ring, tree); with more ranks than GPUs (or PLAIT_GPU_TRANSPORT=ipc)
 they are plait's over CUDA IPC (one_shot), since NCCL refuses two ranks on one GPU.
 Every (collective, size, algorithm) is timed over `iters` calls on the current stream with one
-synchronisation at the end, after warm-up, median of --trials; the last call's output is checked
-against closed-form values (#wrong). Rank 0 prints an nccl-tests-style table.
+synchronisation at the end, after warm-up, median of --trials (iters: --iters, else as many as fit
+--time, 1..200); the last call's output is checked against closed-form values (#wrong). The sizes
+always end at --maxbytes. Rank 0 first times a device-to-device copy of the largest size alone
+(the bound a one-GPU transport's busbw is judged against) and prints an nccl-tests-style table.
 """
 import os
 import statistics
@@ -42,6 +44,12 @@ class _Arrays:
     def get(self, x):
         return self.cupy.asnumpy(x) if self.cupy is not None else x.cpu().numpy()
 
+    def copy(self, dst, src):
+        if self.cupy is not None:
+            self.cupy.copyto(dst, src)
+        else:
+            dst.copy_(src)
+
     def sync(self):
         if self.cupy is not None:
             self.cupy.cuda.get_current_stream().synchronize()
@@ -62,6 +70,34 @@ def _case(coll, count, rank, n, dtype):
     return full, np.roll(total, rank)
 
 
+def _copy_limit(xp, comm, nbytes, dtype):
+    """GB/s of one device-to-device copy of nbytes on rank 0's GPU, the other ranks idle."""
+    t, count = 0.0, max(1, nbytes // dtype.itemsize)
+    if comm.rank == 0:
+        src, dst = xp.empty(count, dtype), xp.empty(count, dtype)
+        xp.copy(dst, src)
+        xp.sync()
+        reps = 5
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            xp.copy(dst, src)
+        xp.sync()
+        t = (time.perf_counter() - t0) / reps
+        del src, dst
+    comm.barrier()
+    return count * dtype.itemsize / t / 1e9 if t else 0.0  # rank 0 prints it
+
+
+def _iters_for(call, x, out, algo, kw, xp, comm, budget_s):
+    """As many calls as fit budget_s by one timed call (the same on every rank: the slowest's)."""
+    t0 = time.perf_counter()
+    call(x, out=out, algorithm=algo, **kw)
+    xp.sync()
+    dt = np.array([time.perf_counter() - t0])
+    comm.allreduce(dt, dt, op="max")
+    return int(min(200, max(1, budget_s / max(dt[0], 1e-7))))
+
+
 def run_gpu_rank(args):
     import plait
     from plait import _C
@@ -78,10 +114,12 @@ def run_gpu_rank(args):
     ipc = transport == "ipc" or (transport == "auto" and int(os.environ.get("LOCAL_WORLD_SIZE", n)) > ndev)
     listed = _C.ipc_algorithms if ipc else _C.gpu_algorithms
     dtype = np.dtype(args.dtype)
+    sizes = list(args.sizes) + ([args.maxbytes] if args.sizes[-1] != args.maxbytes else [])
+    limit = _copy_limit(xp, comm, max(sizes), dtype)
     rows = []
     for coll in [c for c in args.collectives if c in BUSBW]:
         algos = listed(coll) if args.algorithm in ("all", "auto") else args.algorithm.split(",")
-        for nbytes in args.sizes:
+        for nbytes in sizes:
             count = max(1, nbytes // dtype.itemsize // (n if coll == "reduce_scatter" else 1))
             inp, want = _case(coll, count, rank, n, dtype)
             x = xp.put(inp)
@@ -92,7 +130,7 @@ def run_gpu_rank(args):
                 for _ in range(max(1, args.warmup)):
                     call(x, out=out, algorithm=algo, **kw)
                 xp.sync()
-                iters = args.iters or 20
+                iters = args.iters or _iters_for(call, x, out, algo, kw, xp, comm, args.time / max(1, args.trials))
                 times = []
                 for _ in range(args.trials):
                     comm.barrier()
@@ -109,6 +147,8 @@ def run_gpu_rank(args):
     if rank == 0:
         print(f"# plait-bench --device cuda: {n} rank(s) on {min(n, ndev)} GPU(s), "
               f"{'CUDA IPC' if ipc else 'NCCL ' + str(plait.build_info()['nccl'])}, {args.dtype}")
+        print(f"# copy limit: device-to-device copy of {max(sizes)} bytes on one GPU: {limit:.1f} GB/s "
+              f"(bytes copied per second; each byte is read and written)")
         print(f"{'collective':>15} {'bytes':>12} {'algorithm':>9} {'time(us)':>10} {'algbw(GB/s)':>12} "
               f"{'busbw(GB/s)':>12} {'#wrong':>7}")
         for coll, size, algo, us, algbw, busbw, wrong in rows:

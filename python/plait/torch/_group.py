@@ -186,7 +186,7 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
 
     def _launch(self, op, kw):
         """The Work of an op whose plait calls are all issued."""
-        if kw["async_op"] and op.handles:
+        if kw["async_op"] and op.handles and not op.cuda():  # CUDA ops complete in stream order, here
             self._completer.submit(op)
         else:
             op.finish()

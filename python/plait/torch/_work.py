@@ -16,6 +16,13 @@ Work.wait() does not queue behind that thread: it waits on the plait handles its
 completes the op if it gets there first, which saves a thread hop on every waited call. A
 synchronous call (opts.asyncOp False, i.e. dist.* without async_op) runs inline and its op is
 complete before its Work exists.
+
+CUDA ops (all handles on the GPU) follow torch's NCCL semantics instead: they complete in
+stream order as soon as they are issued, on the issuing thread. Waiting is making a stream wait
+for the call's event (cudaStreamWaitEvent), never the host; the Future is CUDA-aware
+(torch.futures.Future(devices=...)), so its callbacks and waiters are ordered after the collective
+on their own streams. The GPU communicator's watchdog enforces the deadline and aborts on a dead
+or missing peer; its error is raised by the next call (or Work.wait()).
 """
 import queue
 import threading
@@ -29,8 +36,23 @@ from . import _errors
 _PENDING, _OK, _FAILED = 0, 1, 2
 
 
+def _on_gpu(h):
+    return hasattr(h, "block")  # a plait GPU handle (plait._gpu.GpuHandle)
+
+
+def _new_future(devices):
+    return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+
+
+def _block_current(handles):
+    """Makes each handle's device's current stream wait for its call; the host goes on."""
+    for h in handles:
+        h.block(torch.cuda.current_stream(h.device).cuda_stream)
+
+
 class _Op:
-    handles = after = ()
+    handles = after = gpu = ()
+    _devices = None  # CUDA ops: the devices of their CUDA-aware Future
     _fut = None
     _error = None
     _lock = None
@@ -51,11 +73,21 @@ class _Op:
                     # The Future users see is a then() of a private trigger, and an error is
                     # raised inside that callback: torch 2.13's DDP reducer segfaults on a Python
                     # Future failed with set_exception(), but reports a callback's error cleanly.
-                    trigger = torch.futures.Future()
+                    trigger = _new_future(self._devices)
                     self._fut = (trigger, trigger.then(self._outcome))
                     if self._state != _PENDING:
-                        trigger.set_result(None)
+                        trigger.set_result(self._trigger_value())
         return self._fut[1]
+
+    def cuda(self):
+        """All of this op's plait calls run on the GPU (its completion is stream-ordered)."""
+        return bool(self.handles) and all(_on_gpu(h) for h in self.handles)
+
+    def _trigger_value(self):
+        # A CUDA-aware Future records an event on the current stream of each tensor's device
+        # when it completes: completing it with the outputs, right after the collective was
+        # issued on that stream, orders its callbacks and waiters after the collective.
+        return self.value if self._devices and self._state == _OK else None
 
     def _outcome(self, _):
         if self._state == _FAILED:
@@ -67,9 +99,15 @@ class _Op:
         with self._lock:
             if self._state != _PENDING:
                 return
+            cuda = self.cuda()
             try:
-                for h in self.handles:
-                    h.wait()
+                if cuda:
+                    self.gpu = tuple(self.handles)
+                    self._devices = sorted({torch.device("cuda", h.device) for h in self.gpu}, key=str)
+                    _block_current(self.gpu)
+                else:
+                    for h in self.handles:
+                        h.wait()
                 for step in self.after:
                     step()
                 self._state = _OK
@@ -78,8 +116,10 @@ class _Op:
                 self._state = _FAILED
             self.handles, self.after = (), ()
             fut = self._fut
-        if fut is not None:  # outside the lock: set_result runs the future's callbacks
-            fut[0].set_result(None)
+        if cuda and fut is None:
+            self.fut  # noqa: B018 - created and completed now, in stream order on this thread
+        elif fut is not None:  # outside the lock: set_result runs the future's callbacks
+            fut[0].set_result(self._trigger_value())
 
     def wait_handles(self, timeout_s=None):
         """Waits for the plait calls (not for finish()); False when timeout_s passed first."""
@@ -116,6 +156,13 @@ class Work(dist.Work):
 
     def wait(self, timeout=None):
         op = self._op
+        if op.gpu and op._state == _OK:
+            # torch's NCCL semantics: the current stream waits for the collective, the host not.
+            try:
+                _block_current(op.gpu)
+            except Exception as e:  # noqa: BLE001 - an error the watchdog recorded since
+                raise _errors.to_torch(e, op.where) from None
+            return True
         if op._state == _PENDING:
             secs = None if timeout is None else timeout.total_seconds()
             if not op.wait_handles(secs if secs and secs > 0 else None):
@@ -149,7 +196,8 @@ class Work(dist.Work):
         return self._op.value
 
     def synchronize(self):
-        pass
+        if self._op.gpu and self._op._state == _OK:
+            _block_current(self._op.gpu)
 
 
 class Completer:
