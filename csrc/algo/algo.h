@@ -33,7 +33,7 @@ struct CallArgs {
   const void* in = nullptr;
   void* out = nullptr;
   int algo = -1;         // index in the collective's table; -1 = auto
-  double timeout_s = 0;  // > 0
+  double timeout_s = 0;  // >= 0 (0: a wait fails unless its peer is there; inf: no deadline)
 };
 
 // The view an algorithm runs in: a transport, the call, and the reduction bound to its dtype/op.

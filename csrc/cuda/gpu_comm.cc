@@ -299,7 +299,7 @@ void GpuComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
   }
   DeviceGuard g(device_);
   cur_ = gpu_call_args(c, in, out, op, root, peer);
-  cur_.timeout_s = timeout_s > 0 ? timeout_s : opt_.timeout_s;
+  cur_.timeout_s = timeout_s >= 0 ? timeout_s : opt_.timeout_s;  // 0 is a deadline that has passed
   cur_algo_ = alg->name;
   stream_ = stream;
   deadline_ = now_s() + cur_.timeout_s;
@@ -350,7 +350,7 @@ GpuEvent::GpuEvent(std::shared_ptr<GpuWork> comm, cudaStream_t s, double timeout
   DeviceGuard g(comm_->device());
   cuda_ok(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming), "cudaEventCreate");
   cuda_ok(cudaEventRecord(ev_, s), "cudaEventRecord");
-  deadline_ = now_s() + (timeout_s > 0 ? timeout_s : comm_->default_timeout());
+  deadline_ = now_s() + (timeout_s >= 0 ? timeout_s : comm_->default_timeout());
 }
 
 GpuEvent::~GpuEvent() {

@@ -1,5 +1,6 @@
 #include "cuda/ipc_comm.h"
 
+#include <cstdint>
 #include <mutex>
 
 namespace plait {
@@ -8,6 +9,10 @@ namespace {
 void cuda_ok(cudaError_t e, const std::string& what) {
   if (e != cudaSuccess) throw PlaitError(what + ": " + cudaGetErrorString(e));
 }
+
+// Seconds (>= 0, possibly inf: no deadline) as the GPU-side waits' nanoseconds, saturating: a
+// double past 2^64 converted to uint64_t is undefined.
+uint64_t timeout_ns(double s) { return s < 1.8e10 ? uint64_t(s * 1e9) : UINT64_MAX; }
 
 }  // namespace
 
@@ -108,14 +113,14 @@ void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
   }
   DeviceGuard g(device_);
   CallArgs a = gpu_call_args(c, in, out, op, root, peer);
-  a.timeout_s = timeout_s > 0 ? timeout_s : opt_.timeout_s;
+  a.timeout_s = timeout_s >= 0 ? timeout_s : opt_.timeout_s;  // 0 is a deadline that has passed
   {
     std::lock_guard<std::mutex> lock(mu_);
     cur_ = std::string(coll_name(c)) + " (" + alg->name + ", " + dtype_name(a.dtype) + ", count " + std::to_string(a.count) + ")";
   }
   try {
     cuda_ok(cudaStreamWaitEvent(stream, last_, 0), who() + ": cudaStreamWaitEvent");
-    IpcCtx ctx{*tp_, a, stream, dtype_size(a.dtype), rank_, size_, epoch_, uint64_t(a.timeout_s * 1e9)};
+    IpcCtx ctx{*tp_, a, stream, dtype_size(a.dtype), rank_, size_, epoch_, timeout_ns(a.timeout_s)};
     alg->run(ctx);
     cuda_ok(cudaEventRecord(last_, stream), who() + ": cudaEventRecord");
   } catch (const PlaitError& e) {
@@ -135,7 +140,7 @@ void IpcComm::finalize() {
   cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), who() + ": cudaStreamCreate");
   cuda_ok(cudaStreamWaitEvent(s, last_, 0), who() + ": cudaStreamWaitEvent");
   // Peers may still be reading this rank's staging of the last epoch: free it only after.
-  if (epoch_ > 0) tp_->wait(IpcTransport::kDone, epoch_, uint64_t(opt_.timeout_s * 1e9), s);
+  if (epoch_ > 0) tp_->wait(IpcTransport::kDone, epoch_, timeout_ns(opt_.timeout_s), s);
   cuda_ok(cudaEventRecord(last_, s), who() + ": cudaEventRecord");
   const double deadline = gpu_now_s() + opt_.timeout_s, t0 = gpu_now_s();
   while (cudaEventQuery(last_) == cudaErrorNotReady) {
