@@ -230,8 +230,8 @@ def _bad_init_timeouts(rank, n, store):
     the rendezvous, at once, and a later valid init must still work."""
     seen = {}
     for name, v in _BAD_SECONDS.items():
-        seen["timeout=" + name] = outcome(lambda: plait.init(rank, n, store=store, timeout=v))
-        seen["init_timeout=" + name] = outcome(lambda: plait.init(rank, n, store=store, init_timeout=v))
+        seen["timeout=" + name] = outcome(lambda v=v: plait.init(rank, n, store=store, timeout=v))
+        seen["init_timeout=" + name] = outcome(lambda v=v: plait.init(rank, n, store=store, init_timeout=v))
     for text in ("nan", "-1", "abc", "inf-ish"):
         os.environ["PLAIT_TIMEOUT"] = text
         seen["PLAIT_TIMEOUT=" + text] = outcome(lambda: plait.init(rank, n, store=store))
@@ -259,7 +259,7 @@ def _handle_wait_timeouts(rank, n, store):
         time.sleep(1.5)
         return {"result": comm.allreduce(np.full(8, 2.0, np.float32)).tolist()}
     h = comm.allreduce(np.full(8, 2.0, np.float32), async_op=True)
-    seen = {name: outcome(lambda: h.wait(timeout=v)) for name, v in _BAD_SECONDS.items()}
+    seen = {name: outcome(lambda v=v: h.wait(timeout=v)) for name, v in _BAD_SECONDS.items()}
     seen["zero"] = outcome(lambda: h.wait(timeout=0))  # the peer is still asleep
     seen["result"] = h.wait().tolist()  # the call went on meanwhile
     return seen

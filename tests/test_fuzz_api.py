@@ -4,6 +4,12 @@ plait error (InvalidArgument, or MismatchError when the draw happens to be a val
 kind), never a crash or a stray Python exception, and rank 0 an error well before its deadline.
 Example counts stay modest: each example forks two ranks."""
 import gc
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -13,9 +19,10 @@ from hypothesis import strategies as st
 
 import plait
 from conftest import run_ranks
+from test_run import _ENV
 
 PEER_TIMEOUT = 5.0
-SETTINGS = settings(max_examples=int(__import__("os").environ.get("PLAIT_FUZZ_EXAMPLES", 40)), deadline=None, derandomize=True, database=None,
+SETTINGS = settings(max_examples=int(os.environ.get("PLAIT_FUZZ_EXAMPLES", 40)), deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))
 
 COLLS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "send", "recv")
@@ -203,7 +210,6 @@ def _reinit_rounds(rank, n, store, mode):
 
 def free_port_pair():
     """A port p with p + 1 free too (rank 0 serves plait's store at MASTER_PORT + 1)."""
-    import socket
     for _ in range(50):
         with socket.socket() as a, socket.socket() as b:
             a.bind(("127.0.0.1", 0))
@@ -248,29 +254,21 @@ with open(os.path.join(sys.argv[1], f"done-{rank}"), "w") as f:
 
 
 def _reinit_launched(tmp_path, cmd, env, n):
-    import subprocess
-    import sys
     prog = tmp_path / "reinit.py"
     prog.write_text(REINIT_SCRIPT)
     r = subprocess.run(cmd + [sys.executable, str(prog), str(tmp_path)], env=env, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert all((tmp_path / f"done-{rank}").exists() for rank in range(n))
 
 
 def test_init_again_under_plait_run(tmp_path):
-    import sys
-    from test_run import _ENV
     _reinit_launched(tmp_path, [sys.executable, "-m", "plait.run", "-n", "2"], _ENV, 2)
 
 
 def test_init_again_under_mpirun(tmp_path):
     """Under mpirun with no store named, rank 0 serves one on a fresh port per init and broadcasts
     its address over MPI."""
-    import importlib.util
-    import os
-    import shutil
-    from test_run import _ENV
     if shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None:
         pytest.skip("needs mpirun and mpi4py")
     env = {k: v for k, v in _ENV.items() if k not in ("RANK", "WORLD_SIZE", "PLAIT_STORE", "MASTER_ADDR",
