@@ -197,6 +197,8 @@ def _reinit_rounds(rank, n, store, mode):
     finalize or init, so that peers start the next init while it still serves (or does not yet
     serve) the previous one: the orders in which a rank-0-served store used to break."""
     sums = []
+    if mode.endswith("two_hosts"):
+        os.environ["PLAIT_HOST_ID"] = "host%d" % (rank % 2)  # a HierCommunicator each round
     for k in range(REINIT_ROUNDS):
         if k == 3 and rank == 0:
             time.sleep(0.3)  # the others connect before rank 0 serves again
@@ -222,13 +224,14 @@ def free_port_pair():
     raise RuntimeError("no free pair of ports")
 
 
-@pytest.mark.parametrize("mode", ["rank0_serves", "plait_store", "store_arg"])
+@pytest.mark.parametrize("mode", ["rank0_serves", "rank0_serves_two_hosts", "plait_store", "store_arg"])
 def test_init_again_after_finalize(mode):
     """Every launch mode: rank 0 serving the store at MASTER_PORT + 1 (torchrun-style, no
-    PLAIT_STORE), a store named by PLAIT_STORE (plait-run, run_ranks), a store passed to init."""
+    PLAIT_STORE; on one host and on two simulated ones), a store named by PLAIT_STORE (plait-run,
+    run_ranks), a store passed to init."""
     n = 3
     env = {"PLAIT_STORE": None, "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": free_port_pair()} if mode == "rank0_serves" else None
+           "MASTER_PORT": free_port_pair()} if mode.startswith("rank0_serves") else None
     for rank, sums in enumerate(run_ranks(_reinit_rounds, n, timeout=90, args=(mode,), env=env)):
         for k, got in enumerate(sums):
             assert got == [float(sum(range(n)) + n * k)] * 8, (rank, k, got)
