@@ -156,6 +156,56 @@ def test_bad_timeout_is_refused_on_every_rank(coll, timeout, async_op):
     assert r0["t"] < PEER_TIMEOUT - 1.5, (where, r0)
 
 
+# ---------------------------------------------------------------- half types in every algorithm
+
+def _half_exact(rank, n, store, spec):
+    """Every reducing algorithm on data whose float32 sums are exact: each must give the one
+    closed-form answer, float32 sum (and divide) rounded once (see test_half_precision.py)."""
+    from test_half_precision import kw, run, to_f32, to_half
+    dt, op, count = spec["dtype"], spec["op"], spec["count"]
+    comm = plait.init(rank, n, store=store, timeout=30, buffer_bytes=8192)
+    rng = np.random.default_rng([spec["seed"], 0])
+    bits = 10 if dt == "float16" else 7
+    ks = rng.integers(-2**bits, 2**bits + 1, size=(n, n * count))
+    exps = spec["exp"] + rng.integers(0, spec["spread"] + 1, size=(n, 1))
+    xs = [to_half(ks[r] * np.exp2(exps[r]), dt) for r in range(n)]
+    total = np.add.reduce(np.stack([to_f32(x, dt) for x in xs]), axis=0, dtype=np.float32)
+    want = to_half(total / np.float32(n) if op == "avg" else total, dt)
+    wrong = []
+    for coll in ("allreduce", "reduce_scatter", "reduce"):
+        for algo in plait.algorithms(coll):
+            if algo == "single_copy" and not comm.single_copy:
+                continue
+            got = run(comm, coll, xs[rank].copy(), algo, op, dt)
+            w = want[rank * count:(rank + 1) * count] if coll == "reduce_scatter" else want
+            if got.tobytes() != w.tobytes():
+                bad = np.flatnonzero(got != w)
+                wrong.append("%s %s: %d differ, first [%d] got %r want %r" % (
+                    coll, algo, bad.size, bad[0], got[bad[0]], w[bad[0]]))
+    plait.finalize()
+    return wrong
+
+
+HALF_SPECS = st.one_of(
+    st.fixed_dictionaries({"dtype": st.just("float16"), "exp": st.integers(-10, -3),
+                           "spread": st.integers(0, 8)}),
+    st.fixed_dictionaries({"dtype": st.just("bfloat16"), "exp": st.integers(-100, 100),
+                           "spread": st.integers(0, 12)}),
+).flatmap(lambda d: st.fixed_dictionaries({
+    **{k: st.just(v) for k, v in d.items()}, "op": st.sampled_from(("sum", "avg")),
+    "n": st.integers(2, 5), "count": st.integers(1, 1500), "seed": st.integers(0, 2**32 - 1)}))
+
+
+@settings(SETTINGS, max_examples=max(1, SETTINGS.max_examples // 4))
+@given(spec=HALF_SPECS)
+def test_half_types_agree_in_every_algorithm(spec):
+    """float16 values k * 2^e (|k| <= 2^10) and bfloat16 ones (|k| <= 2^7) with exponents within
+    8 (12) of each other: at most 5 ranks, their float32 sums are exact, so every order of
+    summation gives the same float32 value, and one rounding leaves a single right answer."""
+    for rank, wrong in enumerate(run_ranks(_half_exact, spec["n"], timeout=120, args=(spec,))):
+        assert not wrong, "rank %d, %s:\n  %s" % (rank, spec, "\n  ".join(wrong))
+
+
 # ---------------------------------------------------------------- lifetime misuse
 
 def _lifetime(rank, n, store):
