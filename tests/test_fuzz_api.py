@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import plait
 from conftest import run_ranks
+from test_half_precision import run, to_f32, to_half
 from test_run import _ENV
 
 PEER_TIMEOUT = 5.0
@@ -161,7 +162,6 @@ def test_bad_timeout_is_refused_on_every_rank(coll, timeout, async_op):
 def _half_exact(rank, n, store, spec):
     """Every reducing algorithm on data whose float32 sums are exact: each must give the one
     closed-form answer, float32 sum (and divide) rounded once (see test_half_precision.py)."""
-    from test_half_precision import kw, run, to_f32, to_half
     dt, op, count = spec["dtype"], spec["op"], spec["count"]
     comm = plait.init(rank, n, store=store, timeout=30, buffer_bytes=8192)
     rng = np.random.default_rng([spec["seed"], 0])
