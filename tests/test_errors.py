@@ -255,13 +255,15 @@ def test_bad_timeouts_at_init_are_refused():
 
 def _handle_wait_timeouts(rank, n, store):
     comm = _init(rank, n, store, timeout=30)
+    inf = float("inf")  # no deadline, as asked
+    assert comm.allreduce(np.ones(4, np.float32), timeout=inf).tolist() == [2.0] * 4
     if rank == 1:
         time.sleep(1.5)
         return {"result": comm.allreduce(np.full(8, 2.0, np.float32)).tolist()}
     h = comm.allreduce(np.full(8, 2.0, np.float32), async_op=True)
     seen = {name: outcome(lambda v=v: h.wait(timeout=v)) for name, v in _BAD_SECONDS.items()}
     seen["zero"] = outcome(lambda: h.wait(timeout=0))  # the peer is still asleep
-    seen["result"] = h.wait().tolist()  # the call went on meanwhile
+    seen["result"] = h.wait(timeout=inf).tolist()  # the call went on meanwhile
     return seen
 
 
@@ -551,3 +553,26 @@ def test_dev_shm_too_small_fails_every_rank_promptly():
     for rank, res in enumerate(results):
         assert res["plait"], "rank %d: %s: %s" % (rank, res["exc"], res["msg"])
         assert res["t"] < 10, "rank %d failed only after %.1f s" % (rank, res["t"])
+
+
+# ---------------------------------------------------------------- deadlines across simulated hosts
+
+def _hier_timeouts(rank, n, store):
+    os.environ["PLAIT_HOST_ID"] = "host%d" % (rank % 2)
+    comm = plait.init(rank, n, store=store, timeout=10)
+    seen = {"hier": type(comm).__name__}
+    h = comm.allreduce(np.ones(4, np.float32), async_op=True)
+    seen["wait inf"] = h.wait(timeout=float("inf")).tolist()
+    seen["wait nan"] = outcome(lambda: h.wait(timeout=float("nan")))
+    bad = rank == 1
+    seen["call"] = outcome(lambda: comm.allreduce(np.ones(4, np.float32), timeout=-2 if bad else None))
+    return seen
+
+
+def test_bad_timeout_aborts_every_host():
+    for rank, seen in enumerate(run_ranks(_hier_timeouts, 4, timeout=RUN_TIMEOUT)):
+        assert seen["hier"] == "HierCommunicator"
+        assert seen["wait inf"] == [4.0] * 4
+        expect(seen["wait nan"], rank, plait.InvalidArgument, r"timeout.*nan")
+        expect(seen["call"], rank, plait.InvalidArgument, r"rank 1: allreduce: timeout.*-2")
+        assert seen["call"]["t"] < 3.0, "rank %d heard after %.2f s" % (rank, seen["call"]["t"])

@@ -24,6 +24,7 @@ GPU arrays skip all of this: they go to one flat NCCL communicator of all ranks 
 does its own steps inside and between hosts.
 """
 import concurrent.futures
+import math
 import os
 import threading
 import time
@@ -43,7 +44,8 @@ class _Task:
 
     def wait(self, timeout):
         try:
-            self._f.result(timeout)  # None: until done (Handle.wait checked the value)
+            # None: until done (Handle.wait checked the value); inf would overflow the lock's wait
+            self._f.result(None if timeout is None or math.isinf(timeout) else timeout)
         except concurrent.futures.TimeoutError:
             return False
         return True
