@@ -273,7 +273,7 @@ def test_handle_wait_timeouts():
     seen = results[0]
     assert seen.pop("result") == [4.0] * 8
     expect(seen.pop("zero"), 0, plait.TimeoutError, r"still running")
-    for name, res in seen.items():
+    for res in seen.values():
         expect(res, 0, plait.InvalidArgument, r"timeout")
 
 
