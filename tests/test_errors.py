@@ -204,6 +204,81 @@ def test_late_rank_times_out(per_call):
                                                                results[1]["msg"])
 
 
+def _zero_timeout(rank, n, store):
+    comm = _init(rank, n, store, timeout=30)
+    if rank == 1:
+        time.sleep(2.0)  # still alive, and late
+        return outcome(lambda: comm.allreduce(np.ones(1000, np.float32)))
+    return outcome(lambda: comm.allreduce(np.ones(1000, np.float32), timeout=0))
+
+
+def test_zero_timeout_polls_once():
+    """timeout=0 is a deadline that has passed when the call starts: with a peer missing the call
+    fails at once instead of waiting for the communicator's default (as 0 used to mean)."""
+    results = run_ranks(_zero_timeout, 3, timeout=RUN_TIMEOUT)
+    for rank in (0, 2):
+        expect(results[rank], rank, plait.TimeoutError, r"after 0 s")
+        assert names_rank(results[rank]["msg"], 1), results[rank]["msg"]
+        assert results[rank]["t"] < 1.0, "rank %d waited %.2f s with timeout=0" % (rank, results[rank]["t"])
+    assert results[1]["plait"], "the late rank got %s: %s" % (results[1]["exc"], results[1]["msg"])
+
+
+_BAD_SECONDS = {"nan": float("nan"), "negative": -1, "-inf": float("-inf"), "str": "5",
+                "bool": True, "list": [1]}
+
+
+def _bad_init_timeouts(rank, n, store):
+    """Every rank passes the same bad value, as a job-wide setting would: each must refuse it before
+    the rendezvous, at once, and a later valid init must still work."""
+    seen = {}
+    for name, v in _BAD_SECONDS.items():
+        seen["timeout=" + name] = outcome(lambda v=v: plait.init(rank, n, store=store, timeout=v))
+        seen["init_timeout=" + name] = outcome(lambda v=v: plait.init(rank, n, store=store, init_timeout=v))
+    for text in ("nan", "-1", "abc", "inf-ish"):
+        os.environ["PLAIT_TIMEOUT"] = text
+        seen["PLAIT_TIMEOUT=" + text] = outcome(lambda: plait.init(rank, n, store=store))
+    del os.environ["PLAIT_TIMEOUT"]
+    for res in seen.values():
+        if res["exc"] is None:
+            plait.finalize()  # the unfixed build accepted it: keep the ranks in step
+    comm = plait.init(rank, n, store=store, timeout=10)
+    seen["later init works"] = float(comm.allreduce(np.ones(4, np.float32))[0]) == n
+    return seen
+
+
+def test_bad_timeouts_at_init_are_refused():
+    for rank, seen in enumerate(run_ranks(_bad_init_timeouts, 2, timeout=RUN_TIMEOUT)):
+        assert seen.pop("later init works") is True
+        for what, res in seen.items():
+            pat = r"PLAIT_TIMEOUT" if what.startswith("PLAIT") else what.split("=")[0]
+            expect(res, rank, plait.InvalidArgument, pat)
+            assert res["t"] < 1.0, "rank %d: %s took %.2f s to refuse" % (rank, what, res["t"])
+
+
+def _handle_wait_timeouts(rank, n, store):
+    comm = _init(rank, n, store, timeout=30)
+    inf = float("inf")  # no deadline, as asked
+    assert comm.allreduce(np.ones(4, np.float32), timeout=inf).tolist() == [2.0] * 4
+    if rank == 1:
+        time.sleep(1.5)
+        return {"result": comm.allreduce(np.full(8, 2.0, np.float32)).tolist()}
+    h = comm.allreduce(np.full(8, 2.0, np.float32), async_op=True)
+    seen = {name: outcome(lambda v=v: h.wait(timeout=v)) for name, v in _BAD_SECONDS.items()}
+    seen["zero"] = outcome(lambda: h.wait(timeout=0))  # the peer is still asleep
+    seen["result"] = h.wait(timeout=inf).tolist()  # the call went on meanwhile
+    return seen
+
+
+def test_handle_wait_timeouts():
+    results = run_ranks(_handle_wait_timeouts, 2, timeout=RUN_TIMEOUT)
+    assert results[1]["result"] == [4.0] * 8
+    seen = results[0]
+    assert seen.pop("result") == [4.0] * 8
+    expect(seen.pop("zero"), 0, plait.TimeoutError, r"still running")
+    for res in seen.values():
+        expect(res, 0, plait.InvalidArgument, r"timeout")
+
+
 # ---------------------------------------------------------------- mismatched calls
 
 def _ones(dtype=np.float32, count=16):
@@ -355,6 +430,14 @@ INVALID = {
     "reduce_scatter_indivisible": (lambda c: c.reduce_scatter(_ones(count=16 + 1)),
                                    lambda c: c.reduce_scatter(_ones(count=15)),
                                    r"input|size|count"),
+    # A timeout that is no number of seconds >= 0 used to mean the default deadline (or none).
+    "timeout_negative": (lambda c: c.allreduce(_ones(), timeout=-1), _fine, r"timeout.*-1"),
+    "timeout_nan": (lambda c: c.allreduce(_ones(), timeout=float("nan")), _fine, r"timeout.*nan"),
+    "timeout_not_a_number": (lambda c: c.allreduce(_ones(), timeout="5"), _fine, r"timeout.*str"),
+    "timeout_nan_async_barrier": (lambda c: c.barrier(timeout=float("nan"), async_op=True),
+                                  lambda c: c.barrier(), r"timeout.*nan"),
+    "timeout_negative_send": (lambda c: c.send(_ones(), 0, timeout=-0.5), lambda c: c.barrier(),
+                              r"timeout.*-0\.5"),
 }
 
 
@@ -472,3 +555,26 @@ def test_dev_shm_too_small_fails_every_rank_promptly():
     for rank, res in enumerate(results):
         assert res["plait"], "rank %d: %s: %s" % (rank, res["exc"], res["msg"])
         assert res["t"] < 10, "rank %d failed only after %.1f s" % (rank, res["t"])
+
+
+# ---------------------------------------------------------------- deadlines across simulated hosts
+
+def _hier_timeouts(rank, n, store):
+    os.environ["PLAIT_HOST_ID"] = "host%d" % (rank % 2)
+    comm = plait.init(rank, n, store=store, timeout=10)
+    seen = {"hier": type(comm).__name__}
+    h = comm.allreduce(np.ones(4, np.float32), async_op=True)
+    seen["wait inf"] = h.wait(timeout=float("inf")).tolist()
+    seen["wait nan"] = outcome(lambda: h.wait(timeout=float("nan")))
+    bad = rank == 1
+    seen["call"] = outcome(lambda: comm.allreduce(np.ones(4, np.float32), timeout=-2 if bad else None))
+    return seen
+
+
+def test_bad_timeout_aborts_every_host():
+    for rank, seen in enumerate(run_ranks(_hier_timeouts, 4, timeout=RUN_TIMEOUT)):
+        assert seen["hier"] == "HierCommunicator"
+        assert seen["wait inf"] == [4.0] * 4
+        expect(seen["wait nan"], rank, plait.InvalidArgument, r"timeout.*nan")
+        expect(seen["call"], rank, plait.InvalidArgument, r"rank 1: allreduce: timeout.*-2")
+        assert seen["call"]["t"] < 3.0, "rank %d heard after %.2f s" % (rank, seen["call"]["t"])

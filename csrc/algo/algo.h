@@ -33,7 +33,7 @@ struct CallArgs {
   const void* in = nullptr;
   void* out = nullptr;
   int algo = -1;         // index in the collective's table; -1 = auto
-  double timeout_s = 0;  // > 0
+  double timeout_s = 0;  // >= 0 (0: a wait fails unless its peer is there; inf: no deadline)
 };
 
 // The view an algorithm runs in: a transport, the call, and the reduction bound to its dtype/op.
@@ -41,25 +41,32 @@ struct Ctx {
   Transport& tp;
   const CallArgs& a;
   size_t esize;
+  size_t psize;  // bytes of one partial (reduce.h): 4 for the half types, else esize
   int rank, size;
 
   Ctx(Transport& t, const CallArgs& args)
-      : tp(t), a(args), esize(dtype_size(args.dtype)), rank(t.rank()), size(t.size()) {}
+      : tp(t), a(args), esize(dtype_size(args.dtype)), psize(partial_size(args.dtype)),
+        rank(t.rank()), size(t.size()) {}
 
   const char* in_at(int64_t elem) const { return static_cast<const char*>(a.in) + elem * esize; }
   char* out_at(int64_t elem) const { return static_cast<char*>(a.out) + elem * esize; }
   // Reduces n sources into dst; `final` applies avg's division (only the step that produces the
   // finished value may pass it, so every rank ends with the same bytes).
-  void reduce(void* dst, const void* const* srcs, int n, int64_t count, bool final) const {
-    plait::reduce(a.dtype, a.op, dst, srcs, n, size_t(count), final ? size : 0);
+  // Multi-hop algorithms mark which sources hold partials (bit j: srcs[j]) and whether dst gets
+  // them, so that half types carry float32 between hops and round only in the finishing step.
+  void reduce(void* dst, const void* const* srcs, int n, int64_t count, bool final,
+              uint32_t partial_srcs = 0, bool partial_dst = false) const {
+    plait::reduce(a.dtype, a.op, dst, srcs, n, size_t(count), final ? size : 0, partial_srcs, partial_dst);
   }
   // Whether `bytes` (> 0) can travel inline on the post line (Transport::inline_slot): tiny
   // calls then need no staging copy and one cache-line transfer per peer.
   bool fits_inline(size_t bytes) const { return bytes && bytes <= tp.inline_bytes(); }
-  // Elements that fit in `bytes`, rounded down to whole 64-byte lines where possible.
-  int64_t elems_in(size_t bytes) const {
-    size_t e = bytes / esize;
-    size_t line = 64 / esize ? 64 / esize : 1;
+  // Elements that fit in `bytes` at `unit` bytes each (default esize; psize for staging that
+  // holds partials), rounded down to whole 64-byte lines where possible.
+  int64_t elems_in(size_t bytes, size_t unit = 0) const {
+    unit = unit ? unit : esize;
+    size_t e = bytes / unit;
+    size_t line = 64 / unit ? 64 / unit : 1;
     return int64_t(e >= line ? e - e % line : e);
   }
 };

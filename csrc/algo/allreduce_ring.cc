@@ -5,6 +5,9 @@
 // after n-1 hops rank r owns the finished block (r+1) mod n, and n-1 more hops pass the finished
 // blocks on. 2(n-1) synchronisations per round, each with one neighbour; each rank sends
 // 2(n-1)/n*S. Each finished block is computed once and copied, so all ranks get the same bytes.
+// Hops 1..n-2 carry partials (reduce.h): float32 for the half types, which round once, in the hop
+// that finishes a block, like one_shot; those hops move twice the bytes of the half elements, so
+// a slot holds half as many of them when n > 2.
 #include <cstring>
 
 #include "algo/algo.h"
@@ -16,7 +19,7 @@ void allreduce_ring(Ctx& c) {
   const int n = c.size, r = c.rank;
   const Ring ring(r, n);
   const Slots slots(tp, 4);
-  const int64_t block = c.elems_in(slots.bytes);
+  const int64_t block = c.elems_in(slots.bytes, n > 2 ? c.psize : c.esize);
   const int64_t chunk = block * n;
   int64_t step = 0;  // one step per hop
   for (int64_t off = 0; off < c.a.count; off += chunk) {
@@ -44,7 +47,8 @@ void allreduce_ring(Ctx& c) {
       if (h < n - 1) {
         const void* src[2] = {got, c.in_at(lo)};
         const bool finished = h == n - 2;
-        c.reduce(fwd, src, 2, cnt, finished);
+        // Hop 0 brought the left neighbour's input as is; later hops bring its partials.
+        c.reduce(fwd, src, 2, cnt, finished, h > 0 ? 1u : 0u, !finished);
         if (finished) std::memcpy(c.out_at(lo), fwd, size_t(cnt) * c.esize);
       } else {
         std::memcpy(c.out_at(lo), got, size_t(cnt) * c.esize);

@@ -4,7 +4,10 @@
 // latency grows with log2(n) rather than n; each rank moves about 3S. Rank 0 computes every
 // finished value once and it is copied down, so all ranks get the same bytes.
 // Channel 0 carries partial sums up (slots in the sender's "up" area), channel 1 finished
-// chunks down (slots in the sender's "down" area).
+// chunks down (slots in the sender's "down" area). A leaf sends its input up as is; an inner node
+// other than the root sends partials (float32 for the half types, see reduce.h), so the root
+// rounds each value once. Inner non-root nodes exist from 4 ranks on; then an up slot holds half
+// as many half elements.
 #include <cstring>
 
 #include "algo/algo.h"
@@ -20,7 +23,10 @@ void allreduce_tree(Ctx& c) {
     if (k < n) kids[nkids++] = k;
   constexpr int kSlots = 4, kLag = 2;
   const size_t slot_bytes = tp.staging_bytes() / (2 * kSlots);
-  const int64_t chunk = c.elems_in(slot_bytes);
+  const int64_t chunk = c.elems_in(slot_bytes, n > 3 ? c.psize : c.esize);
+  uint32_t kid_partials = 0;  // bit k + 1: kid k is an inner node, so it sends partials
+  for (int k = 0; k < nkids; ++k)
+    if (2 * kids[k] + 1 < n) kid_partials |= 1u << (k + 1);
   const int64_t nchunks = (c.a.count + chunk - 1) / chunk;
   auto up = [&](int rank, int64_t i) { return tp.staging(rank) + size_t(i % kSlots) * slot_bytes; };
   auto down = [&](int rank, int64_t i) {
@@ -47,7 +53,7 @@ void allreduce_tree(Ctx& c) {
         for (int k = 0; k < nkids; ++k) tp.wait_ack(kids[k], 1, it + 1 - kSlots);
         dst = down(r, it);
       }
-      c.reduce(dst, src, 1 + nkids, len, parent < 0);
+      c.reduce(dst, src, 1 + nkids, len, parent < 0, kid_partials, parent >= 0 && nkids > 0);
       if (nkids) tp.ack(0, it + 1);
       if (parent >= 0) {
         tp.post(0, it + 1);

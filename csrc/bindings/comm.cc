@@ -2,6 +2,7 @@
 // facade turns torch tensors into numpy views first); the GIL is released while C++ works.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "core/communicator.h"
 
@@ -93,7 +94,7 @@ struct Call {
 
 py::object call(Communicator& c, Coll coll, const py::object& x, const py::object& out,
                 const std::string& op, int root, int peer, int64_t tag, const std::string& algo,
-                double timeout, bool async, const std::string& dtype) {
+                std::optional<double> timeout, bool async, const std::string& dtype) {
   Call k;
   Buffer in = k.to_buffer(x, "input", dtype);
   Buffer o = k.to_buffer(out, "output", dtype);
@@ -142,7 +143,7 @@ PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     call(c, Coll(coll), py::reinterpret_borrow<py::object>(args[2]),
          py::reinterpret_borrow<py::object>(args[3]), std::string(op, size_t(n_op)), int(root), -1, 0,
-         std::string(algo, size_t(n_algo)), 0.0, false, "");
+         std::string(algo, size_t(n_algo)), std::nullopt, false, "");
     Py_RETURN_NONE;
   } catch (py::error_already_set& e) {
     e.restore();
@@ -195,10 +196,10 @@ void bind_comm(py::module_& m) {
   }, "Writes every communicator's pending trace slices (PLAIT_TRACE); plait calls it at exit.");
 
   py::class_<Task, std::shared_ptr<Task>>(m, "Task")
-      .def("wait", [](Task& t, double timeout) {
+      .def("wait", [](Task& t, std::optional<double> timeout) {
         py::gil_scoped_release nogil;
         return t.wait(timeout);
-      }, py::arg("timeout") = -1.0)
+      }, py::arg("timeout") = py::none())
       .def("done", &Task::done);
 
   py::class_<Communicator>(m, "Communicator")
@@ -237,7 +238,7 @@ void bind_comm(py::module_& m) {
            }, py::arg("msg"), py::arg("kind") = "invalid")
       .def("call", [](Communicator& c, int coll, const py::object& x, const py::object& out,
                       const std::string& op, int root, int peer, int64_t tag, const std::string& algo,
-                      double timeout, bool async, const std::string& dtype) {
+                      std::optional<double> timeout, bool async, const std::string& dtype) {
         if (coll < 0 || coll >= int(Coll::kCount)) throw InvalidArgument("bad collective code");
         return call(c, Coll(coll), x, out, op, root, peer, tag, algo, timeout, async, dtype);
       });

@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -12,13 +13,24 @@
 
 namespace plait {
 
-bool Task::wait(double timeout_s) {
+namespace {
+// "got nan", "got -1": the refused value as the caller wrote it.
+std::string bad_seconds(const char* what, double v, const char* zero_means) {
+  std::ostringstream m;
+  m << what << " must be a number of seconds >= 0 (" << zero_means << "), got " << v;
+  return m.str();
+}
+}  // namespace
+
+bool Task::wait(std::optional<double> timeout_s) {
+  if (timeout_s && !(*timeout_s >= 0))
+    throw InvalidArgument(bad_seconds("Handle.wait: timeout", *timeout_s, "0 only looks; None waits for the call"));
   if (!done()) {
     std::unique_lock<std::mutex> lk(m_);
     auto pred = [&] { return done(); };
-    if (timeout_s < 0) {
+    if (!timeout_s || std::isinf(*timeout_s)) {
       cv_.wait(lk, pred);
-    } else if (!cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), pred)) {
+    } else if (!cv_.wait_for(lk, std::chrono::duration<double>(*timeout_s), pred)) {
       return false;
     }
   }
@@ -46,6 +58,10 @@ Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options
   if (opt_.oversubscribed) policy_.spin_iters = 16;
   forced_.assign(size_t(Coll::kCount), "");
   try {
+    if (!(opt_.timeout_s >= 0))
+      throw InvalidArgument(bad_seconds("timeout", opt_.timeout_s, "0: calls never wait"));
+    if (!(opt_.init_timeout_s >= 0))
+      throw InvalidArgument(bad_seconds("init_timeout", opt_.init_timeout_s, "0: init never waits"));
     parse_algo_override();
   } catch (...) {
     seg_->unlink();
@@ -245,14 +261,15 @@ int Communicator::resolve_algo(Coll c, const std::string& name, size_t bytes) {
 }
 
 CallArgs Communicator::validate(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root,
-                                int peer, int64_t tag, const std::string& algo, double timeout_s) {
+                                int peer, int64_t tag, const std::string& algo,
+                                std::optional<double> timeout_s) {
   CallArgs a;
   a.coll = c;
   a.op = op;
   a.root = root;
   a.peer = peer;
   a.tag = tag;
-  a.timeout_s = timeout_s > 0 ? timeout_s : opt_.timeout_s;
+  a.timeout_s = timeout_s.value_or(opt_.timeout_s);
   const Buffer& first = in.present ? in : out;
   a.dtype = first.dtype;
   const size_t es = dtype_size(a.dtype);
@@ -294,6 +311,8 @@ CallArgs Communicator::validate(Coll c, const Buffer& in, const Buffer& out, Red
   if (op == RedOp::avg && !is_float(a.dtype))
     bad() << "op avg needs a floating-point dtype, got " << dtype_name(a.dtype);
   if (unsigned(op) >= unsigned(RedOp::kCount)) bad() << "unknown reduction op";
+  // Never "no deadline" for a value that is no deadline at all: NaN compares false everywhere.
+  if (!(a.timeout_s >= 0)) bad() << bad_seconds("timeout", a.timeout_s, "0 fails at once if a peer is not there");
   const size_t inb = in.present ? in.bytes : 0, outb = out.present ? out.bytes : 0;
   const size_t n = size_t(size_);
   auto same_or_apart = [&](const Buffer& x, const Buffer& y, const void* allowed, const char* what) {
@@ -351,7 +370,7 @@ CallArgs Communicator::validate(Coll c, const Buffer& in, const Buffer& out, Red
 
 std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer& out, RedOp op,
                                          int root, int peer, int64_t tag, const std::string& algo,
-                                         double timeout_s, bool async) {
+                                         std::optional<double> timeout_s, bool async) {
   if (closed_) throw PlaitError("communicator is finalized; " + std::string(coll_name(c)) + " needs a live one");
   if (reported_abort_) throw PlaitError("communicator aborted after an earlier error: " + first_error_);
   CallArgs a = validate(c, in, out, op, root, peer, tag, algo, timeout_s);
@@ -380,7 +399,7 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
   if (async) return t;
   try {
     notify_long_wait();
-    t->wait(-1);
+    t->wait(std::nullopt);
   } catch (const PlaitError& e) {
     rethrow(e);
   }

@@ -10,6 +10,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,6 +34,9 @@ struct Buffer {
   bool present = false;
 };
 
+// Deadlines are seconds >= 0: 0 has passed when the wait starts (a wait fails unless its peer is
+// already there), inf never passes (peers' liveness is still checked). NaN and negative values
+// are refused with InvalidArgument, never read as "no deadline".
 struct Options {
   double timeout_s = 300;
   std::string algo_override;  // PLAIT_ALGO: "ring" or "allreduce=ring,allgather=direct"
@@ -43,8 +47,9 @@ struct Options {
 class Task {
  public:
   explicit Task(const CallArgs& a) : args(a) {}
-  // Waits up to timeout_s (< 0: forever); true when finished. Throws the call's error.
-  bool wait(double timeout_s);
+  // Waits up to timeout_s (nullopt: until finished; else seconds >= 0, InvalidArgument
+  // otherwise); true when finished. Throws the call's error.
+  bool wait(std::optional<double> timeout_s);
   bool done() const { return state_.load(std::memory_order_acquire) != 0; }
 
   CallArgs args;
@@ -76,9 +81,11 @@ class Communicator {
   bool closed() const { return closed_; }
 
   // Validates and runs (or queues) one call. Returns the Task for async calls, null otherwise.
+  // timeout_s: the call's deadline (nullopt: the communicator's); a bad one aborts the call on
+  // every rank, as any invalid argument does.
   std::shared_ptr<Task> call(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root,
-                             int peer, int64_t tag, const std::string& algo, double timeout_s,
-                             bool async);
+                             int peer, int64_t tag, const std::string& algo,
+                             std::optional<double> timeout_s, bool async);
   // Aborts the communicator on every rank with this error (used for input the Python layer
   // rejects before it reaches call()).
   [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
@@ -116,7 +123,7 @@ class Communicator {
   };
 
   CallArgs validate(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root, int peer,
-                    int64_t tag, const std::string& algo, double timeout_s);
+                    int64_t tag, const std::string& algo, std::optional<double> timeout_s);
   void parse_algo_override();
   int resolve_algo(Coll c, const std::string& name, size_t bytes);
   void run(CallArgs& a);  // one collective, on whichever thread holds exec_mu_

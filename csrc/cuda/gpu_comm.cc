@@ -404,7 +404,7 @@ void GpuComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
     throw;
   }
   cur_ = gpu_call_args(c, in, out, op, root, peer);
-  cur_.timeout_s = timeout_s > 0 ? timeout_s : opt_.timeout_s;
+  cur_.timeout_s = timeout_s >= 0 ? timeout_s : opt_.timeout_s;  // 0 is a deadline that has passed
   cur_algo_ = alg->name;
   stream_ = stream;
   deadline_ = now_s() + cur_.timeout_s;
@@ -471,7 +471,7 @@ GpuEvent::GpuEvent(std::shared_ptr<GpuWork> comm, cudaStream_t s, double timeout
   cuda_ok(cudaEventRecord(ev_, s), "cudaEventRecord");
   // A backstop only: the watchdog enforces the deadline from when the call started on the GPU
   // (work queued ahead of it on the stream does not count), and its error ends this wait.
-  deadline_ = now_s() + 2 * (timeout_s > 0 ? timeout_s : comm_->default_timeout());
+  deadline_ = now_s() + 2 * (timeout_s >= 0 ? timeout_s : comm_->default_timeout());
 }
 
 GpuEvent::~GpuEvent() {

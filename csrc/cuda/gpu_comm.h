@@ -116,7 +116,7 @@ class GpuComm final : public GpuOps, public GpuWork {
     return resolve_gpu_algo(c, algo, forced_, opt_.algo_override, rank_);
   }
 
-  // Validates and enqueues one collective on `stream`; timeout_s <= 0: the default. root is
+  // Validates and enqueues one collective on `stream`; timeout_s < 0: the default. root is
   // broadcast's and reduce's, peer send's and recv's.
   void call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, const std::string& algo,
             cudaStream_t stream, double timeout_s, int root = 0, int peer = -1);

@@ -1,5 +1,6 @@
 #include "cuda/ipc_comm.h"
 
+#include <cstdint>
 #include <mutex>
 
 namespace plait {
@@ -142,7 +143,7 @@ void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
     throw;
   }
   CallArgs a = gpu_call_args(c, in, out, op, root, peer);
-  a.timeout_s = timeout_s > 0 ? timeout_s : opt_.timeout_s;
+  a.timeout_s = timeout_s >= 0 ? timeout_s : opt_.timeout_s;  // 0 is a deadline that has passed
   const std::string what =
       std::string(coll_name(c)) + " (" + alg->name + ", " + dtype_name(a.dtype) + ", count " + std::to_string(a.count) + ")";
   {

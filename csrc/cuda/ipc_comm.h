@@ -26,7 +26,7 @@ class IpcComm final : public GpuWork {
   std::string handle() const { return tp_->handle(); }
   void open(const std::vector<std::string>& handles);
   void call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, const std::string& algo,
-            cudaStream_t stream, double timeout_s, int root = 0, int peer = -1);
+            cudaStream_t stream, double timeout_s, int root = 0, int peer = -1);  // timeout_s < 0: default
   // Waits (deadline) until every peer has read this rank's staging for the last time.
   void finalize();
 

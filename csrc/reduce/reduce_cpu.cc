@@ -259,41 +259,74 @@ struct Args {
   const void* const* srcs;
   int nsrc;
   size_t count;
-  int divisor;  // > 0 only for avg on a float dtype
+  int divisor;            // > 0 only for avg on a float dtype
+  uint32_t partial_srcs;  // bit j: srcs[j] holds partials (see reduce.h)
+  bool partial_dst;
 };
+
+// Source readers, R being the traits of the form the source is in (an element type, or Plain<Acc>
+// for partials). Separate always-inline functions rather than one loop with a per-element test of
+// the form, so that every combination is a plain loop the vectoriser takes.
+template <class R, class Acc>
+PLAIT_INLINE void load_one(Acc* acc, const unsigned char* s, size_t n) {
+  each(n, [&](size_t i) { acc[i] = R::load(s, i); });
+}
+template <class Op, class R0, class R1, class Acc>
+PLAIT_INLINE void load_two(Acc* acc, const unsigned char* s0, const unsigned char* s1, size_t n) {
+  each(n, [&](size_t i) { acc[i] = Op::apply(R0::load(s0, i), R1::load(s1, i)); });
+}
+template <class Op, class R, class Acc>
+PLAIT_INLINE void fold(Acc* acc, const unsigned char* s, size_t n) {
+  each(n, [&](size_t i) { acc[i] = Op::apply(acc[i], R::load(s, i)); });
+}
 
 template <class E, class Op>
 PLAIT_INLINE void run(const Args& a) {
   using Acc = typename E::Acc;
+  using P = Plain<Acc>;  // a partial is the accumulator value itself
+  // Partials differ from elements only where the element is narrower than its accumulator; for
+  // other types partial() is constant false and the partial paths fold away.
+  constexpr bool kPartials = sizeof(Acc) != E::kSize;
   constexpr size_t kBlock = kBlockBytes / sizeof(Acc);
   static_assert(kBlock % kChunk == 0, "blocks must be whole chunks");
+  const auto partial = [&](int j) { return kPartials && j < 32 && ((a.partial_srcs >> j) & 1u); };
+  const bool partial_dst = kPartials && a.partial_dst;
   // Reading every source into acc before storing is what makes dst == srcs[0] safe.
   alignas(64) Acc acc[kBlock];
   alignas(64) Acc widened[E::kByBlock ? kBlock : 1];
   for (size_t off = 0; off < a.count; off += kBlock) {
     const size_t n = std::min(kBlock, a.count - off);
-    const size_t at = off * E::kSize;
-    const auto src = [&](int j) { return static_cast<const unsigned char*>(a.srcs[j]) + at; };
+    const auto src = [&](int j) {
+      return static_cast<const unsigned char*>(a.srcs[j]) + off * (partial(j) ? sizeof(Acc) : E::kSize);
+    };
     const unsigned char* s0 = src(0);
     int j = 1;
     if constexpr (E::kByBlock) {
-      E::widen(acc, s0, n);
+      if (partial(0)) load_one<P>(acc, s0, n);
+      else E::widen(acc, s0, n);
     } else if (a.nsrc > 1) {
       // Folding the second source into the first pass saves a trip through acc: about 10% on
       // in-cache f32 sums and 5% on 64 MiB ones.
       const unsigned char* s1 = src(1);
-      each(n, [&](size_t i) { acc[i] = Op::apply(E::load(s0, i), E::load(s1, i)); });
+      if (!partial(0) && !partial(1)) load_two<Op, E, E>(acc, s0, s1, n);
+      else if (!partial(1)) load_two<Op, P, E>(acc, s0, s1, n);
+      else if (!partial(0)) load_two<Op, E, P>(acc, s0, s1, n);
+      else load_two<Op, P, P>(acc, s0, s1, n);
       j = 2;
+    } else if (partial(0)) {
+      load_one<P>(acc, s0, n);
     } else {
-      each(n, [&](size_t i) { acc[i] = E::load(s0, i); });
+      load_one<E>(acc, s0, n);
     }
     for (; j < a.nsrc; ++j) {
       const unsigned char* s = src(j);
-      if constexpr (E::kByBlock) {
+      if (partial(j)) {
+        fold<Op, P>(acc, s, n);
+      } else if constexpr (E::kByBlock) {
         E::widen(widened, s, n);
         each(n, [&](size_t i) { acc[i] = Op::apply(acc[i], widened[i]); });
       } else {
-        each(n, [&](size_t i) { acc[i] = Op::apply(acc[i], E::load(s, i)); });
+        fold<Op, E>(acc, s, n);
       }
     }
     if constexpr (std::is_floating_point<Acc>::value) {
@@ -303,9 +336,14 @@ PLAIT_INLINE void run(const Args& a) {
         each(n, [&](size_t i) { acc[i] = acc[i] / d; });
       }
     }
-    unsigned char* d = a.dst + at;
-    if constexpr (E::kByBlock) E::narrow(d, acc, n);
-    else each(n, [&](size_t i) { E::store(d, i, acc[i]); });
+    if (partial_dst) {
+      unsigned char* d = a.dst + off * sizeof(Acc);
+      each(n, [&](size_t i) { P::store(d, i, acc[i]); });
+    } else {
+      unsigned char* d = a.dst + off * E::kSize;
+      if constexpr (E::kByBlock) E::narrow(d, acc, n);
+      else each(n, [&](size_t i) { E::store(d, i, acc[i]); });
+    }
   }
 }
 
@@ -384,7 +422,7 @@ const Isa& isa() {
 }  // namespace
 
 void reduce(DType dtype, RedOp op, void* dst, const void* const* srcs, int nsrc, size_t count,
-            int avg_divisor) {
+            int avg_divisor, uint32_t partial_srcs, bool partial_dst) {
   if (dtype >= DType::kCount || op >= RedOp::kCount || nsrc < 1) {
     throw InvalidArgument(std::string("reduce: bad arguments: dtype ") + dtype_name(dtype) +
                           ", op " + op_name(op) + ", nsrc " + std::to_string(nsrc) + ", count " +
@@ -396,8 +434,12 @@ void reduce(DType dtype, RedOp op, void* dst, const void* const* srcs, int nsrc,
   }
   if (count == 0) return;
   const Args a{static_cast<unsigned char*>(dst), srcs, nsrc, count,
-               op == RedOp::avg && avg_divisor > 0 ? avg_divisor : 0};
+               op == RedOp::avg && avg_divisor > 0 ? avg_divisor : 0, partial_srcs, partial_dst};
   isa().kernel(dtype, op, a);
+}
+
+size_t partial_size(DType dtype) {
+  return dtype == DType::f16 || dtype == DType::bf16 ? sizeof(float) : dtype_size(dtype);
 }
 
 const char* reduce_isa() { return isa().name; }

@@ -97,18 +97,30 @@ def init(rank=None, size=None, *, store=None, timeout=None, buffer_bytes=None, i
         raise InvalidArgument("plait.init needs rank and size (or RANK and WORLD_SIZE in the environment)")
     if size < 1 or not 0 <= rank < size:
         raise InvalidArgument(f"rank {rank} is not in a world of {size}")
+    # Checked before the rendezvous, so a rank never waits in it on a value it then refuses.
     if timeout is None:
-        timeout = float(os.environ.get("PLAIT_TIMEOUT", 300))
+        text = os.environ.get("PLAIT_TIMEOUT", "300")
+        try:
+            timeout = float(text)
+        except ValueError:
+            raise InvalidArgument(f"PLAIT_TIMEOUT={text!r} is not a number of seconds") from None
+        timeout = _errors.seconds(timeout, f"PLAIT_TIMEOUT={text!r}", "calls never wait")
+    else:
+        timeout = _errors.seconds(timeout, "plait.init: timeout", "calls never wait")
     if init_timeout is None:
-        init_timeout = max(float(timeout), 60.0)
+        init_timeout = max(timeout, 60.0)
+    init_timeout = _errors.seconds(init_timeout, "plait.init: init_timeout", "init never waits")
     keep = []
     if isinstance(store, _store.Store) or all(hasattr(store, m) for m in ("add", "set", "get")):
         client = store  # plait's client, or an adapter (the torch backend wraps torch's store)
     else:
         if store is None:
-            host, port, serve = _mpirun_store(rank) or _store.store_from_env(rank)
-            if serve:
-                keep.append(_store.StoreServer(host if serve is True else serve, port))
+            mpirun = _mpirun_store(rank)
+            host, port, serve = mpirun or _store.store_from_env(rank)
+            if mpirun and serve:  # a fresh port per init, announced over MPI: it ends with the communicator
+                keep.append(_store.StoreServer(serve, port))
+            elif serve:
+                _serve_for_good(host, port)
         else:
             host, port = store
         client = _store.Store(host, port, timeout=init_timeout)
@@ -171,6 +183,19 @@ def _init_in(client, prefix, rank, size, *, timeout, init_timeout, buffer_bytes,
         for k in keep:
             k.close()
         raise
+
+
+_served = {}  # (host, port) -> the StoreServer rank 0 keeps for later inits
+
+
+def _serve_for_good(host, port):
+    """Rank 0's store at MASTER_PORT + 1, served from its first init until the process exits. Peers
+    find it at a fixed address, so they may start their next init (and connect) before rank 0 has
+    finalized the previous one: a store closed with the communicator would drop them then."""
+    server = _served.get((host, port))
+    if server is None or server.closed:
+        server = _served[(host, port)] = _store.StoreServer(host, port)
+    return server
 
 
 def _mpirun_store(rank):

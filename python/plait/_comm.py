@@ -87,7 +87,9 @@ class Handle:
         `timeout` bounds only this wait (the call keeps its own deadline): when it passes first,
         plait.TimeoutError is raised and the call goes on.
         """
-        if not self._task.wait(-1.0 if timeout is None else float(timeout)):
+        wait_s = None if timeout is None else _errors.seconds(
+            timeout, "Handle.wait: timeout", "only look whether the call is done; None waits for it")
+        if not self._task.wait(wait_s):
             raise _errors.TimeoutError(f"the call is still running after {timeout} s of waiting")
         self._keep = None
         return self._result
@@ -118,6 +120,12 @@ class Communicator:
         if type(root) is not int or type(peer) is not int or type(tag) is not int or not (
                 -(1 << 31) <= root < 1 << 31 and -(1 << 31) <= peer < 1 << 31):
             root, peer, tag = self._int(root, "root"), self._int(peer, "peer"), self._int(tag, "tag")
+        if timeout is not None:
+            # The type here; the value (NaN, negative) is checked with the other arguments in C++.
+            try:
+                timeout = _errors.number(timeout, "timeout")
+            except _errors.InvalidArgument as e:
+                self._c.fail(f"rank {self.rank}: {_NAME[code]}: {e}")
         if _gpu.wants_gpu(x, out):
             return _gpu.call(self, _NAME[code], x, out, op, algorithm, timeout, async_op, dtype, result,
                              root, peer, tag)
@@ -130,8 +138,7 @@ class Communicator:
             out_o = out
             out, d = self._np(out, "output")
             dtype = dtype or d
-        t = self._c.call(code, x, out, op, root, peer, tag, algorithm,
-                         0.0 if timeout is None else float(timeout), async_op, dtype or "")
+        t = self._c.call(code, x, out, op, root, peer, tag, algorithm, timeout, async_op, dtype or "")
         if async_op:
             keep = (x, out, xo, out_o)
             if len(self._inflight) >= 32:

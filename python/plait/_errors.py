@@ -1,5 +1,6 @@
 """plait's exception classes; the C++ binding raises these, matched one-to-one to plait::ErrorKind."""
 import builtins
+import numbers
 
 
 class PlaitError(Exception):
@@ -27,3 +28,20 @@ class TimeoutError(PlaitError, builtins.TimeoutError):  # noqa: A001 - shadows t
 
 class PeerLostError(PlaitError):
     """Another rank died or its connection broke."""
+
+
+def number(value, what):
+    """value as a float, or InvalidArgument naming `what` when it is no real number (a bool or a
+    numeric string is not one either: both are more likely slips than meant as seconds)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"{what} must be a number of seconds, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def seconds(value, what, zero_means="do not wait"):
+    """A deadline in seconds: a real number >= 0 (0: {zero_means}; inf: no deadline). NaN and
+    negative values are refused, never read as "no deadline"."""
+    v = number(value, what)
+    if not v >= 0:
+        raise InvalidArgument(f"{what} must be a number of seconds >= 0 (0: {zero_means}), got {value!r}")
+    return v

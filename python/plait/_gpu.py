@@ -43,7 +43,9 @@ class GpuHandle:
 
         `timeout` bounds only this wait; the call's own deadline aborts it with TimeoutError.
         """
-        if not self._event.wait(-1.0 if timeout is None else float(timeout)):
+        wait_s = -1.0 if timeout is None else _errors.seconds(
+            timeout, "Handle.wait: timeout", "only look whether the call is done; None waits for it")
+        if not self._event.wait(wait_s):
             raise _errors.TimeoutError(f"the GPU call is still running after {timeout} s of waiting")
         self._keep = None
         return self._result
@@ -169,8 +171,13 @@ def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result, ro
                 f"{head}: the first GPU call of a communicator of {comm.size} ranks must be a collective "
                 f"(it creates the GPU communicator on every rank); make one, e.g. a broadcast of a GPU "
                 f"array, before GPU send/recv")
+    if timeout is not None:  # the GPU communicators take any value < 0 as "the default"
+        try:
+            timeout = _errors.seconds(timeout, "timeout", "fail at once if a peer is not there")
+        except _errors.InvalidArgument as e:
+            fail(f"{head}: {e}")
     g = _communicator(comm, ga.device, timeout, head)
-    t = 0.0 if timeout is None else float(timeout)
+    t = -1.0 if timeout is None else float(timeout)  # < 0: the communicator's deadline
     if coll not in ("send", "recv"):
         # The algorithm that will run, not the one asked for: "auto" and its name agree, and a
         # PLAIT_GPU_ALGO that differs between ranks is caught here instead of hanging.

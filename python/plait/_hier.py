@@ -24,6 +24,7 @@ GPU arrays skip all of this: they go to one flat NCCL communicator of all ranks 
 does its own steps inside and between hosts.
 """
 import concurrent.futures
+import math
 import os
 import threading
 import time
@@ -43,7 +44,8 @@ class _Task:
 
     def wait(self, timeout):
         try:
-            self._f.result(None if timeout < 0 else timeout)
+            # None: until done (Handle.wait checked the value); inf would overflow the lock's wait
+            self._f.result(None if timeout is None or math.isinf(timeout) else timeout)
         except concurrent.futures.TimeoutError:
             return False
         return True
@@ -133,7 +135,9 @@ class HierCommunicator:
     def _run(self, name, fn, timeout, async_op, keep=()):
         if self._closed:
             raise _errors.PlaitError(f"{name}: the communicator is finalized")
-        budget = self.timeout if timeout is None else float(timeout)
+        # Raised here, a bad timeout aborts the call on every host (_aborts_on_error).
+        budget = self.timeout if timeout is None else _errors.seconds(
+            timeout, f"rank {self.rank}: {name}: timeout", "fail at once if a peer is not there")
 
         def call():
             deadline = time.monotonic() + budget  # from when the call starts, as the flat path

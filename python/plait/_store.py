@@ -91,6 +91,10 @@ class StoreServer:
                                         name=f"plait-store-{self.port}")
         self._thread.start()
 
+    @property
+    def closed(self):
+        return self._closed
+
     def keys(self, prefix=""):
         with self._cond:
             return sorted(k for k in self._data if k.startswith(prefix))
