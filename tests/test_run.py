@@ -89,7 +89,9 @@ def test_environment_and_store(tmp_path, n):
 
 
 def test_master_options(tmp_path):
-    prog = script(tmp_path, "print(os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'])")
+    # One write per line: print() under PYTHONUNBUFFERED=1 writes its pieces separately, and the
+    # two ranks share the launcher's stdout.
+    prog = script(tmp_path, "sys.stdout.write(os.environ['MASTER_ADDR'] + ' ' + os.environ['MASTER_PORT'] + '\\n')")
     r = launch("-n", 2, "--master-addr", "localhost", "--master-port", 29555, "--", prog)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["localhost 29555"] * 2
