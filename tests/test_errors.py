@@ -578,3 +578,24 @@ def test_bad_timeout_aborts_every_host():
         expect(seen["wait nan"], rank, plait.InvalidArgument, r"timeout.*nan")
         expect(seen["call"], rank, plait.InvalidArgument, r"rank 1: allreduce: timeout.*-2")
         assert seen["call"]["t"] < 3.0, "rank %d heard after %.2f s" % (rank, seen["call"]["t"])
+
+
+def _fail_on_rank_1(rank, n, store, kind):
+    comm = _init(rank, n, store)
+    if rank == 1:
+        bad = outcome(lambda: comm.fail("rank 1: a layer above refused this call", "nonsense"))
+        first = outcome(lambda: comm.fail("rank 1: a layer above refused this call", kind))
+        return bad, first, outcome(lambda: comm.barrier())
+    return None, outcome(lambda: comm.allreduce(np.ones(4, np.float32))), outcome(lambda: comm.barrier())
+
+
+@pytest.mark.parametrize("kind, cls", [("invalid", plait.InvalidArgument), ("mismatch", plait.MismatchError)])
+def test_fail_aborts_every_rank(kind, cls):
+    # Communicator.fail is how the GPU and multi-host layers reject input: the rank that calls it
+    # raises the error, every peer gets it from the call it waits in, and the communicator is dead.
+    results = run_ranks(_fail_on_rank_1, 3, args=(kind,), timeout=RUN_TIMEOUT)
+    bad = results[1][0]
+    expect(bad, 1, plait.InvalidArgument, "kind must be")
+    for r, (_, first, after) in enumerate(results):
+        expect(first, r, cls, "a layer above refused")
+        assert after["exc"] and after["plait"], (r, after)

@@ -314,6 +314,14 @@ class Communicator:
     def label(self, value):
         self._c.label = str(value)
 
+    def fail(self, message, kind="invalid"):
+        """Aborts this communicator on every rank with `message` and raises it here: how a layer
+        above (GPU arrays, a hierarchical communicator) rejects input so that no peer waits on a
+        call this rank will never make. kind: "invalid" (InvalidArgument) or "mismatch"."""
+        if kind not in ("invalid", "mismatch"):
+            raise _errors.InvalidArgument(f"fail: kind must be 'invalid' or 'mismatch', not {kind!r}")
+        self._c.fail(message, kind)
+
     def finalize(self):
         """Finishes queued calls and leaves; peers that wait on this rank afterwards get PeerLostError."""
         if self._gpu is not None:

@@ -5,7 +5,7 @@ agree over the CPU communicator (its deadline and abort) on which GPU each uses 
 loaded NCCL. With one GPU per rank it is NCCL's: rank 0's unique id is broadcast over the CPU
 communicator. When ranks share a GPU (NCCL refuses that), or PLAIT_GPU_TRANSPORT=ipc, it is the
 CUDA IPC transport's: the ranks exchange cudaIpc handles of their staging the same way. Input a
-rank rejects aborts the call on every rank through the CPU communicator (`_c.fail`), as on the
+rank rejects aborts the call on every rank through the CPU communicator (`comm.fail`), as on the
 CPU path.
 
 A HierCommunicator (ranks on several hosts) gets one flat NCCL communicator of all its ranks: NCCL
@@ -71,7 +71,7 @@ def _array(comm, obj, name, coll):
     try:
         return _arrays.gpu_array(obj, name, _C.cuda_pointer_device)
     except _errors.InvalidArgument as e:
-        comm._c.fail(f"rank {comm.rank}: {coll}: {e}")
+        comm.fail(f"rank {comm.rank}: {coll}: {e}")
 
 
 def _hierarchical(comm):
@@ -81,9 +81,9 @@ def _hierarchical(comm):
 def _transport(comm, head):
     transport = os.environ.get("PLAIT_GPU_TRANSPORT", "auto")
     if transport not in ("auto", "nccl", "ipc"):
-        comm._c.fail(f"{head}: PLAIT_GPU_TRANSPORT={transport!r} (auto, nccl or ipc)")
+        comm.fail(f"{head}: PLAIT_GPU_TRANSPORT={transport!r} (auto, nccl or ipc)")
     if transport == "ipc" and _hierarchical(comm):
-        comm._c.fail(f"{head}: PLAIT_GPU_TRANSPORT=ipc, but this communicator's ranks span "
+        comm.fail(f"{head}: PLAIT_GPU_TRANSPORT=ipc, but this communicator's ranks span "
                      f"{comm.layout.nhosts} hosts and the CUDA IPC transport reaches one host only; "
                      f"unset it (or set nccl): NCCL runs GPU collectives across hosts")
     return transport
@@ -93,15 +93,15 @@ def check_usable(comm, coll, what):
     """Fails the call on every rank when this build or process cannot run GPU work."""
     head = f"rank {comm.rank}: {coll} ({what})"
     if coll not in _cuda.GPU_COLLECTIVES:
-        comm._c.fail(f"{head}: GPU arrays are taken by {', '.join(_cuda.GPU_COLLECTIVES)} only in this "
+        comm.fail(f"{head}: GPU arrays are taken by {', '.join(_cuda.GPU_COLLECTIVES)} only in this "
                      f"version; pass host arrays")
     if _hierarchical(comm):
         _transport(comm, head)  # a setting no rank can run is refused before any device check
     if not _cuda.compiled():
-        comm._c.fail(f"{head}: this plait build has no CUDA path (plait.build_info()['cuda'] is False); "
+        comm.fail(f"{head}: this plait build has no CUDA path (plait.build_info()['cuda'] is False); "
                      f"rebuild with nvcc on PATH and PLAIT_CUDA=ON")
     if _cuda.device_count() == 0:
-        comm._c.fail(f"{head}: no CUDA device is visible to this process "
+        comm.fail(f"{head}: no CUDA device is visible to this process "
                      f"(plait.build_info()['cuda_devices'] == 0)")
 
 
@@ -131,17 +131,12 @@ def _check_calls(comm, head, coll, dt, count, op, root, algorithm, timeout):
     diff = ", ".join(f"{f} ({lo[j]}..{hi[j]})" for j, f in enumerate(_FIELDS) if hi[j] != lo[j])
     msg = (f"{head}: mismatched GPU calls: ranks disagree on {diff} (this rank: {coll} #{seq}, "
            f"count={count}, dtype={dt}, op={op}, algorithm={algorithm})")
-    err = _errors.MismatchError(msg)
-    abort_all = getattr(comm, "_abort_all", None)  # a HierCommunicator aborts through its store flag
-    if abort_all is not None:
-        abort_all(err)
-        raise err
-    comm._c.fail(msg, "mismatch")  # aborts the communicator on every rank and raises
+    comm.fail(msg, "mismatch")  # aborts the communicator on every rank and raises
 
 
 def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result, root=0, peer=-1, tag=0):
     gx, go = _array(comm, x, "input", coll), _array(comm, out, "output", coll)
-    fail = comm._c.fail
+    fail = comm.fail
     head = f"rank {comm.rank}: {coll} ({(gx or go).describe()})"
     # reduce has no output on a non-root, send none, recv no input (all None by then).
     if (gx is None and x is not None) or (go is None and out is not None) or (
@@ -211,7 +206,7 @@ def _communicator(comm, device, timeout, head):
     g = comm._gpu
     if g is not None:
         if g.device != device:
-            comm._c.fail(f"{head}: this communicator's GPU work runs on GPU {g.device}; every GPU array "
+            comm.fail(f"{head}: this communicator's GPU work runs on GPU {g.device}; every GPU array "
                          f"of a rank must be on one GPU")
         return g
     t = comm.timeout if timeout is None else float(timeout)
@@ -221,7 +216,7 @@ def _communicator(comm, device, timeout, head):
     try:
         uuid = _C.cuda_device_uuid(device)
     except _errors.PlaitError as e:
-        comm._c.fail(f"{head}: {e}")
+        comm.fail(f"{head}: {e}")
     try:
         _cuda.load_nccl()
     except _errors.PlaitError as e:
@@ -264,7 +259,7 @@ def _nccl_communicator(comm, device, t, head):
         try:
             uid[:] = np.frombuffer(_C.nccl_unique_id(_cuda.nccl_path()), dtype=np.uint8)
         except _errors.PlaitError as e:
-            comm._c.fail(f"{head}: ncclGetUniqueId: {e}")
+            comm.fail(f"{head}: ncclGetUniqueId: {e}")
     comm.broadcast(uid, 0, timeout=t)
     chunk = int(os.environ.get("PLAIT_GPU_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
     if _hierarchical(comm):
@@ -281,11 +276,11 @@ def _ipc_communicator(comm, device, t, head):
         g = _C.IpcCommunicator(comm._c, device, t, staging)
         mine = np.frombuffer(g.handle(), dtype=np.uint8)
     except _errors.PlaitError as e:
-        comm._c.fail(f"{head}: setting up the CUDA IPC transport: {e}")
+        comm.fail(f"{head}: setting up the CUDA IPC transport: {e}")
     handles = comm.allgather(mine, timeout=t)
     try:
         g.open([bytes(handles[r]) for r in range(comm.size)])
     except _errors.PlaitError as e:
-        comm._c.fail(f"{head}: opening the peers' CUDA IPC handles: {e}")
+        comm.fail(f"{head}: opening the peers' CUDA IPC handles: {e}")
     comm.barrier(timeout=t)  # every rank mapped every region before anyone posts into them
     return g

@@ -54,18 +54,6 @@ class _Task:
         return self._f.done()
 
 
-class _Failer:
-    """comm._c.fail(msg), as the torch backend calls it: abort everywhere and raise."""
-
-    def __init__(self, comm):
-        self._comm = comm
-
-    def fail(self, msg):
-        err = _errors.InvalidArgument(msg)
-        self._comm._abort_all(err)
-        raise err
-
-
 def _check_float(op, dtype, bf16, what):
     if op == "avg" and not (bf16 or dtype.kind == "f"):
         raise _errors.InvalidArgument(f"{what}: op avg needs a floating-point dtype, not {dtype}")
@@ -109,7 +97,6 @@ class HierCommunicator:
         self._pending = 0
         self._lock = threading.Lock()
         self._nsplit = 0
-        self._c = _Failer(self)
         self._seq = 0  # calls issued, in issue order: the first field of the cross-host check
         self._check = os.environ.get("PLAIT_HIER_CHECK", "1") != "0"
         self._gpu = None  # the GPU communicator of all ranks, created by the first call with GPU arrays
@@ -119,13 +106,22 @@ class HierCommunicator:
         return (f"<plait.HierCommunicator rank {self.rank} of {self.size}, host {self.layout.h} of "
                 f"{self.layout.nhosts}, {self.engine} between hosts{' (finalized)' if self.closed else ''}>")
 
+    def fail(self, message, kind="invalid"):
+        """As Communicator.fail: aborts on every rank of every host and raises."""
+        cls = {"invalid": _errors.InvalidArgument, "mismatch": _errors.MismatchError}.get(kind)
+        if cls is None:
+            raise _errors.InvalidArgument(f"fail: kind must be 'invalid' or 'mismatch', not {kind!r}")
+        err = cls(message)
+        self._abort_all(err)
+        raise err
+
     def _abort_all(self, err):
         if self._error is None:
             self._error = f"{type(err).__name__}: {err}"
             text = str(err)
             self._abort.set(err, text if text.startswith(f"rank {self.rank}") else f"rank {self.rank}: {text}")
             try:
-                self.local._c.fail(f"rank {self.rank} (hierarchical communicator): {err}")
+                self.local.fail(f"rank {self.rank} (hierarchical communicator): {err}")
             except _errors.PlaitError:
                 pass
             for g in (self.inter, self.world):
@@ -250,7 +246,7 @@ class HierCommunicator:
         try:
             return _arrays.empty_like(x, shape)
         except _errors.InvalidArgument as e:
-            self._c.fail(f"rank {self.rank}: {coll}: {e}")
+            self.fail(f"rank {self.rank}: {coll}: {e}")
 
     def _on_gpu(self, coll, x, out, op, algorithm, timeout, async_op, dtype, result, root=0, peer=-1, tag=0):
         """GPU arrays, before any numpy conversion: plait._gpu's checks and call, as on the flat path."""
@@ -542,11 +538,11 @@ class HierCommunicator:
             ctx["mpi_world"] = sub
         if c < 0:
             return None
-        from . import _init_in
+        from ._bootstrap import init_in
         new_rank = [r for _, r in members].index(self.rank)
-        return _init_in(ctx["client"], f"{ctx['prefix']}/split{n}/{c}", new_rank, len(members),
-                        timeout=self.timeout, init_timeout=max(self.timeout, 60.0),
-                        buffer_bytes=buffer_bytes or ctx.get("buffer_bytes"), keep=[], ctx=ctx)
+        return init_in(ctx["client"], f"{ctx['prefix']}/split{n}/{c}", new_rank, len(members),
+                       timeout=self.timeout, init_timeout=max(self.timeout, 60.0),
+                       buffer_bytes=buffer_bytes or ctx.get("buffer_bytes"), keep=[], ctx=ctx)
 
     @property
     def closed(self):
