@@ -10,7 +10,25 @@ import numpy as np
 
 from . import _errors
 
-_BF16_NAMES = ("bfloat16",)
+# The one dtype table: plait's name -> the numpy typestr of the buffer plait reads (bfloat16, which
+# numpy lacks, travels as its uint16 bits with the name passed beside it). Everything else (item
+# sizes, torch's dtypes, __cuda_array_interface__ typestrs) is derived from it.
+DTYPES = {"float16": "<f2", "bfloat16": "<u2", "float32": "<f4", "float64": "<f8", "int8": "|i1",
+          "uint8": "|u1", "int32": "<i4", "int64": "<i8", "bool": "|b1"}
+ITEMSIZE = {name: np.dtype(ts).itemsize for name, ts in DTYPES.items()}
+# typestr -> name for device arrays; either byte-order mark for single bytes; bfloat16 is told
+# apart from uint16 by the array's own dtype (see gpu_array).
+_TYPESTR_DTYPE = {ts: name for name, ts in DTYPES.items() if name != "bfloat16"}
+_TYPESTR_DTYPE.update({"<i1": "int8", "<u1": "uint8"})
+_TORCH_NAMES = None
+
+
+def torch_dtypes(torch):
+    """{torch dtype: plait dtype name} for the dtypes plait reduces natively."""
+    global _TORCH_NAMES
+    if _TORCH_NAMES is None:
+        _TORCH_NAMES = {getattr(torch, name): name for name in DTYPES}
+    return _TORCH_NAMES
 
 
 def _module_of(obj):
@@ -32,16 +50,9 @@ class _TensorWindow:
                                     "typestr": typestr, "version": 3}
 
 
-_TORCH_TYPESTR = None
-
-
 def _torch_typestr(torch, dtype):
-    global _TORCH_TYPESTR
-    if _TORCH_TYPESTR is None:
-        _TORCH_TYPESTR = {torch.float16: "<f2", torch.bfloat16: "<u2", torch.float32: "<f4",
-                          torch.float64: "<f8", torch.int8: "|i1", torch.uint8: "|u1",
-                          torch.int32: "<i4", torch.int64: "<i8", torch.bool: "|b1"}
-    return _TORCH_TYPESTR.get(dtype)
+    name = torch_dtypes(torch).get(dtype)
+    return None if name is None else DTYPES[name]
 
 
 def to_numpy(obj, name):
@@ -94,9 +105,6 @@ def size_of(x):
 
 # -- device arrays ------------------------------------------------------------------------------
 _DLPACK_GPU = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
-_TYPESTR_DTYPE = {"<f2": "float16", "<f4": "float32", "<f8": "float64", "|i1": "int8", "<i1": "int8",
-                  "|u1": "uint8", "<u1": "uint8", "<i4": "int32", "<i8": "int64", "|b1": "bool"}
-_TORCH_DTYPE = None
 
 
 class GpuArray:
@@ -150,16 +158,11 @@ def gpu_array(obj, name, pointer_device):
     mod = _module_of(obj)
     if mod == "torch":
         import torch
-        global _TORCH_DTYPE
-        if _TORCH_DTYPE is None:
-            _TORCH_DTYPE = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
-                            torch.float64: "float64", torch.int8: "int8", torch.uint8: "uint8",
-                            torch.int32: "int32", torch.int64: "int64", torch.bool: "bool"}
         if not obj.is_contiguous():
             raise _errors.InvalidArgument(f"{name} is not contiguous (call .contiguous() first)")
         dev = obj.device.index if obj.device.index is not None else torch.cuda.current_device()
         return GpuArray(obj.data_ptr(), obj.numel() * obj.element_size(), obj.element_size(), dev,
-                        _TORCH_DTYPE.get(obj.dtype), torch.cuda.current_stream(dev).cuda_stream, obj, "torch")
+                        torch_dtypes(torch).get(obj.dtype), torch.cuda.current_stream(dev).cuda_stream, obj, "torch")
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
         ptr, _readonly = cai["data"]

@@ -22,8 +22,7 @@ import numpy as np
 from . import _C, _arrays, _cuda, _errors
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # PLAIT_GPU_CHUNK_BYTES; a guess until measured on a GPU
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1, "int32": 4,
-             "int64": 8, "bool": 1}
+_ITEMSIZE = _arrays.ITEMSIZE
 DEFAULT_IPC_BYTES = 8 << 20  # PLAIT_GPU_IPC_BYTES: staging per rank of the IPC transport; a guess too
 _CODES = {c: i for i, c in enumerate(("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce",
                                       "alltoall", "barrier"))}

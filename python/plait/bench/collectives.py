@@ -9,13 +9,13 @@ index), so every rank can compute every other rank's input and compare exactly.
 """
 import numpy as np
 
+from plait._arrays import DTYPES as DTYPE_TABLE
+
 # Largest integer whose sums stay exact (floats) or that fits the type (integers: wrap-around is
 # the same in numpy and in plait, so only the values must fit).
 _EXACT = {"float16": 2048, "bfloat16": 256, "float32": 1 << 24, "float64": 1 << 24, "int8": 127,
           "uint8": 255, "int32": 1 << 24, "int64": 1 << 24, "bool": 2}
-_STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32,
-            "float64": np.float64, "int8": np.int8, "uint8": np.uint8, "int32": np.int32,
-            "int64": np.int64, "bool": np.bool_}
+_STORAGE = {name: np.dtype(ts).type for name, ts in DTYPE_TABLE.items()}  # plait's one table
 DTYPES = tuple(_STORAGE)
 OPS = ("sum", "prod", "min", "max", "avg")
 

@@ -13,11 +13,9 @@ int64 and bool. Everything else torch can hand a backend is mapped here:
 import numpy as np
 import torch
 
-NATIVE = {
-    torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
-    torch.float64: "float64", torch.int8: "int8", torch.uint8: "uint8", torch.int32: "int32",
-    torch.int64: "int64", torch.bool: "bool",
-}
+from .. import _arrays
+
+NATIVE = _arrays.torch_dtypes(torch)  # torch dtype -> plait's name, from plait's one dtype table
 _WIDEN = {torch.int16: torch.int32}
 for _name, _wide in (("uint16", torch.int32), ("uint32", torch.int64)):
     if hasattr(torch, _name):
@@ -40,9 +38,7 @@ class _Memory:
                                     "typestr": typestr, "version": 3}
 
 
-_TYPESTR = {torch.float16: "<f2", torch.bfloat16: "<i2", torch.float32: "<f4", torch.float64: "<f8",
-            torch.int8: "|i1", torch.uint8: "|u1", torch.int32: "<i4", torch.int64: "<i8",
-            torch.bool: "|b1"}
+_TYPESTR = {dt: _arrays.DTYPES[name] for dt, name in NATIVE.items()}
 
 
 def _window(t, typestr, n):
