@@ -179,7 +179,8 @@ def _layout(n, staging, pair_slot):
     pair_data = staging_off + n * staging
     flight = _comm.flight_slots()  # the flight recorder's rings come last
     return {"ctl": page, "ctl_size": ctl, "pair_ctl": pair_ctl, "pair_data": pair_data,
-            "total": pair_data + up(n * n * 2 * (64 + pair_slot)) + (up(n * (flight + 1) * 64) if flight else 0)}
+            "total": pair_data + up(n * n * 2 * (64 + pair_slot)) + (up(n * (flight + 1) * 64) if flight else 0)
+            + up(n * 64 * 32)}  # the GPU call prints: kGpuPrints of 32 bytes per rank
 
 
 def _write(addr, data):

@@ -89,6 +89,12 @@ class Communicator {
   // Aborts the communicator on every rank with this error (used for input the Python layer
   // rejects before it reaches call()).
   [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
+  // Compares a GPU call (enqueued on a stream, not run here) with the same call number on the
+  // other ranks without waiting for them (core/call_check.cc); a disagreement aborts the
+  // communicator on every rank with MismatchError. `head` starts the message ("rank 0: allreduce
+  // (torch float32 x 8 on GPU 0)").
+  void check_gpu_call(Coll c, DType dtype, RedOp op, int64_t count, int32_t root,
+                      const std::string& algo, const std::string& head);
   // Throws the communicator-wide abort if any rank recorded one. Reads only the shared segment,
   // so other threads may call it (the GPU communicator polls it while it waits).
   void throw_if_aborted() { tp_.throw_if_aborted(); }
@@ -149,6 +155,7 @@ class Communicator {
   ShmTransport tp_;
   std::vector<std::string> forced_;  // per collective, from PLAIT_ALGO
   uint64_t seq_ = 0;
+  std::atomic<uint64_t> gpu_seq_{0};  // GPU calls checked (check_gpu_call)
   bool reported_abort_ = false;
   std::string first_error_;
   bool closed_ = false;

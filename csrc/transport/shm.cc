@@ -16,7 +16,7 @@ namespace plait {
 namespace {
 
 constexpr uint64_t kMagic = 0x474553544941504cull;  // "PLAITSEG"
-constexpr uint32_t kVersion = 5;
+constexpr uint32_t kVersion = 6;
 constexpr uint32_t kWriting = 0xffffffffu;
 constexpr size_t kPage = 4096;
 constexpr size_t kPairHeader = 64;
@@ -34,6 +34,8 @@ size_t flight_bytes(int n, uint32_t slots) {
   return slots ? round_up(size_t(n) * (size_t(slots) + 1) * 64, kPage) : 0;
 }
 
+size_t gpu_print_bytes(int n) { return round_up(size_t(n) * kGpuPrints * sizeof(GpuPrint), kPage); }
+
 }  // namespace
 
 size_t Segment::bytes_needed(int n, size_t staging, size_t pair_slot, uint32_t flight_slots) {
@@ -42,7 +44,7 @@ size_t Segment::bytes_needed(int n, size_t staging, size_t pair_slot, uint32_t f
   b += round_up(2 * sizeof(Line) * size_t(n) * size_t(n), kPage);
   b += size_t(n) * staging;
   b += round_up(size_t(n) * size_t(n) * 2 * (kPairHeader + pair_slot), kPage);
-  return b + flight_bytes(n, flight_slots);
+  return b + flight_bytes(n, flight_slots) + gpu_print_bytes(n);
 }
 
 Segment::Segment(const Params& p, char* base, size_t bytes) : p_(p), base_(base), bytes_(bytes) {
@@ -52,6 +54,7 @@ Segment::Segment(const Params& p, char* base, size_t bytes) : p_(p), base_(base)
   staging_off_ = pair_ctl_off_ + round_up(2 * sizeof(Line) * n * n, kPage);
   pair_data_off_ = staging_off_ + n * p.staging_bytes;
   flight_off_ = pair_data_off_ + round_up(n * n * 2 * (kPairHeader + p.pair_slot_bytes), kPage);
+  gpu_off_ = flight_off_ + flight_bytes(int(n), p.flight_slots);
 }
 
 Segment::~Segment() {

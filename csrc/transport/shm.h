@@ -33,6 +33,19 @@ struct Fingerprint {
 };
 static_assert(sizeof(Fingerprint) == 24, "fingerprint must stay on the post line");
 
+// What ranks must agree on for one GPU call (its work is enqueued on a stream, not run through
+// this segment): each rank publishes its calls in its own ring of kGpuPrints slots, slot
+// seq % kGpuPrints, and compares with what peers published for the same call number (core/call_check.h).
+struct GpuPrint {
+  std::atomic<uint64_t> seq;  // 0 while the slot is being written, else the call it holds
+  int64_t count;
+  int32_t root;
+  uint32_t algo;  // a hash of the algorithm that will run
+  uint8_t coll, dtype, op, pad[5];
+};
+static_assert(sizeof(GpuPrint) == 32, "two GPU prints to a cache line");
+constexpr uint32_t kGpuPrints = 64;
+
 enum RankState : uint32_t { kStarting = 0, kAlive = 1, kExited = 2, kDead = 3 };
 
 struct alignas(64) Line {
@@ -113,6 +126,9 @@ class Segment {
     return reinterpret_cast<FlightHead*>(base_ + flight_off_ + size_t(r) * (size_t(p_.flight_slots) + 1) * 64);
   }
   FlightRecord* flight_ring(int r) const { return reinterpret_cast<FlightRecord*>(flight_head(r) + 1); }
+  GpuPrint* gpu_prints(int r) const {
+    return reinterpret_cast<GpuPrint*>(base_ + gpu_off_) + size_t(r) * kGpuPrints;
+  }
 
  private:
   Segment(const Params& p, char* base, size_t bytes);
@@ -122,7 +138,7 @@ class Segment {
   Params p_;
   char* base_;
   size_t bytes_;
-  size_t ctl_off_, pair_ctl_off_, staging_off_, pair_data_off_, flight_off_;
+  size_t ctl_off_, pair_ctl_off_, staging_off_, pair_data_off_, flight_off_, gpu_off_;
   bool unlinked_ = false;
 };
 

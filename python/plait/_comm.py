@@ -314,6 +314,10 @@ class Communicator:
     def label(self, value):
         self._c.label = str(value)
 
+    def _check_gpu_call(self, coll, dtype, op, count, root, algorithm, head):
+        """plait._gpu's check of a GPU call against the other ranks (never waits; MismatchError)."""
+        self._c.check_gpu_call(coll, dtype, op, count, root, algorithm, head)
+
     def fail(self, message, kind="invalid"):
         """Aborts this communicator on every rank with `message` and raises it here: how a layer
         above (GPU arrays, a hierarchical communicator) rejects input so that no peer waits on a

@@ -115,12 +115,18 @@ _FIELDS = ("GPU call number", "collective", "count", "dtype", "op", "root", "alg
 
 def _check_calls(comm, head, coll, dt, count, op, root, algorithm, timeout):
     """GPU calls are compared across ranks like host calls (NCCL would hang or mix data on a
-    mismatch): one tiny max-allreduce of the call's fields and their negatives on the host
-    communicator, ~1-2 us on one host. Ranks that disagree all see it and raise MismatchError."""
+    mismatch). On one host the native check compares them through the shared segment without
+    waiting for anyone (csrc/core/call_check.cc); across hosts, one tiny max-allreduce of the
+    call's fields and their negatives. Ranks that disagree raise MismatchError."""
+    root = int(root) if coll in ("broadcast", "reduce") else 0
+    native = getattr(comm, "_check_gpu_call", None)
+    if native is not None:
+        native(coll, dt, op if op in _OP_CODES else "sum", int(count), root, algorithm or "auto", head)
+        return
     seq = getattr(comm, "_gpu_calls", 0) + 1
     comm._gpu_calls = seq
     codes = (seq, _CODES.get(coll, 99), int(count), sorted(_ITEMSIZE).index(dt), _OP_CODES.get(op, -1),
-             int(root) if coll in ("broadcast", "reduce") else 0, zlib.crc32((algorithm or "auto").encode()))
+             root, zlib.crc32((algorithm or "auto").encode()))
     v = np.array(codes + tuple(-c for c in codes), dtype=np.int64)
     comm.allreduce(v, v, op="max", timeout=timeout)
     k = len(codes)
