@@ -7,7 +7,10 @@
 Collectives run over shared memory between the processes of one host; see docs/api.md.
 This module is the facade: joining lives in _bootstrap, the communicators in _comm and _hier.
 """
+from __future__ import annotations
+
 import atexit
+from typing import Any, Optional
 
 import numpy as np  # noqa: F401  (the facade's one dependency; arrays cross as numpy views)
 
@@ -31,7 +34,7 @@ _default = None
 atexit.register(_C.flush_traces)
 
 
-def algorithms(collective, device="cpu"):
+def algorithms(collective: str, device: str = "cpu") -> list[str]:
     """Algorithm names of a collective, in table order ("auto" picks among them).
 
     device="cuda": the GPU algorithms (empty on a CPU-only build): those over NCCL (one GPU per
@@ -46,7 +49,7 @@ def algorithms(collective, device="cpu"):
     raise InvalidArgument(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 
-def build_info():
+def build_info() -> dict[str, Any]:
     """What this build and machine have.
 
     {'cuda': compiled with the CUDA path, 'cuda_devices': CUDA devices visible now (0 without a
@@ -60,13 +63,14 @@ def build_info():
     return info
 
 
-def cuda_available():
+def cuda_available() -> bool:
     """True when this build has the CUDA path and this process sees at least one CUDA device."""
     return _cuda.compiled() and _cuda.device_count() > 0
 
 
-def init(rank=None, size=None, *, store=None, timeout=None, buffer_bytes=None, init_timeout=None,
-         set_default=True):
+def init(rank: Optional[int] = None, size: Optional[int] = None, *, store: Any = None,
+         timeout: Optional[float] = None, buffer_bytes: Optional[int] = None,
+         init_timeout: Optional[float] = None, set_default: bool = True) -> Communicator | HierCommunicator:
     """Joins (creates) a communicator of `size` ranks and makes it the default.
 
     rank/size default to RANK/WORLD_SIZE (plait-run, torchrun, mpirun). store: None (PLAIT_STORE,
@@ -85,17 +89,17 @@ def init(rank=None, size=None, *, store=None, timeout=None, buffer_bytes=None, i
     return comm
 
 
-def is_initialized():
+def is_initialized() -> bool:
     return _default is not None and not _default.closed
 
 
-def get_default():
+def get_default() -> Communicator | HierCommunicator:
     if _default is None or _default.closed:
         raise PlaitError("plait is not initialized: call plait.init() first")
     return _default
 
 
-def finalize():
+def finalize() -> None:
     """Closes the default communicator (queued calls finish first)."""
     global _default
     if _default is not None:
@@ -103,48 +107,48 @@ def finalize():
         _default = None
 
 
-def dump(comm=None, path=None):
+def dump(comm: Communicator | HierCommunicator | None = None, path: Optional[str] = None) -> dict[str, Any]:
     """The flight recorder's report of `comm` (default: the default communicator): every rank's
     last calls read from shared memory, the dead or frozen ones included, as a dict; written as
     JSON to `path` when given."""
     return _flight.dump(get_default() if comm is None else comm, path)
 
 
-def allreduce(x, out=None, **kw):
+def allreduce(x: Any, out: Any = None, **kw: Any) -> Any:
     return get_default().allreduce(x, out, **kw)
 
 
-def reduce_scatter(x, out=None, **kw):
+def reduce_scatter(x: Any, out: Any = None, **kw: Any) -> Any:
     return get_default().reduce_scatter(x, out, **kw)
 
 
-def allgather(x, out=None, **kw):
+def allgather(x: Any, out: Any = None, **kw: Any) -> Any:
     return get_default().allgather(x, out, **kw)
 
 
-def broadcast(x, root=0, **kw):
+def broadcast(x: Any, root: int = 0, **kw: Any) -> Any:
     return get_default().broadcast(x, root, **kw)
 
 
-def reduce(x, root=0, **kw):
+def reduce(x: Any, root: int = 0, **kw: Any) -> Any:
     return get_default().reduce(x, root, **kw)
 
 
-def alltoall(x, out=None, **kw):
+def alltoall(x: Any, out: Any = None, **kw: Any) -> Any:
     return get_default().alltoall(x, out, **kw)
 
 
-def send(x, peer, **kw):
+def send(x: Any, peer: int, **kw: Any) -> Any:
     return get_default().send(x, peer, **kw)
 
 
-def recv(out, peer, **kw):
+def recv(out: Any, peer: int, **kw: Any) -> Any:
     return get_default().recv(out, peer, **kw)
 
 
-def barrier(**kw):
+def barrier(**kw: Any) -> Any:
     return get_default().barrier(**kw)
 
 
-def split(color, key=0, **kw):
+def split(color: Optional[int], key: int = 0, **kw: Any) -> Any:
     return get_default().split(color, key, **kw)

@@ -1,7 +1,10 @@
 """Communicator: the Python face of one native communicator (validation and data movement are C++)."""
+from __future__ import annotations
+
 import json
 import os
 import secrets
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -17,6 +20,11 @@ _ndarray = np.ndarray
 _fast_call = _C.fast_call
 DEFAULT_BUFFER_BYTES = 4 << 20
 _RECORD = 256  # bytes of the split's segment announcement
+
+# A buffer plait reads or writes: a numpy array, a torch tensor (CPU or CUDA), a cupy array or
+# anything with __cuda_array_interface__ (plait._arrays says which are taken).
+Array = Any
+Timeout = Optional[float]  # seconds; None: the communicator's default; 0: fail if not ready now
 
 
 def _cpus():
@@ -81,7 +89,7 @@ class Handle:
     def __init__(self, task, keep, result):
         self._task, self._keep, self._result = task, keep, result
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: Timeout = None) -> Any:
         """Blocks until the call has finished and returns its result; raises its error.
 
         `timeout` bounds only this wait (the call keeps its own deadline): when it passes first,
@@ -94,7 +102,7 @@ class Handle:
         self._keep = None
         return self._result
 
-    def done(self):
+    def done(self) -> bool:
         return self._task.done()
 
 
@@ -177,7 +185,8 @@ class Communicator:
             self._c.fail(f"rank {self.rank}: {e}")
 
     # -- collectives -------------------------------------------------------------------------
-    def allreduce(self, x, out=None, *, op="sum", algorithm="auto", timeout=None, async_op=False, dtype=None):
+    def allreduce(self, x: Array, out: Optional[Array] = None, *, op: str = "sum", algorithm: str = "auto",
+                  timeout: Timeout = None, async_op: bool = False, dtype: Optional[str] = None) -> Union[Array, Handle]:
         """out = x reduced over all ranks with `op`; `out=x` works in place."""
         if out is None:
             out = self._new_out(x, "allreduce")
@@ -187,8 +196,9 @@ class Communicator:
             return out
         return self._call(_ALLREDUCE, x, out, op, 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
-    def reduce_scatter(self, x, out=None, *, op="sum", algorithm="auto", timeout=None, async_op=False,
-                       dtype=None):
+    def reduce_scatter(self, x: Array, out: Optional[Array] = None, *, op: str = "sum", algorithm: str = "auto",
+                       timeout: Timeout = None, async_op: bool = False,
+                       dtype: Optional[str] = None) -> Union[Array, Handle]:
         """Block r of the reduced x (x holds `size` equal blocks) lands in rank r's out."""
         if out is None:
             out = self._new_out(x, "reduce_scatter", lambda: (_arrays.size_of(x) // self.size,))
@@ -197,7 +207,8 @@ class Communicator:
             return out
         return self._call(_REDUCE_SCATTER, x, out, op, 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
-    def allgather(self, x, out=None, *, algorithm="auto", timeout=None, async_op=False, dtype=None):
+    def allgather(self, x: Array, out: Optional[Array] = None, *, algorithm: str = "auto", timeout: Timeout = None,
+                  async_op: bool = False, dtype: Optional[str] = None) -> Union[Array, Handle]:
         """out[r] = rank r's x; default out shape (size, *x.shape)."""
         if out is None:
             out = self._new_out(x, "allgather", lambda: (self.size,) + tuple(x.shape))
@@ -206,8 +217,9 @@ class Communicator:
             return out
         return self._call(_ALLGATHER, x, out, "sum", 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
-    def broadcast(self, x, root=0, *, out=None, algorithm="auto", timeout=None, async_op=False,
-                  dtype=None):
+    def broadcast(self, x: Array, root: int = 0, *, out: Optional[Array] = None, algorithm: str = "auto",
+                  timeout: Timeout = None, async_op: bool = False,
+                  dtype: Optional[str] = None) -> Union[Array, Handle]:
         """The root's x lands in every rank's out (x itself when out is None)."""
         if out is None:
             out = x
@@ -217,8 +229,9 @@ class Communicator:
             return out
         return self._call(_BROADCAST, x, out, "sum", root, -1, 0, algorithm, timeout, async_op, dtype, out)
 
-    def reduce(self, x, root=0, *, out=None, op="sum", algorithm="auto", timeout=None, async_op=False,
-               dtype=None):
+    def reduce(self, x: Array, root: int = 0, *, out: Optional[Array] = None, op: str = "sum",
+               algorithm: str = "auto", timeout: Timeout = None, async_op: bool = False,
+               dtype: Optional[str] = None) -> Union[Array, Handle, None]:
         """The reduced x lands in the root's out; other ranks get None."""
         if self.rank == root and out is None:
             out = self._new_out(x, "reduce")
@@ -230,7 +243,8 @@ class Communicator:
             return out
         return self._call(_REDUCE, x, out, op, root, -1, 0, algorithm, timeout, async_op, dtype, out)
 
-    def alltoall(self, x, out=None, *, algorithm="auto", timeout=None, async_op=False, dtype=None):
+    def alltoall(self, x: Array, out: Optional[Array] = None, *, algorithm: str = "auto", timeout: Timeout = None,
+                 async_op: bool = False, dtype: Optional[str] = None) -> Union[Array, Handle]:
         """Block j of x goes to rank j; block j of out came from rank j."""
         if out is None:
             out = self._new_out(x, "alltoall")
@@ -239,19 +253,22 @@ class Communicator:
             return out
         return self._call(_ALLTOALL, x, out, "sum", 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
-    def send(self, x, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
+    def send(self, x: Array, peer: int, *, tag: int = 0, timeout: Timeout = None, async_op: bool = False,
+             dtype: Optional[str] = None) -> Optional[Handle]:
         """Sends x to `peer`; matched in order with that peer's recv of the same size and tag."""
         return self._call(_SEND, x, None, "sum", 0, peer, tag, "", timeout, async_op, dtype, None)
 
-    def recv(self, out, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
+    def recv(self, out: Array, peer: int, *, tag: int = 0, timeout: Timeout = None, async_op: bool = False,
+             dtype: Optional[str] = None) -> Union[Array, Handle]:
         """Receives into out from `peer`."""
         return self._call(_RECV, None, out, "sum", 0, peer, tag, "", timeout, async_op, dtype, out)
 
-    def barrier(self, *, timeout=None, async_op=False):
+    def barrier(self, *, timeout: Timeout = None, async_op: bool = False) -> Optional[Handle]:
         return self._call(_BARRIER, None, None, "sum", 0, -1, 0, "auto", timeout, async_op, "", None)
 
     # -- groups ------------------------------------------------------------------------------
-    def split(self, color, key=0, *, buffer_bytes=None):
+    def split(self, color: Optional[int], key: int = 0, *,
+              buffer_bytes: Optional[int] = None) -> Optional[Communicator]:
         """MPI_Comm_split: ranks with the same color form a communicator, ordered by (key, rank).
 
         Collective over this communicator. color None or < 0: this rank joins none (returns None).
@@ -285,40 +302,40 @@ class Communicator:
 
     # -- lifetime ----------------------------------------------------------------------------
     @property
-    def single_copy(self):
+    def single_copy(self) -> bool:
         """Whether this communicator's ranks can read each other's memory directly (the
         "single_copy" algorithms); when False, `single_copy_unavailable` says why."""
         return self._c.single_copy
 
     @property
-    def single_copy_unavailable(self):
+    def single_copy_unavailable(self) -> str:
         return self._c.single_copy_unavailable
 
     @property
-    def mapped_bytes(self):
+    def mapped_bytes(self) -> int:
         """Bytes this rank has read from or written to peers through mapped plait.empty buffers
         (plain loads and stores, not kernel copies) since init."""
         return self._c.mapped_bytes
 
     @property
-    def closed(self):
+    def closed(self) -> bool:
         return self._c.closed
 
     @property
-    def label(self):
+    def label(self) -> str:
         """This communicator's name in flight reports and traces (the torch backend sets its
         process group's name)."""
         return self._c.label
 
     @label.setter
-    def label(self, value):
+    def label(self, value: str) -> None:
         self._c.label = str(value)
 
     def _check_gpu_call(self, coll, dtype, op, count, root, algorithm, head):
         """plait._gpu's check of a GPU call against the other ranks (never waits; MismatchError)."""
         self._c.check_gpu_call(coll, dtype, op, count, root, algorithm, head)
 
-    def fail(self, message, kind="invalid"):
+    def fail(self, message: str, kind: str = "invalid") -> None:
         """Aborts this communicator on every rank with `message` and raises it here: how a layer
         above (GPU arrays, a hierarchical communicator) rejects input so that no peer waits on a
         call this rank will never make. kind: "invalid" (InvalidArgument) or "mismatch"."""
@@ -326,7 +343,7 @@ class Communicator:
             raise _errors.InvalidArgument(f"fail: kind must be 'invalid' or 'mismatch', not {kind!r}")
         self._c.fail(message, kind)
 
-    def finalize(self):
+    def finalize(self) -> None:
         """Finishes queued calls and leaves; peers that wait on this rank afterwards get PeerLostError."""
         if self._gpu is not None:
             g, self._gpu = self._gpu, None

@@ -23,6 +23,8 @@ leader, leaders' allreduce, local broadcast.
 GPU arrays skip all of this: they go to one flat NCCL communicator of all ranks (plait._gpu), which
 does its own steps inside and between hosts.
 """
+from __future__ import annotations
+
 import concurrent.futures
 import math
 import os
@@ -32,6 +34,7 @@ import time
 import numpy as np
 
 from . import _comm, _errors, _gpu, _inter
+from ._comm import Array, Handle, Timeout
 from ._hosts import Layout
 
 class _Task:
@@ -106,7 +109,7 @@ class HierCommunicator:
         return (f"<plait.HierCommunicator rank {self.rank} of {self.size}, host {self.layout.h} of "
                 f"{self.layout.nhosts}, {self.engine} between hosts{' (finalized)' if self.closed else ''}>")
 
-    def fail(self, message, kind="invalid"):
+    def fail(self, message: str, kind: str = "invalid") -> None:
         """As Communicator.fail: aborts on every rank of every host and raises."""
         cls = {"invalid": _errors.InvalidArgument, "mismatch": _errors.MismatchError}.get(kind)
         if cls is None:
@@ -259,7 +262,8 @@ class HierCommunicator:
 
     # -- collectives ---------------------------------------------------------------------------
     @_aborts_on_error
-    def allreduce(self, x, out=None, *, op="sum", algorithm="auto", timeout=None, async_op=False, dtype=None):
+    def allreduce(self, x: Array, out: Array = None, *, op: str = "sum", algorithm: str = "auto",
+                  timeout: Timeout = None, async_op: bool = False, dtype: str | None = None) -> Array | Handle:
         if _gpu.wants_gpu(x, out):
             out = self._gpu_out(x, "allreduce") if out is None else out
             return self._on_gpu("allreduce", x, out, op, algorithm, timeout, async_op, dtype, out)
@@ -306,8 +310,9 @@ class HierCommunicator:
             return out
 
     @_aborts_on_error
-    def reduce_scatter(self, x, out=None, *, op="sum", algorithm="auto", timeout=None, async_op=False,
-                       dtype=None):
+    def reduce_scatter(self, x: Array, out: Array = None, *, op: str = "sum", algorithm: str = "auto",
+                       timeout: Timeout = None, async_op: bool = False,
+                       dtype: str | None = None) -> Array | Handle:
         from . import _arrays
         if _gpu.wants_gpu(x, out):
             if out is None:
@@ -351,7 +356,8 @@ class HierCommunicator:
         return out
 
     @_aborts_on_error
-    def allgather(self, x, out=None, *, algorithm="auto", timeout=None, async_op=False, dtype=None):
+    def allgather(self, x: Array, out: Array = None, *, algorithm: str = "auto", timeout: Timeout = None,
+                  async_op: bool = False, dtype: str | None = None) -> Array | Handle:
         if _gpu.wants_gpu(x, out):
             if out is None:
                 out = self._gpu_out(x, "allgather", (self.size,) + tuple(x.shape))
@@ -392,7 +398,8 @@ class HierCommunicator:
         return out
 
     @_aborts_on_error
-    def broadcast(self, x, root=0, *, out=None, timeout=None, async_op=False, dtype=None):
+    def broadcast(self, x: Array, root: int = 0, *, out: Array = None, timeout: Timeout = None,
+                  async_op: bool = False, dtype: str | None = None) -> Array | Handle:
         if out is None:
             out = x
         root = self._peer(root, "root", allow_self=True)
@@ -429,7 +436,8 @@ class HierCommunicator:
         return out
 
     @_aborts_on_error
-    def reduce(self, x, root=0, *, out=None, op="sum", timeout=None, async_op=False, dtype=None):
+    def reduce(self, x: Array, root: int = 0, *, out: Array = None, op: str = "sum", timeout: Timeout = None,
+               async_op: bool = False, dtype: str | None = None) -> Array | Handle | None:
         root = self._peer(root, "root", allow_self=True)
         if self.rank == root and out is None:
             out = self._new_out(x, None)
@@ -454,7 +462,8 @@ class HierCommunicator:
                            self._fingerprint("reduce", xa.size, xa.dtype, bf16, op, root))
 
     @_aborts_on_error
-    def alltoall(self, x, out=None, *, timeout=None, async_op=False, dtype=None):
+    def alltoall(self, x: Array, out: Array = None, *, timeout: Timeout = None, async_op: bool = False,
+                 dtype: str | None = None) -> Array | Handle:
         if _gpu.wants_gpu(x, out):
             out = self._gpu_out(x, "alltoall") if out is None else out
             return self._on_gpu("alltoall", x, out, "sum", "auto", timeout, async_op, dtype, out)
@@ -476,7 +485,8 @@ class HierCommunicator:
                            self._fingerprint("alltoall", xa.size, xa.dtype))
 
     @_aborts_on_error
-    def send(self, x, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
+    def send(self, x: Array, peer: int, *, tag: int = 0, timeout: Timeout = None, async_op: bool = False,
+             dtype: str | None = None) -> Handle | None:
         peer = self._peer(peer, "peer")
         if _gpu.wants_gpu(x, None):
             return self._on_gpu("send", x, None, "sum", "", timeout, async_op, dtype, None, peer=peer, tag=tag)
@@ -484,7 +494,8 @@ class HierCommunicator:
         return self._async("send", lambda d: self._p2p(True, xa, dt, peer, tag, d), timeout, async_op, None, (x,))
 
     @_aborts_on_error
-    def recv(self, out, peer, *, tag=0, timeout=None, async_op=False, dtype=None):
+    def recv(self, out: Array, peer: int, *, tag: int = 0, timeout: Timeout = None, async_op: bool = False,
+             dtype: str | None = None) -> Array | Handle:
         peer = self._peer(peer, "peer")
         if _gpu.wants_gpu(None, out):
             return self._on_gpu("recv", None, out, "sum", "", timeout, async_op, dtype, out, peer=peer, tag=tag)
@@ -513,7 +524,7 @@ class HierCommunicator:
             raise err
         return int(v)
 
-    def barrier(self, *, timeout=None, async_op=False):
+    def barrier(self, *, timeout: Timeout = None, async_op: bool = False) -> Handle | None:
         def run(d):
             self.local.barrier(timeout=self._left(d))
             if self.inter is not None:
@@ -522,7 +533,7 @@ class HierCommunicator:
         return self._async("barrier", run, timeout, async_op, None, (), self._fingerprint("barrier", 0, np.uint8))
 
     # -- groups and lifetime -------------------------------------------------------------------
-    def split(self, color, key=0, *, buffer_bytes=None):
+    def split(self, color: int | None, key: int = 0, *, buffer_bytes: int | None = None) -> HierCommunicator | None:
         """MPI_Comm_split over the hosts: the new communicator is flat when its ranks share a host."""
         if self.closed:
             raise _errors.PlaitError("communicator is finalized; split needs a live one")
@@ -545,10 +556,10 @@ class HierCommunicator:
                        buffer_bytes=buffer_bytes or ctx.get("buffer_bytes"), keep=[], ctx=ctx)
 
     @property
-    def closed(self):
+    def closed(self) -> bool:
         return self._closed
 
-    def finalize(self):
+    def finalize(self) -> None:
         if self._closed:
             return
         if self._pool is not None:
