@@ -74,3 +74,37 @@ def test_one_rank_without_single_copy_turns_it_off_for_all(monkeypatch):
     results = run_ranks(fn, 3, timeout=60)
     assert [r[0] for r in results] == [False] * 3, results
     assert "rank 1" in results[0][1] and "PLAIT_SINGLE_COPY=0" in results[1][1], results
+
+
+def _auto_choices(rank, n, store):
+    comm = plait.init(rank, n, store=store, timeout=30)
+    with comm:
+        if not comm.single_copy:
+            return None
+        picks = {}
+        for coll, nbytes in (("broadcast", 8 << 10), ("broadcast", 64 << 10), ("reduce", 8 << 10),
+                             ("reduce", 64 << 10), ("reduce", 64 << 20), ("alltoall", 1 << 20)):
+            x = np.full(nbytes // 4, rank + 1, np.int32)
+            if coll == "broadcast":
+                comm.broadcast(x, 0)
+                ok = bool((x == 1).all())
+            elif coll == "reduce":
+                got = comm.reduce(x, 0)
+                ok = rank != 0 or bool((got == n * (n + 1) // 2).all())
+            else:
+                got = comm.alltoall(x)
+                ok = bool((got.reshape(n, -1) == np.arange(1, n + 1)[:, None]).all())
+            last = plait.dump(comm)["ranks"][rank]["calls"][-1]
+            picks[f"{coll} {nbytes}"] = (last["algorithm"], ok)
+        return picks
+
+
+def test_auto_picks_single_copy_for_rooted_calls_from_16_kib():
+    # The measured table (csrc/algo/table.cc): broadcast and reduce take single copy from 16 KiB
+    # (reduce below 64 MiB), alltoall stays staged; the flight recorder says what ran.
+    picks = run_ranks(_auto_choices, 2, timeout=120)[0]
+    if picks is None:
+        pytest.skip("single copy unavailable here")
+    assert picks == {"broadcast 8192": ("direct", True), "broadcast 65536": ("single_copy", True),
+                     "reduce 8192": ("direct", True), "reduce 65536": ("single_copy", True),
+                     "reduce 67108864": ("direct", True), "alltoall 1048576": ("direct", True)}, picks
