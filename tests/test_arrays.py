@@ -50,3 +50,31 @@ def test_bench_storage_comes_from_the_table():
     assert collectives.DTYPES == tuple(_arrays.DTYPES)
     for name in collectives.DTYPES:
         assert np.dtype(collectives.storage(name)) == np.dtype(_arrays.DTYPES[name])
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float32", "float64"])
+def test_reduce_arrays_is_the_host_side_arithmetic(name):
+    # What the multi-host layer uses for avg and for half-type reductions over MPI: plait's own
+    # kernels, float32 accumulation for half types, one rounding, left to right.
+    from plait import _C
+    from test_collectives import bf16_to_f32, f32_to_bf16
+
+    def enc(v):
+        return f32_to_bf16(v.astype(np.float32)) if name == "bfloat16" else v.astype(_arrays.DTYPES[name])
+
+    def dec(a):
+        return bf16_to_f32(a) if name == "bfloat16" else a.astype(np.float64)
+
+    # float16: the sum overflows the type, not its float32 accumulator, so the average is exact.
+    big = {"float16": 60000.0, "bfloat16": 1.0e38, "float32": 1.0e30, "float64": 1.0e300}[name]
+    srcs = [enc(np.full(7, big)) for _ in range(3)]
+    out = np.empty_like(srcs[0])
+    _C.reduce_arrays(out, srcs, name, "avg", 3)
+    assert (dec(out) == dec(srcs[0])).all(), dec(out)
+    parts = [enc(np.arange(1, 8) * (r + 1)) for r in range(4)]
+    _C.reduce_arrays(out, parts, name, "sum")
+    assert (dec(out) == np.arange(1, 8) * 10).all()
+    _C.reduce_arrays(out, [out], name, "avg", 5)  # in place: the divide of an average
+    assert (dec(out) == np.arange(1, 8) * 2).all()
+    with pytest.raises(plait.InvalidArgument):
+        _C.reduce_arrays(out, [out[:3]], name, "sum")

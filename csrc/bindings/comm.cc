@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include "core/communicator.h"
+#include "reduce/reduce.h"
 
 namespace py = pybind11;
 
@@ -190,6 +191,32 @@ void bind_comm(py::module_& m) {
     return std::shared_ptr<Segment>(Segment::open(params(name, size, staging, pair_slot, t0, t1, flight)));
   }, py::arg("name"), py::arg("size"), py::arg("staging"), py::arg("pair_slot"), py::arg("t0"), py::arg("t1"),
      py::arg("flight") = 0);
+  m.def("reduce_arrays", [](py::array out, const std::vector<py::array>& srcs, const std::string& dtype,
+                            const std::string& op, int avg_divisor) {
+    // The host-side arithmetic of layers above the core (the multi-host path's avg and its MPI
+    // engine's half-type reductions) on plait's own kernels: float32 accumulation for half types,
+    // one rounding, left to right.
+    const DType dt = parse_dtype(dtype);
+    const size_t esize = dtype_size(dt);
+    auto check = [&](const py::array& a, const char* what) {
+      if (!(a.flags() & py::array::c_style) || a.itemsize() != py::ssize_t(esize) || a.size() != out.size())
+        throw InvalidArgument(std::string("reduce_arrays: ") + what + " must be C-contiguous with " +
+                              std::to_string(out.size()) + " elements of " + dtype);
+    };
+    check(out, "out");
+    if (!out.writeable()) throw InvalidArgument("reduce_arrays: out is read-only");
+    if (srcs.empty() || srcs.size() > 32) throw InvalidArgument("reduce_arrays: 1 to 32 sources");
+    std::vector<const void*> ptrs;
+    for (const auto& s : srcs) {
+      check(s, "every source");
+      ptrs.push_back(s.data());
+    }
+    const RedOp rop = parse_op(op);
+    py::gil_scoped_release nogil;
+    reduce(dt, rop, out.mutable_data(), ptrs.data(), int(ptrs.size()), size_t(out.size()), avg_divisor);
+  }, py::arg("out"), py::arg("srcs"), py::arg("dtype"), py::arg("op"), py::arg("avg_divisor") = 0,
+     "out = srcs[0] op srcs[1] op ... (left to right; half types in float32, rounded once); with "
+     "op avg and avg_divisor > 0 the result is divided by it. out may be one of the sources.");
   m.def("flush_traces", [] {
     py::gil_scoped_release nogil;
     Trace::flush_all();

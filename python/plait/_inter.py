@@ -21,7 +21,7 @@ from datetime import timedelta
 
 import numpy as np
 
-from . import _errors
+from . import _C, _errors
 
 _ABORT_CHECK_S = 0.05  # how often a wait looks at the abort flag in the store
 
@@ -107,37 +107,10 @@ class _Group:
         else:
             parts = np.empty((self.size,) + a.shape, dtype=a.dtype)
             self.allgather(a, parts, deadline)
-            a[...] = reduce_stack(parts, op, bf16)
+            # Reduced here in host order, in float32, rounded once (plait's kernels), so that every
+            # rank gets the same bytes.
+            _C.reduce_arrays(a, list(parts), "bfloat16" if bf16 else a.dtype.name, op)
         return a
-
-
-def reduce_stack(parts, op, bf16=False):
-    """parts[0] op parts[1] op ... in order, in float32 for half types (rounded once at the end)."""
-    if bf16:
-        acc = bf16_to_f32(parts)
-    elif parts.dtype == np.float16:
-        acc = parts.astype(np.float32)
-    else:
-        acc = parts
-    fn = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
-    out = acc[0].copy()
-    for p in acc[1:]:
-        fn(out, p, out=out, casting="unsafe")
-    return f32_to_bf16(out) if bf16 else out.astype(parts.dtype)
-
-
-def bf16_to_f32(u16):
-    return (u16.astype(np.uint32) << 16).view(np.float32)
-
-
-def f32_to_bf16(f32):
-    """Round to nearest even, as torch and ml_dtypes do (NaN stays NaN)."""
-    u = np.ascontiguousarray(f32, dtype=np.float32).view(np.uint32)
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    nan = np.isnan(f32)
-    if nan.any():
-        r[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
-    return r
 
 
 # -- gloo ------------------------------------------------------------------------------------------
