@@ -66,7 +66,7 @@ def test_reduce_arrays_is_the_host_side_arithmetic(name):
         return bf16_to_f32(a) if name == "bfloat16" else a.astype(np.float64)
 
     # float16: the sum overflows the type, not its float32 accumulator, so the average is exact.
-    big = {"float16": 60000.0, "bfloat16": 1.0e38, "float32": 1.0e30, "float64": 1.0e300}[name]
+    big = {"float16": 60000.0, "bfloat16": 2.0**125, "float32": 2.0**125, "float64": 2.0**1000}[name]
     srcs = [enc(np.full(7, big)) for _ in range(3)]
     out = np.empty_like(srcs[0])
     _C.reduce_arrays(out, srcs, name, "avg", 3)
