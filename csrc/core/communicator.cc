@@ -31,6 +31,11 @@ void Task::finish(ErrorKind kind, std::string msg) {
     state_.store(kind == ErrorKind::none ? 1 : 2, std::memory_order_release);
   }
   cv_.notify_all();
+  if (on_done_) {
+    Done done = std::move(on_done_);
+    on_done_ = nullptr;
+    done(kind_, msg_);
+  }
 }
 
 Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options& opt)
@@ -324,7 +329,7 @@ CallArgs Communicator::validate(Coll c, const Buffer& in, const Buffer& out, Red
 
 std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer& out, RedOp op,
                                          int root, int peer, int64_t tag, const std::string& algo,
-                                         double timeout_s, bool async) {
+                                         double timeout_s, bool async, Task::Done on_done) {
   if (closed_) throw PlaitError("communicator is finalized; " + std::string(coll_name(c)) + " needs a live one");
   if (reported_abort_) throw PlaitError("communicator aborted after an earlier error: " + first_error_);
   CallArgs a = validate(c, in, out, op, root, peer, tag, algo, timeout_s);
@@ -349,6 +354,7 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
     }
   }
   auto t = std::make_shared<Task>(a);
+  t->on_done_ = std::move(on_done);
   enqueue(t);
   if (async) return t;
   try {
@@ -358,6 +364,35 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
     rethrow(e);
   }
   return nullptr;
+}
+
+bool Communicator::run_here(const std::shared_ptr<Task>& t) {
+  if (t->done()) return true;
+  if (t->args.coll == Coll::send || t->args.coll == Coll::recv) return false;  // batched
+  ErrorKind kind = ErrorKind::none;
+  std::string msg;
+  {
+    // exec_mu_ first: once t leaves the queue, nothing issued later may run before it.
+    std::unique_lock<std::mutex> ex(exec_mu_, std::try_to_lock);
+    if (!ex.owns_lock()) return false;
+    {
+      std::lock_guard<std::mutex> lk(q_mu_);
+      // Nothing running (pending_ counts queued and running calls) and t next in line.
+      if (queue_.empty() || queue_.front() != t ||
+          size_t(pending_.load(std::memory_order_acquire)) != queue_.size())
+        return false;
+      queue_.pop_front();
+    }
+    try {
+      run(t->args);
+    } catch (const PlaitError& e) {
+      kind = e.kind();
+      msg = e.what();
+    }
+  }
+  pending_.fetch_sub(1, std::memory_order_acq_rel);
+  t->finish(kind, msg);  // outside exec_mu_: its callback may issue calls
+  return true;
 }
 
 // One rank: every collective is a copy of the input (or nothing, in place). avg divides by 1.

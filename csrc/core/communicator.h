@@ -8,6 +8,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -45,11 +46,17 @@ class Task {
   bool wait(double timeout_s);
   bool done() const { return state_.load(std::memory_order_acquire) != 0; }
 
+  // Called once when the task finishes, on the thread that finished it (plait's progress
+  // thread, or a waiter that ran the task itself): how callers complete their own futures
+  // (the torch backend) without a thread of theirs waiting on each task.
+  using Done = std::function<void(ErrorKind, const std::string&)>;
+
   CallArgs args;
 
  private:
   friend class Communicator;
   void finish(ErrorKind kind, std::string msg);
+  Done on_done_;
   std::mutex m_;
   std::condition_variable cv_;
   std::atomic<int> state_{0};  // 0 pending, 1 ok, 2 failed
@@ -75,7 +82,10 @@ class Communicator {
   // Validates and runs (or queues) one call. Returns the Task for async calls, null otherwise.
   std::shared_ptr<Task> call(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root,
                              int peer, int64_t tag, const std::string& algo, double timeout_s,
-                             bool async);
+                             bool async, Task::Done on_done = nullptr);
+  // Runs an async task on the calling thread when it is next in line and nothing runs (a caller
+  // about to wait on it saves two thread hand-offs). True if the task is finished on return.
+  bool run_here(const std::shared_ptr<Task>& t);
   // Aborts the communicator on every rank with this error (used for input the Python layer
   // rejects before it reaches call()).
   [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
