@@ -64,14 +64,15 @@ Error Backend::error(uint32_t kind, const std::string& where, const std::string&
   return Error(kind, text + msg);
 }
 
-std::shared_ptr<Op> Backend::begin(const std::string& what, Tensors value, bool sync) {
+std::shared_ptr<Op> Backend::begin(const std::string& what, Tensors value, bool sync,
+                                   std::chrono::milliseconds timeout) {
   const std::string where = "plait " + what + " on group '" + getGroupUid() + "' (rank " +
                             std::to_string(getRank()) + " of " + std::to_string(getSize()) + ")";
   if (closed_.load()) throw Error(PLAIT_E_GENERIC, where + ": the group was shut down");
   auto op = std::make_shared<Op>(this, where, std::move(value));
   op->weak = op;
   op->sync = sync;
-  op->timeout_s = timeout_s_;
+  op->timeout_s = timeout.count() > 0 ? double(timeout.count()) / 1000.0 : timeout_s_;
   // A Future callback issuing a call on this thread: nobody else would complete it here.
   op->waiter_completes = on_completion_thread();
   if (coalescing_) coalesced_.push_back(op);

@@ -157,8 +157,10 @@ class Backend : public c10d::Backend {
   bool on_completion_thread() const;
 
  private:
-  // Starts one torch call. sync: the caller waits at once (asyncOp false).
-  std::shared_ptr<Op> begin(const std::string& what, Tensors value, bool sync);
+  // Starts one torch call. sync: the caller waits at once (asyncOp false); timeout: the
+  // options' (unset: the group's).
+  std::shared_ptr<Op> begin(const std::string& what, Tensors value, bool sync,
+                            std::chrono::milliseconds timeout = c10d::kUnsetTimeout);
   [[noreturn]] void fail(const std::string& msg);  // aborts every rank; InvalidArgument here
   [[noreturn]] void unsupported(const Op& op, const std::string& msg) const;
   struct Red;

@@ -269,8 +269,7 @@ void Backend::reduce_by_gather(Op& op, const at::Tensor& x, at::Tensor y, const 
 }
 
 Backend::WorkPtr Backend::allreduce(Tensors& ts, const c10d::AllreduceOptions& o) {
-  auto op = begin("allreduce", ts, !o.asyncOp);
-  if (o.timeout.count() > 0) op->timeout_s = double(o.timeout.count()) / 1000.0;
+  auto op = begin("allreduce", ts, !o.asyncOp, o.timeout);
   const Red red = red_of(o.reduceOp, *op);
   for (auto& t : ts) reduce_into(*op, t, t, red, -1, false);
   return op->launch();
@@ -281,7 +280,7 @@ Backend::WorkPtr Backend::allreduce_coalesced(Tensors& ts, const c10d::Allreduce
 }
 
 Backend::WorkPtr Backend::reduce(Tensors& ts, const c10d::ReduceOptions& o) {
-  auto op = begin("reduce", ts, !o.asyncOp);
+  auto op = begin("reduce", ts, !o.asyncOp, o.timeout);
   if (ts.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
   reduce_into(*op, ts[0], ts[0], red_of(o.reduceOp, *op), int(o.rootRank), false);
   return op->launch();
@@ -300,20 +299,20 @@ void Backend::reduce_scatter_one(Op& op, at::Tensor out, const at::Tensor& in, c
 }
 
 Backend::WorkPtr Backend::_reduce_scatter_base(at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) {
-  auto op = begin("reduce_scatter_single", {out}, !o.asyncOp);
+  auto op = begin("reduce_scatter_single", {out}, !o.asyncOp, o.timeout);
   reduce_scatter_one(*op, out, in, red_of(o.reduceOp, *op));
   return op->launch();
 }
 
 Backend::WorkPtr Backend::reduce_scatter_tensor_coalesced(Tensors& outs, Tensors& ins, const c10d::ReduceScatterOptions& o) {
-  auto op = begin("reduce_scatter_single_coalesced", outs, !o.asyncOp);
+  auto op = begin("reduce_scatter_single_coalesced", outs, !o.asyncOp, o.timeout);
   const Red red = red_of(o.reduceOp, *op);
   for (size_t i = 0; i < outs.size() && i < ins.size(); ++i) reduce_scatter_one(*op, outs[i], ins[i], red);
   return op->launch();
 }
 
 Backend::WorkPtr Backend::reduce_scatter(Tensors& outs, TensorLists& ins_lists, const c10d::ReduceScatterOptions& o) {
-  auto op = begin("reduce_scatter", outs, !o.asyncOp);
+  auto op = begin("reduce_scatter", outs, !o.asyncOp, o.timeout);
   if (outs.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(outs.size()) + ")");
   at::Tensor out = outs[0];
   const auto& ins = ins_lists.at(0);
@@ -346,7 +345,7 @@ void Backend::broadcast_one(Op& op, at::Tensor t, int root) {
 }
 
 Backend::WorkPtr Backend::broadcast(Tensors& ts, const c10d::BroadcastOptions& o) {
-  auto op = begin("broadcast", ts, !o.asyncOp);
+  auto op = begin("broadcast", ts, !o.asyncOp, o.timeout);
   if (ts.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
   broadcast_one(*op, ts[0], int(o.rootRank));
   return op->launch();
@@ -369,13 +368,13 @@ void Backend::allgather_one(Op& op, at::Tensor out, const at::Tensor& in) {
 }
 
 Backend::WorkPtr Backend::_allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) {
-  auto op = begin("all_gather_single", {out}, !o.asyncOp);
+  auto op = begin("all_gather_single", {out}, !o.asyncOp, o.timeout);
   allgather_one(*op, out, in);
   return op->launch();
 }
 
 Backend::WorkPtr Backend::allgather_into_tensor_coalesced(Tensors& outs, Tensors& ins, const c10d::AllgatherOptions& o) {
-  auto op = begin("all_gather_single_coalesced", outs, !o.asyncOp);
+  auto op = begin("all_gather_single_coalesced", outs, !o.asyncOp, o.timeout);
   for (size_t i = 0; i < outs.size() && i < ins.size(); ++i) allgather_one(*op, outs[i], ins[i]);
   return op->launch();
 }
@@ -383,7 +382,7 @@ Backend::WorkPtr Backend::allgather_into_tensor_coalesced(Tensors& outs, Tensors
 Backend::WorkPtr Backend::allgather(TensorLists& outs_lists, Tensors& ins, const c10d::AllgatherOptions& o) {
   std::vector<at::Tensor> value;
   for (auto& l : outs_lists) value.insert(value.end(), l.begin(), l.end());
-  auto op = begin("allgather", value, !o.asyncOp);
+  auto op = begin("allgather", value, !o.asyncOp, o.timeout);
   if (ins.size() != 1 || outs_lists.size() != 1) unsupported(*op, "one tensor per process");
   at::Tensor x = ins[0];
   auto outs = outs_lists[0];
@@ -422,7 +421,7 @@ Backend::WorkPtr Backend::allgather(TensorLists& outs_lists, Tensors& ins, const
 Backend::WorkPtr Backend::allgather_coalesced(TensorLists& outs_lists, Tensors& ins, const c10d::AllgatherOptions& o) {
   std::vector<at::Tensor> value;
   for (auto& l : outs_lists) value.insert(value.end(), l.begin(), l.end());
-  auto op = begin("allgather_coalesced", value, !o.asyncOp);
+  auto op = begin("allgather_coalesced", value, !o.asyncOp, o.timeout);
   std::vector<at::Tensor> parts;
   for (const auto& t : ins) parts.push_back(raw(source(t)));
   at::Tensor src = parts.empty() ? at::empty({0}, at::kByte) : at::cat(parts);
@@ -469,7 +468,7 @@ Backend::WorkPtr Backend::alltoall_base(at::Tensor& out, at::Tensor& in, std::ve
   auto out_rows = splits(out, out_splits, n), in_rows = splits(in, in_splits, n);
   bool even = !out_rows.empty() && out_rows == in_rows;
   for (auto r : out_rows) even = even && r == out_rows[0];
-  auto op = begin("all_to_all_single", {out}, even && !o.asyncOp);
+  auto op = begin("all_to_all_single", {out}, even && !o.asyncOp, o.timeout);
   if (out_rows.empty() || in_rows.empty())
     fail("all_to_all_single: " + std::to_string(nrows(out)) + " output rows split " + join(out_splits) + ", " +
          std::to_string(nrows(in)) + " input rows split " + join(in_splits) + ": not " + std::to_string(n) +
@@ -495,7 +494,7 @@ Backend::WorkPtr Backend::alltoall(Tensors& outs, Tensors& ins, const c10d::AllT
   bool even = true;
   for (const auto& t : outs) even = even && t.nbytes() == ins.at(0).nbytes();
   for (const auto& t : ins) even = even && t.nbytes() == ins.at(0).nbytes();
-  auto op = begin("alltoall", outs, even && !o.asyncOp);
+  auto op = begin("alltoall", outs, even && !o.asyncOp, o.timeout);
   if (int(outs.size()) != n || int(ins.size()) != n)
     fail("all_to_all: " + std::to_string(ins.size()) + " inputs and " + std::to_string(outs.size()) +
          " outputs for a group of " + std::to_string(n));
@@ -530,7 +529,7 @@ Backend::WorkPtr Backend::alltoall(Tensors& outs, Tensors& ins, const c10d::AllT
 Backend::WorkPtr Backend::gather(TensorLists& outs_lists, Tensors& ins, const c10d::GatherOptions& o) {
   const int root = int(o.rootRank), me = getRank();
   std::vector<at::Tensor> outs = me == root && !outs_lists.empty() ? outs_lists[0] : std::vector<at::Tensor>{};
-  auto op = begin("gather", outs, false);
+  auto op = begin("gather", outs, false, o.timeout);
   if (ins.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(ins.size()) + ")");
   bool fresh = false;
   at::Tensor src = source(ins[0], &fresh);
@@ -561,7 +560,7 @@ Backend::WorkPtr Backend::gather(TensorLists& outs_lists, Tensors& ins, const c1
 
 Backend::WorkPtr Backend::scatter(Tensors& outs, TensorLists& ins_lists, const c10d::ScatterOptions& o) {
   const int root = int(o.rootRank), me = getRank();
-  auto op = begin("scatter", outs, false);
+  auto op = begin("scatter", outs, false, o.timeout);
   if (outs.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(outs.size()) + ")");
   at::Tensor out = outs[0];
   if (me != root) {
@@ -614,7 +613,7 @@ Backend::WorkPtr Backend::recvAnysource(Tensors& ts, int tag) {
 }
 
 Backend::WorkPtr Backend::barrier(const c10d::BarrierOptions& o) {
-  auto op = begin("barrier", {}, !o.asyncOp);
+  auto op = begin("barrier", {}, !o.asyncOp, o.timeout);
   op->issue(PLAIT_BARRIER, nullptr, nullptr, PLAIT_SUM, 0, -1, 0);
   return op->launch();
 }

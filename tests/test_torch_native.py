@@ -1,0 +1,107 @@
+"""The native (C++) torch backend: what only it does, its build and its fallback.
+
+Everything the two backends share runs on both in test_torch_backend.py, test_torch_collectives.py
+and test_torch_faults.py (conftest.torch_impl); these tests are about the native one.
+"""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+import plait  # noqa: E402
+import plait.torch  # noqa: E402
+from test_torch_backend import ROOT, init_pg, run_torch  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not plait.torch.native(), reason="the native torch backend did not build here")
+
+
+@pytest.fixture(autouse=True)
+def _native_only(monkeypatch):
+    monkeypatch.setenv("PLAIT_TORCH_NATIVE", "1")
+
+
+def _identity(rank, n, store_dir):
+    init_pg("plait", rank, n, store_dir)
+    pg = dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))
+    assert type(backend) is torch._C._distributed_c10d.Backend  # a C++ Backend, not a Python group
+    assert backend.name() == "plait" and dist.get_backend(pg) == "plait"
+    assert pg._device_types == [torch.device("cpu")]
+    comm = plait.torch.communicator()
+    assert comm.size == n and comm.rank == rank
+    t = torch.full((5,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((5,), float(n * (n + 1) // 2)))
+    return True
+
+
+def test_groups_are_cpp_backends(tmp_path):
+    run_torch(_identity, 2, tmp_path)
+
+
+def _timeout_text(rank, n, store_dir):
+    init_pg("plait", rank, n, store_dir, timeout=2)
+    if rank == 0:
+        with pytest.raises(dist.DistBackendError) as e:
+            dist.all_reduce(torch.ones(4))
+        assert isinstance(e.value, plait.TimeoutError), repr(e.value)
+        text = str(e.value)
+        # torch's convention, as gloo's errors have it, and plait's own account of the call
+        assert " Timed out " in text and "timeout" in text and "plait allreduce" in text, text
+        assert "rank 0" in text, text
+    else:
+        time.sleep(3)
+    return True
+
+
+def test_timeout_text_follows_torch(tmp_path):
+    run_torch(_timeout_text, 2, tmp_path, timeout=60)
+
+
+def _callback_issues(rank, n, store_dir):
+    """A Future callback that issues a collective and waits on it (PowerSGD does) completes."""
+    init_pg("plait", rank, n, store_dir)
+
+    def again(fut):
+        t = fut.value()[0] * 2
+        dist.all_reduce(t, async_op=True).wait()
+        return t
+
+    chained = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(again)
+    assert torch.equal(chained.wait(), torch.full((3,), 2.0 * n * n))
+    # many in flight, some waited, the last through its future only
+    ts = [torch.full((7,), float(k + rank)) for k in range(50)]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    works[10].wait()
+    works[-1].get_future().wait()
+    for k, t in enumerate(ts):
+        assert torch.equal(t, torch.full((7,), float(n * k + n * (n - 1) // 2))), k
+    return True
+
+
+def test_future_callbacks_may_issue_and_wait(tmp_path):
+    run_torch(_callback_issues, 2, tmp_path)
+
+
+def _probe(env):
+    code = "import plait.torch as t; print('native' if t.native() else 'python')"
+    e = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), **env)
+    return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=600)
+
+
+def test_fallback_when_it_cannot_build(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    p = _probe({"PLAIT_CACHE_DIR": str(blocker / "cache"), "PLAIT_TORCH_NATIVE": ""})
+    assert p.returncode == 0 and p.stdout.strip() == "python", p.stdout + p.stderr
+    notes = [line for line in p.stderr.splitlines() if "plait.torch" in line]
+    assert len(notes) == 1 and "native backend unavailable" in notes[0], p.stderr
+    p = _probe({"PLAIT_CACHE_DIR": str(blocker / "cache"), "PLAIT_TORCH_NATIVE": "1"})
+    assert p.returncode != 0 and "did not build" in p.stderr, p.stderr
+    p = _probe({"PLAIT_TORCH_NATIVE": "0"})
+    assert p.returncode == 0 and p.stdout.strip() == "python" and "plait.torch" not in p.stderr, p.stderr
