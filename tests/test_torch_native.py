@@ -105,3 +105,41 @@ def test_fallback_when_it_cannot_build(tmp_path):
     assert p.returncode != 0 and "did not build" in p.stderr, p.stderr
     p = _probe({"PLAIT_TORCH_NATIVE": "0"})
     assert p.returncode == 0 and p.stdout.strip() == "python" and "plait.torch" not in p.stderr, p.stderr
+
+
+def _coalesced(rank, n, store_dir):
+    init_pg("plait", rank, n, store_dir)
+    from torch.distributed.distributed_c10d import _coalescing_manager
+    c = torch.arange(5, dtype=torch.float32) * 10
+    if rank == 0:
+        # two coalesced allreduces are one plait call: it matches rank 1's single 5-element one
+        a, b = torch.arange(3, dtype=torch.float32), torch.arange(3, 5, dtype=torch.float32)
+        with _coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+            dist.all_reduce(a, async_op=True)
+            dist.all_reduce(b)
+        cm.wait()
+        assert torch.equal(torch.cat([a, b]), torch.arange(5, dtype=torch.float32) + c), (a, b)
+    else:
+        dist.all_reduce(c)
+    # C++ callers between start and end coalescing (not torch's Python capture): allreduces of
+    # one dtype and op fuse; another dtype, op or collective issues what came before, in order
+    pg = dist.group.WORLD
+    x = torch.full((4,), rank + 1, dtype=torch.int64)
+    y = torch.full((3,), float(rank + 1))
+    z = torch.full((2,), float(rank + 1))
+    g = torch.full((2,), float(rank))
+    bo = dist.BroadcastOptions()
+    bo.rootRank = 1
+    pg._start_coalescing(torch.device("cpu"))
+    works = [pg.allreduce([x]), pg.allreduce([y], dist.ReduceOp.MAX), pg.broadcast([g], bo),
+             pg.allreduce([z]), pg.allreduce([z.clone()])]
+    pg._end_coalescing(torch.device("cpu")).wait()
+    assert all(w.is_completed() for w in works)
+    s = n * (n + 1) // 2
+    assert torch.equal(x, torch.full((4,), s, dtype=torch.int64)) and torch.equal(y, torch.full((3,), float(n)))
+    assert torch.equal(z, torch.full((2,), float(s))) and torch.equal(g, torch.full((2,), 1.0))
+    return True
+
+
+def test_coalesced_allreduces_are_one_call(tmp_path):
+    run_torch(_coalesced, 2, tmp_path)

@@ -64,14 +64,18 @@ Error Backend::error(uint32_t kind, const std::string& where, const std::string&
   return Error(kind, text + msg);
 }
 
+std::string Backend::label(const std::string& what) const {
+  return "plait " + what + " on group '" + getGroupUid() + "' (rank " + std::to_string(getRank()) + " of " +
+         std::to_string(getSize()) + ")";
+}
+
 std::shared_ptr<Op> Backend::begin(const std::string& what, Tensors value, bool sync,
-                                   std::chrono::milliseconds timeout) {
-  const std::string where = "plait " + what + " on group '" + getGroupUid() + "' (rank " +
-                            std::to_string(getRank()) + " of " + std::to_string(getSize()) + ")";
-  if (closed_.load()) throw Error(PLAIT_E_GENERIC, where + ": the group was shut down");
-  auto op = std::make_shared<Op>(this, where, std::move(value));
+                                   std::chrono::milliseconds timeout, bool fusable) {
+  if (!fusable && !fuse_.empty()) flush();  // issue order is call order
+  if (closed_.load()) throw Error(PLAIT_E_GENERIC, label(what) + ": the group was shut down");
+  auto op = std::make_shared<Op>(this, what, std::move(value));
   op->weak = op;
-  op->sync = sync;
+  op->sync = sync && !coalescing_;  // a coalesced op completes with the group
   op->timeout_s = timeout.count() > 0 ? double(timeout.count()) / 1000.0 : timeout_s_;
   // A Future callback issuing a call on this thread: nobody else would complete it here.
   op->waiter_completes = on_completion_thread();
@@ -85,6 +89,7 @@ void Backend::startCoalescing() {
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::endCoalescing() {
+  flush();
   coalescing_ = false;
   return c10::make_intrusive<GroupWork>(std::move(coalesced_));
 }

@@ -40,7 +40,7 @@ class Backend;
 
 class Op {
  public:
-  Op(Backend* b, std::string where, std::vector<at::Tensor> value);
+  Op(Backend* b, std::string what, std::vector<at::Tensor> value);
   void issue(uint8_t coll, const plait_buffer* in, const plait_buffer* out, uint8_t op, int root,
              int peer, int64_t tag);
   void keep(const at::Tensor& t) { keep_.push_back(t); }
@@ -48,19 +48,24 @@ class Op {
   void after_first(std::function<void()> f) { after_.insert(after_.begin(), std::move(f)); }
   // Called once every plait call is issued: returns the Work (complete already when sync).
   c10::intrusive_ptr<c10d::Work> launch();
-  const std::string& where() const { return where_; }
+  std::string where() const;  // "plait allreduce on group 'x' (rank r of n)", for errors
 
   // For Work.
   bool done() const { return state_.load(std::memory_order_acquire) != 0; }
   bool ok() const { return state_.load(std::memory_order_acquire) == 1; }
   std::exception_ptr error() const { return error_; }
   bool wait(std::chrono::milliseconds timeout);
-  c10::intrusive_ptr<c10::ivalue::Future> future() const { return fut_; }
+  c10::intrusive_ptr<c10::ivalue::Future> future();
   const std::vector<at::Tensor>& value() const { return value_; }
 
   // The end of one plait call (ctx is a heap std::shared_ptr<Op>).
   static void on_call_done(void* ctx, uint32_t kind, const char* msg);
   void complete();  // runs the steps and completes the future, on whichever thread finished
+
+  // Holds the op open until release(): a coalesced allreduce waits for its fused call.
+  void hold() { outstanding_.fetch_add(1, std::memory_order_acq_rel); }
+  void release(uint32_t kind, const char* msg) { finish_call(kind, msg); }
+  void follow(std::shared_ptr<Op> op) { followers_.push_back(std::move(op)); }
 
   bool sync = false;         // the caller waits right away: plait calls run inline
   bool waiter_completes = false;  // launch() waits for the calls and completes the op itself
@@ -70,10 +75,11 @@ class Op {
   void finish_call(uint32_t kind, const char* msg);
 
   Backend* b_;
-  std::string where_;
+  std::string what_;
   std::vector<at::Tensor> value_, keep_;
   std::vector<std::function<void()>> after_;
   std::vector<void*> tasks_;  // plait task handles of async calls, in issue order
+  std::vector<std::shared_ptr<Op>> followers_;  // ops released when this one completes
   std::shared_ptr<Op>* self_ = nullptr;
   std::atomic<int> outstanding_{1};  // async calls in flight, +1 until launch()
   std::atomic<int> state_{0};        // 0 pending, 1 ok, 2 failed
@@ -153,6 +159,7 @@ class Backend : public c10d::Backend {
   void* comm() const { return comm_; }
   double timeout_s() const { return timeout_s_; }
   Error error(uint32_t kind, const std::string& where, const std::string& msg) const;
+  std::string label(const std::string& what) const;
   void post(std::shared_ptr<Op> op);  // completes op on the completion thread
   bool on_completion_thread() const;
 
@@ -160,7 +167,7 @@ class Backend : public c10d::Backend {
   // Starts one torch call. sync: the caller waits at once (asyncOp false); timeout: the
   // options' (unset: the group's).
   std::shared_ptr<Op> begin(const std::string& what, Tensors value, bool sync,
-                            std::chrono::milliseconds timeout = c10d::kUnsetTimeout);
+                            std::chrono::milliseconds timeout = c10d::kUnsetTimeout, bool fusable = false);
   [[noreturn]] void fail(const std::string& msg);  // aborts every rank; InvalidArgument here
   [[noreturn]] void unsupported(const Op& op, const std::string& msg) const;
   struct Red;
@@ -187,6 +194,11 @@ class Backend : public c10d::Backend {
   std::atomic<bool> closed_{false};
   bool coalescing_ = false;
   std::vector<std::shared_ptr<Op>> coalesced_;  // ops issued since startCoalescing
+  // Coalesced allreduces of one dtype and op not issued yet: one fused call at the next other
+  // op or at endCoalescing (flush).
+  std::vector<std::pair<std::shared_ptr<Op>, at::Tensor>> fuse_;
+  uint8_t fuse_op_ = 0;
+  void flush();
 };
 
 // The Work of a coalesced group of ops (endCoalescing): done when all of them are.

@@ -268,15 +268,94 @@ void Backend::reduce_by_gather(Op& op, const at::Tensor& x, at::Tensor y, const 
   });
 }
 
+// A coalesced allreduce plait reduces as it is: it joins the fused call (see flush).
+static int fusable_op(const Backend::Tensors& ts, const c10d::ReduceOp& r) {
+  if (ts.size() != 1) return -1;
+  const at::Tensor& t = ts[0];
+  if (!t.is_cpu() || !t.is_contiguous() || t.is_conj() || dtype_code(t.scalar_type()) < 0) return -1;
+  switch (r.op_) {
+    case RT::SUM: return PLAIT_SUM;
+    case RT::PRODUCT: return PLAIT_PROD;
+    case RT::MIN: return PLAIT_MIN;
+    case RT::MAX: return PLAIT_MAX;
+    case RT::AVG: return at::isFloatingType(t.scalar_type()) ? PLAIT_AVG : -1;
+    default: return -1;
+  }
+}
+
+void Backend::flush() {
+  if (fuse_.empty()) return;
+  auto batch = std::move(fuse_);
+  fuse_.clear();
+  std::vector<at::Tensor> parts, outs;
+  for (auto& [op, t] : batch) {
+    parts.push_back(t.reshape(-1));
+    outs.push_back(t);
+  }
+  at::Tensor flat = at::cat(parts);
+  auto fused = std::make_shared<Op>(this, "allreduce (" + std::to_string(batch.size()) + " coalesced)", Tensors{});
+  fused->weak = fused;
+  fused->timeout_s = batch.front().first->timeout_s;
+  for (auto& b : batch) fused->follow(b.first);
+  fused->keep(flat);
+  fused->after([flat, outs]() mutable {
+    int64_t off = 0;
+    for (auto& t : outs) {
+      t.view(-1).copy_(flat.narrow(0, off, t.numel()));
+      off += t.numel();
+    }
+  });
+  plait_buffer b = typed(flat);
+  try {
+    fused->issue(PLAIT_ALLREDUCE, &b, &b, fuse_op_, 0, -1, 0);
+  } catch (const Error& e) {
+    for (auto& x : batch) x.first->release(e.kind(), e.what_without_backtrace());
+    throw;
+  }
+  fused->launch();
+}
+
 Backend::WorkPtr Backend::allreduce(Tensors& ts, const c10d::AllreduceOptions& o) {
-  auto op = begin("allreduce", ts, !o.asyncOp, o.timeout);
+  const int fop = coalescing_ ? fusable_op(ts, o.reduceOp) : -1;
+  if (fop >= 0 && !fuse_.empty() &&
+      (fop != fuse_op_ || fuse_.front().second.scalar_type() != ts[0].scalar_type()))
+    flush();
+  auto op = begin("allreduce", ts, !o.asyncOp, o.timeout, fop >= 0);
+  if (fop >= 0) {
+    op->hold();  // released by the fused call
+    fuse_op_ = uint8_t(fop);
+    fuse_.emplace_back(op, ts[0]);
+    return op->launch();
+  }
   const Red red = red_of(o.reduceOp, *op);
   for (auto& t : ts) reduce_into(*op, t, t, red, -1, false);
   return op->launch();
 }
 
 Backend::WorkPtr Backend::allreduce_coalesced(Tensors& ts, const c10d::AllreduceCoalescedOptions& o) {
-  return allreduce(ts, o);
+  // One plait call over a flat copy when plait reduces every tensor as it is, in one dtype.
+  int fop = -1;
+  for (const auto& t : ts) {
+    const int f = fusable_op({t}, o.reduceOp);
+    if (f < 0 || t.scalar_type() != ts[0].scalar_type()) return allreduce(ts, o);
+    fop = f;
+  }
+  if (ts.size() < 2) return allreduce(ts, o);
+  auto op = begin("allreduce_coalesced", ts, !o.asyncOp, o.timeout);
+  std::vector<at::Tensor> parts;
+  for (const auto& t : ts) parts.push_back(t.reshape(-1));
+  at::Tensor flat = at::cat(parts);
+  op->keep(flat);
+  op->after([flat, ts]() mutable {
+    int64_t off = 0;
+    for (auto& t : ts) {
+      t.view(-1).copy_(flat.narrow(0, off, t.numel()));
+      off += t.numel();
+    }
+  });
+  plait_buffer b = typed(flat);
+  op->issue(PLAIT_ALLREDUCE, &b, &b, uint8_t(fop), 0, -1, 0);
+  return op->launch();
 }
 
 Backend::WorkPtr Backend::reduce(Tensors& ts, const c10d::ReduceOptions& o) {

@@ -10,10 +10,28 @@ thread_local bool tl_running_here = false;  // this thread runs a task through t
 Error::Error(uint32_t kind, const std::string& msg)
     : c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, uint32_t(__LINE__)}, msg), kind_(kind) {}
 
-Op::Op(Backend* b, std::string where, std::vector<at::Tensor> value)
-    : b_(b), where_(std::move(where)), value_(std::move(value)) {
-  fut_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                  std::vector<c10::Device>{});
+namespace {
+c10::intrusive_ptr<c10::ivalue::Future> new_future() {
+  static const c10::TypePtr type = c10::ListType::create(c10::TensorType::get());
+  return c10::make_intrusive<c10::ivalue::Future>(type);
+}
+}  // namespace
+
+Op::Op(Backend* b, std::string what, std::vector<at::Tensor> value)
+    : b_(b), what_(std::move(what)), value_(std::move(value)) {}
+
+std::string Op::where() const { return b_->label(what_); }
+
+c10::intrusive_ptr<c10::ivalue::Future> Op::future() {
+  // Made on first request: most calls (dist.* without async_op) never hand one out.
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!fut_) {
+    fut_ = new_future();
+    const int s = state_.load(std::memory_order_acquire);
+    if (s == 1) fut_->markCompleted(c10::IValue(value_));
+    if (s == 2) fut_->setError(error_);
+  }
+  return fut_;
 }
 
 Op::~Op() {
@@ -41,7 +59,7 @@ void Op::issue(uint8_t coll, const plait_buffer* in, const plait_buffer* out, ui
       tasks_.push_back(task);
     }
   }
-  if (kind) throw b_->error(kind, where_, err);
+  if (kind) throw b_->error(kind, where(), err);
 }
 
 void Op::on_call_done(void* ctx, uint32_t kind, const char* msg) {
@@ -81,16 +99,20 @@ void Op::complete() {
   }
   after_.clear();
   keep_.clear();
-  if (kind_) error_ = std::make_exception_ptr(b_->error(kind_, where_, msg_));
+  if (kind_) error_ = std::make_exception_ptr(b_->error(kind_, where(), msg_));
+  c10::intrusive_ptr<c10::ivalue::Future> fut;
   {
     std::lock_guard<std::mutex> lk(mu_);
     state_.store(kind_ ? 2 : 1, std::memory_order_release);
+    fut = fut_;  // one made later completes at birth (future())
   }
   cv_.notify_all();
-  if (kind_) {
-    fut_->setError(error_);
-  } else {
-    fut_->markCompleted(c10::IValue(value_));
+  for (auto& f : followers_) f->release(kind_, msg_.c_str());
+  followers_.clear();
+  if (fut && kind_) {
+    fut->setError(error_);
+  } else if (fut) {
+    fut->markCompleted(c10::IValue(value_));
   }
 }
 
@@ -121,7 +143,7 @@ bool Op::wait(std::chrono::milliseconds timeout) {
     if (timeout.count() <= 0) {
       cv_.wait(lk, pred);
     } else if (!cv_.wait_for(lk, timeout, pred)) {
-      throw Error(kTimeout, where_ + ": Work.wait Timed out after " + std::to_string(timeout.count()) +
+      throw Error(kTimeout, where() + ": Work.wait Timed out after " + std::to_string(timeout.count()) +
                                 " ms (timeout; the call goes on)");
     }
   }
@@ -143,7 +165,7 @@ GroupWork::GroupWork(std::vector<std::shared_ptr<Op>> ops) : c10d::Work(-1, c10d
   if (!ops_.empty()) {
     fut_ = ops_.back()->future();
   } else {
-    fut_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    fut_ = new_future();
     fut_->markCompleted(c10::IValue(std::vector<at::Tensor>{}));
   }
 }
