@@ -143,3 +143,39 @@ def _coalesced(rank, n, store_dir):
 
 def test_coalesced_allreduces_are_one_call(tmp_path):
     run_torch(_coalesced, 2, tmp_path)
+
+
+def _split(rank, n, store_dir):
+    init_pg("plait", rank, n, store_dir)
+    sub = dist.group.WORLD.split_group([0, 2], group_name="plait-sub02")
+    if rank == 1:
+        assert sub is None
+    else:
+        assert sub.size() == 2 and sub.rank() == rank // 2
+        assert sub._get_backend(torch.device("cpu")).name() == "plait"
+        t = torch.full((3,), float(rank + 1))
+        sub.allreduce([t]).wait()
+        assert torch.equal(t, torch.full((3,), 4.0))  # ranks 0 and 2: 1 + 3
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the parent goes on
+    assert torch.equal(t, torch.full((2,), float(n)))
+    return True
+
+
+def test_split_group(tmp_path):
+    run_torch(_split, 3, tmp_path)
+
+
+def _mixed(rank, n, store_dir, backend):
+    init_pg(backend, rank, n, store_dir)
+    pg = dist.group.WORLD
+    assert pg._get_backend(torch.device("cpu")).name() == "plait"
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((4,), float(n * (n + 1) // 2)))
+    return True
+
+
+@pytest.mark.parametrize("backend", ["cpu:plait", "cpu:plait,cuda:plait"])
+def test_device_backend_strings(backend, tmp_path):
+    run_torch(_mixed, 2, tmp_path, args=(backend,))

@@ -5,6 +5,8 @@
 #include <Python.h>
 #include <torch/python.h>
 
+#include <algorithm>
+
 namespace plait_torch {
 
 namespace {
@@ -103,6 +105,20 @@ void Backend::fail(const std::string& msg) {
 
 void Backend::unsupported(const Op& op, const std::string& msg) const {
   throw error(kUnsupported, op.where(), msg);
+}
+
+c10::intrusive_ptr<c10d::Backend> Backend::split(const c10::intrusive_ptr<c10d::Store>& store,
+                                                 const std::vector<int>& ranks,
+                                                 const c10::intrusive_ptr<c10d::Backend::Options>& opts) {
+  auto me = std::find(ranks.begin(), ranks.end(), getRank());
+  if (me == ranks.end()) return nullptr;  // only the new group's members rendezvous
+  const double secs = opts && opts->timeout.count() > 0 ? double(opts->timeout.count()) / 1000.0 : timeout_s_;
+  const std::string name = opts ? opts->group_name : std::string();
+  // A new communicator rendezvouses through the store in plait.init (Python): once per split.
+  pybind11::gil_scoped_acquire gil;
+  pybind11::object made = pybind11::module_::import("plait.torch._native")
+                              .attr("split")(store, int(me - ranks.begin()), int(ranks.size()), secs, name);
+  return made.cast<c10::intrusive_ptr<c10d::Backend>>();
 }
 
 bool Backend::on_completion_thread() const { return tl_completing == this; }

@@ -123,6 +123,11 @@ class Backend : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds t) override { timeout_s_ = double(t.count()) / 1000.0; }
   void shutdown() override;
   bool supportsCoalescing() const override { return true; }
+  bool supportsSplitting() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override {
+    return c10::make_intrusive<c10d::Backend::Options>(
+        "plait", std::chrono::milliseconds(int64_t(timeout_s_ * 1000)));
+  }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   void abort() override { shutdown(); }

@@ -697,9 +697,4 @@ Backend::WorkPtr Backend::barrier(const c10d::BarrierOptions& o) {
   return op->launch();
 }
 
-c10::intrusive_ptr<c10d::Backend> Backend::split(const c10::intrusive_ptr<c10d::Store>&, const std::vector<int>&,
-                                                 const c10::intrusive_ptr<c10d::Backend::Options>&) {
-  throw Error(kUnsupported, "plait groups cannot split_group() yet: use dist.new_group(ranks)");
-}
-
 }  // namespace plait_torch

@@ -105,3 +105,19 @@ def create(opts, buffer_bytes):
                              secs if secs else 300.0)
     _comms[str(opts.group_id)] = comm
     return backend
+
+
+def split(store, rank, size, timeout_s, group_name):
+    """The Backend of a group split off a native one (c10d's split_group), as C++ asks for it."""
+    from datetime import timedelta
+
+    class _Opts:
+        pass
+    opts = _Opts()
+    opts.store, opts.group_rank, opts.group_size = store, rank, size
+    opts.timeout, opts.group_id = timedelta(seconds=timeout_s), group_name
+    from torch._C._distributed_c10d import Backend
+    made = create(opts, None)
+    if not isinstance(made, Backend):
+        raise RuntimeError("plait: split_group needs a communicator the native backend drives")
+    return made
