@@ -179,3 +179,22 @@ def _mixed(rank, n, store_dir, backend):
 @pytest.mark.parametrize("backend", ["cpu:plait", "cpu:plait,cuda:plait"])
 def test_device_backend_strings(backend, tmp_path):
     run_torch(_mixed, 2, tmp_path, args=(backend,))
+
+
+def _tags(rank, n, store_dir):
+    init_pg("plait", rank, n, store_dir)
+    if rank == 0:
+        for tag in (7, 9):
+            dist.isend(torch.full((3,), float(tag)), 1, tag=tag).wait()
+    else:
+        nine, seven = torch.empty(3), torch.empty(3)
+        works = [dist.irecv(nine, 0, tag=9), dist.irecv(seven, 0, tag=7)]  # 9 posted before 7
+        for w in works:
+            w.wait()
+        assert torch.equal(nine, torch.full((3,), 9.0)) and torch.equal(seven, torch.full((3,), 7.0))
+    dist.barrier()
+    return True
+
+
+def test_recv_matches_by_tag_as_gloo(tmp_path):
+    run_torch(_tags, 2, tmp_path)

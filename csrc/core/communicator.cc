@@ -53,6 +53,8 @@ Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options
     throw;
   }
   for (auto* v : {&send_chunk_, &send_msg_, &recv_chunk_, &recv_msg_}) v->assign(size_t(size_), 0);
+  stash_.resize(size_t(size_));
+  rx_busy_.assign(size_t(size_), 0);
   thread_ = std::thread([this] { progress_loop(); });
   {
     std::unique_lock<std::mutex> lk(ready_mu_);

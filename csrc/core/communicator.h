@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -99,8 +100,17 @@ class Communicator {
     CallArgs* a;
     std::shared_ptr<Task> task;  // null for an inline call
     bool started = false;
+    bool stashing = false;  // copies a message into the stash (Stash::p)
     uint64_t msg = 0, first = 0, nchunks = 0, done = 0;
     double deadline = 0;
+  };
+
+  // A message no posted async recv wanted when it reached the head of its channel: copied
+  // aside so later messages can reach their receivers (receives match by (sender, tag)).
+  struct Stash {
+    CallArgs a;
+    std::vector<char> buf;
+    P2P p{&a, nullptr, false, true};
   };
 
   CallArgs validate(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root, int peer,
@@ -111,6 +121,8 @@ class Communicator {
   void run_local(const CallArgs& a);
   void run_p2p(std::vector<P2P>& ops);
   bool p2p_step(P2P& op);
+  int take_stashed(P2P& op);  // 1 copied from the stash, 0 none there, -1 there but incomplete
+  bool stash_head(int peer, const std::vector<P2P>& ops);
   void progress_loop();
   void enqueue(const std::shared_ptr<Task>& t);
   void wait_for_all_ranks(double timeout_s);
@@ -128,6 +140,8 @@ class Communicator {
   bool closed_ = false;
 
   std::vector<uint64_t> send_chunk_, send_msg_, recv_chunk_, recv_msg_;
+  std::vector<std::list<Stash>> stash_;  // per sender, in arrival order
+  std::vector<uint8_t> rx_busy_;         // per sender: a message is being copied out
 
   std::mutex exec_mu_;  // held while a call executes
   std::mutex q_mu_;
