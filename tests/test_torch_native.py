@@ -198,3 +198,36 @@ def _tags(rank, n, store_dir):
 
 def test_recv_matches_by_tag_as_gloo(tmp_path):
     run_torch(_tags, 2, tmp_path)
+
+
+def _sparse(rank, n, store_dir, backend, steps):
+    init_pg(backend, rank, n, store_dir)
+    # a sparse all_reduce: duplicate indices across ranks sum, as gloo's do
+    i = torch.tensor([[rank, 3]])
+    t = torch.sparse_coo_tensor(i, torch.tensor([1.0 + rank, 10.0]), (5,))
+    dist.all_reduce(t)
+    dense = t.to_dense()
+    want = torch.zeros(5)
+    for r in range(n):
+        want[r] += 1.0 + r
+    want[3] += 10.0 * n
+    assert torch.equal(dense, want), dense
+    # DDP over a sparse embedding
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 4, sparse=True)
+    model = DDP(emb)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(steps):
+        ids = torch.tensor([(7 * step + 3 * rank + k) % 50 for k in range(6)])
+        loss = (model(ids) * float(rank + 1)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return emb.weight.detach().tolist()  # plain data: tensors would cross as shared memory
+
+
+def test_sparse_allreduce_and_ddp_over_sparse_embedding(tmp_path):
+    p = run_torch(_sparse, 2, tmp_path / "plait", args=("plait", 5))
+    g = run_torch(_sparse, 2, tmp_path / "gloo", args=("gloo", 5))
+    assert p[0] == p[1] and p[0] == g[0]

@@ -185,6 +185,7 @@ class Backend : public c10d::Backend {
   void exchange(Op& op, const Tensors& srcs, const Tensors& dsts);
   at::Tensor sink(Op& op, const at::Tensor& t);
   void completion_loop();
+  WorkPtr allreduce_sparse_coo(Tensors& ts, const c10d::AllreduceOptions& o);
 
   const plait_capi* api_;
   void* comm_;

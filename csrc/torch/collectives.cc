@@ -315,7 +315,57 @@ void Backend::flush() {
   fused->launch();
 }
 
+// A sparse (COO) allreduce, as gloo does it: every rank's indices and values are gathered
+// (padded to the largest count), then summed locally (coalesce) into the input tensor.
+Backend::WorkPtr Backend::allreduce_sparse_coo(Tensors& ts, const c10d::AllreduceOptions& o) {
+  auto op = begin("allreduce (sparse)", ts, !o.asyncOp, o.timeout);
+  if (ts.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
+  if (o.reduceOp.op_ != RT::SUM) unsupported(*op, std::string(op_name(o.reduceOp.op_)) + " on sparse tensors (SUM only, as gloo)");
+  at::Tensor t = ts[0];
+  if (!t.is_cpu() || t.layout() != at::kSparse) unsupported(*op, "sparse tensors other than CPU COO");
+  const at::Tensor in = t.coalesce();
+  const int n = getSize();
+  // The counts first, inline: the gathers' sizes depend on them.
+  at::Tensor counts = at::empty({n}, at::kLong), mine = at::full({1}, in._nnz(), at::kLong);
+  plait_buffer a = typed(mine), b = typed(counts);
+  char err[1024];
+  if (uint32_t kind = api_->call(comm_, PLAIT_ALLGATHER, &a, &b, PLAIT_SUM, 0, -1, 0, "auto", op->timeout_s,
+                                 nullptr, nullptr, nullptr, err, sizeof err))
+    throw error(kind, op->where(), err);
+  const int64_t most = counts.max().item<int64_t>();
+  auto pad = [&](const at::Tensor& x, int64_t dim) {  // x with dim grown to `most`, contiguous
+    auto sizes = x.sizes().vec();
+    sizes[size_t(dim)] = most;
+    at::Tensor p = at::zeros(sizes, x.options());
+    p.narrow(dim, 0, x.size(dim)).copy_(x);
+    return p;
+  };
+  const at::Tensor idx = pad(in._indices(), 1), val = pad(in._values(), 0);
+  auto stacked = [&](const at::Tensor& x) {
+    auto sizes = x.sizes().vec();
+    sizes.insert(sizes.begin(), n);
+    return at::empty(sizes, x.options());
+  };
+  at::Tensor all_idx = stacked(idx), all_val = stacked(val);
+  op->keep(idx);
+  op->keep(val);
+  plait_buffer i1 = bytes(idx), i2 = bytes(all_idx), v1 = bytes(val), v2 = bytes(all_val);
+  op->issue(PLAIT_ALLGATHER, &i1, &i2, PLAIT_SUM, 0, -1, 0);
+  op->issue(PLAIT_ALLGATHER, &v1, &v2, PLAIT_SUM, 0, -1, 0);
+  op->after([t, counts, all_idx, all_val]() mutable {
+    std::vector<at::Tensor> is, vs;
+    for (int64_t r = 0; r < counts.size(0); ++r) {
+      const int64_t c = counts[r].item<int64_t>();
+      is.push_back(all_idx[r].narrow(1, 0, c));
+      vs.push_back(all_val[r].narrow(0, 0, c));
+    }
+    t.copy_(at::sparse_coo_tensor(at::cat(is, 1), at::cat(vs, 0), t.sizes()).coalesce());
+  });
+  return op->launch();
+}
+
 Backend::WorkPtr Backend::allreduce(Tensors& ts, const c10d::AllreduceOptions& o) {
+  if (!ts.empty() && ts[0].is_sparse()) return allreduce_sparse_coo(ts, o);
   const int fop = coalescing_ ? fusable_op(ts, o.reduceOp) : -1;
   if (fop >= 0 && !fuse_.empty() &&
       (fop != fuse_op_ || fuse_.front().second.scalar_type() != ts[0].scalar_type()))
