@@ -231,3 +231,33 @@ def test_sparse_allreduce_and_ddp_over_sparse_embedding(tmp_path):
     p = run_torch(_sparse, 2, tmp_path / "plait", args=("plait", 5))
     g = run_torch(_sparse, 2, tmp_path / "gloo", args=("gloo", 5))
     assert p[0] == p[1] and p[0] == g[0]
+
+
+def _fsdp2_alloc(rank, n, store_dir, backend, steps):
+    init_pg(backend, rank, n, store_dir)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from test_torch_backend import _mlp, _train
+    mesh = init_device_mesh("cpu", (n,))
+    model = _mlp(0)
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_force_sum_reduction_for_comms(True)  # gloo has no AVG; the same op on both
+    model.set_allocate_memory_from_process_group_for_comm(True)
+    shared = None
+    if backend == "plait":
+        t = dist.group.WORLD._get_backend(torch.device("cpu")).allocate_tensor(
+            1000, dtype=torch.float32, device=torch.device("cpu"))
+        shared = plait._C.is_shared(t.data_ptr(), t.numel() * 4)
+        del t
+    _train(model, rank, steps)
+    full = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+    return full, shared
+
+
+def test_fsdp2_buffers_from_allocate_tensor_match_gloo(tmp_path):
+    p = run_torch(_fsdp2_alloc, 2, tmp_path / "plait", timeout=120, args=("plait", 10))
+    g = run_torch(_fsdp2_alloc, 2, tmp_path / "gloo", timeout=120, args=("gloo", 10))
+    assert p[0][1] is True  # the backend's tensors live in plait shared memory
+    assert p[0][0] == g[0][0] and p[1][0] == g[1][0]

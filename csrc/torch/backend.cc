@@ -121,6 +121,15 @@ c10::intrusive_ptr<c10d::Backend> Backend::split(const c10::intrusive_ptr<c10d::
   return made.cast<c10::intrusive_ptr<c10d::Backend>>();
 }
 
+at::Tensor Backend::allocateTensor(long size, at::TensorOptions options) {
+  const size_t bytes = size_t(std::max<long>(size, 0)) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  uint64_t id = 0;
+  void* p = api_->shared_alloc(std::max<size_t>(bytes, 1), &id);
+  if (!p) return at::empty({size}, options.device(at::kCPU));  // out of shared memory: private
+  const plait_capi* api = api_;
+  return at::from_blob(p, {size}, [api, id](void*) { api->shared_free(id); }, options.device(at::kCPU));
+}
+
 bool Backend::on_completion_thread() const { return tl_completing == this; }
 
 void Backend::post(std::shared_ptr<Op> op) {

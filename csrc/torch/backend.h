@@ -124,6 +124,11 @@ class Backend : public c10d::Backend {
   void shutdown() override;
   bool supportsCoalescing() const override { return true; }
   bool supportsSplitting() const override { return true; }
+  // Communication buffers in plait shared memory (FSDP2 asks through
+  // set_allocate_memory_from_process_group_for_comm): peers map them, so collectives on them
+  // skip the kernel copies.
+  bool supportsTensorAlloc(c10::DeviceIndex) override { return true; }
+  at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
   c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override {
     return c10::make_intrusive<c10d::Backend::Options>(
         "plait", std::chrono::milliseconds(int64_t(timeout_s_ * 1000)));
