@@ -261,3 +261,64 @@ def test_fsdp2_buffers_from_allocate_tensor_match_gloo(tmp_path):
     g = run_torch(_fsdp2_alloc, 2, tmp_path / "gloo", timeout=120, args=("gloo", 10))
     assert p[0][1] is True  # the backend's tensors live in plait shared memory
     assert p[0][0] == g[0][0] and p[1][0] == g[1][0]
+
+
+def _custom_ops(rank, n, store_dir):
+    init_pg("plait", rank, n, store_dir)
+    name = dist.group.WORLD.group_name
+    t = torch.full((2, 3), float(rank + 1))
+    torch.ops.plait.all_reduce_(t, "sum", name)
+    assert torch.equal(t, torch.full((2, 3), float(n * (n + 1) // 2)))
+    g = torch.ops.plait.all_gather(torch.full((1, 2), float(rank)), name)
+    assert torch.equal(g, torch.arange(n, dtype=torch.float32).repeat_interleave(2).view(n, 2))
+
+    def layer(x, w):  # a tensor-parallel step: local matmul, then the sum over ranks
+        y = x @ w
+        torch.ops.plait.all_reduce_(y, "sum", name)
+        return torch.ops.plait.all_gather(y.relu(), name)
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    x, w = torch.ones(2, 4), torch.full((4, 3), float(rank + 1))
+    want = layer(x.clone(), w)
+    got = compiled(x.clone(), w)
+    assert torch.equal(got, want) and got.shape == (2 * n, 3), got
+    return True
+
+
+def test_custom_ops_eager_and_compiled(tmp_path):
+    run_torch(_custom_ops, 2, tmp_path, timeout=300)
+
+
+def _bf16_hooks(rank, n, store_dir):
+    init_pg("plait", rank, n, store_dir)
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def bf16_hook(group, bucket):  # the hand-written form docs/torch.md shows
+        buf = bucket.buffer()
+        low = buf.to(torch.bfloat16).div_(dist.get_world_size(group))
+        fut = dist.all_reduce(low, group=group, async_op=True).get_future()
+        return fut.then(lambda f: buf.copy_(f.value()[0]))
+
+    out = []
+    torch.manual_seed(0)
+    with pytest.raises(TypeError, match="NCCL"):  # torch keeps its bf16 hook to NCCL/XCCL
+        DDP(torch.nn.Linear(8, 4)).register_comm_hook(dist.group.WORLD, bf16_compress_hook)
+    for hook in (bf16_hook, bf16_hook):
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(8, 4))
+        model.register_comm_hook(dist.group.WORLD, hook)
+        x = torch.full((2, 8), float(rank + 1))
+        model(x).sum().backward()
+        # grads are small integers times 1/n: exact in bfloat16
+        out.append([p.grad.tolist() for p in model.parameters()])
+    with pytest.raises(ValueError, match="GLOO"):  # torch keeps it to gloo
+        dist.monitored_barrier()
+    return out
+
+
+def test_bf16_hooks_and_monitored_barrier(tmp_path):
+    a, b = run_torch(_bf16_hooks, 2, tmp_path)
+    assert a == b and a[0] == a[1], (a, b)
+    # the mean of ranks 1 and 2: the weight's gradient is 1.5 * 2 rows for every entry
+    assert a[0][0] == [[3.0] * 8] * 4 and a[0][1] == [2.0] * 4, a[0]

@@ -16,7 +16,7 @@ import sys
 import weakref
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SOURCES = ("torch/backend.cc", "torch/work.cc", "torch/collectives.cc")
+_SOURCES = ("torch/backend.cc", "torch/work.cc", "torch/collectives.cc", "torch/ops.cc")
 _HEADERS = ("torch/backend.h", "bindings/capi.h")
 _module = None
 _tried = False
