@@ -66,3 +66,34 @@ def _stashed_mismatch(rank, n, store):
 def test_stashed_message_of_another_size_is_a_mismatch():
     msg = run_ranks(_stashed_mismatch, 2, timeout=60)[1]
     assert "tag=3" in msg and "40 bytes" in msg and "32 bytes" in msg, msg
+
+
+def _any_source(rank, n, store):
+    with plait.init(rank, n, store=store, timeout=20) as comm:
+        if rank:
+            comm.send(np.full(3, 100.0 + rank), 0, tag=8, async_op=True).wait()  # unwanted: stashed
+            comm.send(np.full(4, float(rank)), 0, tag=5, async_op=True).wait()
+            comm.send(np.full(4, 10.0 * rank), 0, tag=5)
+            comm.barrier()
+            return True
+        got = [np.empty(4) for _ in range(2 * (n - 1))]
+        hs = [comm.recv(got[k], -1, tag=5, async_op=True) for k in range(n - 1)]  # -1: any source
+        for h in hs:
+            h.wait()
+        for k in range(n - 1, 2 * (n - 1)):
+            comm.recv(got[k], -1, tag=5)  # blocking, from any source too
+        stashed = [np.empty(3) for _ in range(n - 1)]
+        for s in stashed:
+            comm.recv(s, -1, tag=8, async_op=True).wait()
+        comm.barrier()
+        firsts = sorted(float(g[0]) for g in got[:n - 1])
+        # a sender's two tag-5 messages arrive in its order; all of them arrive once
+        return (all(len(set(g.tolist())) == 1 for g in got), sorted(float(g[0]) for g in got),
+                firsts, sorted(float(s[0]) for s in stashed))
+
+
+def test_recv_from_any_source():
+    n = 3
+    ok, values, firsts, stashed = run_ranks(_any_source, n, timeout=60)[0]
+    assert ok and values == sorted([float(r) for r in range(1, n)] + [10.0 * r for r in range(1, n)]), values
+    assert stashed == [100.0 + r for r in range(1, n)], stashed

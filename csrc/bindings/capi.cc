@@ -17,6 +17,7 @@ namespace {
 static_assert(int(Coll::recv) == PLAIT_RECV && int(Coll::barrier) == PLAIT_BARRIER, "capi.h coll codes");
 static_assert(int(DType::boolean) == PLAIT_BOOL && int(DType::i64) == PLAIT_I64, "capi.h dtype codes");
 static_assert(int(RedOp::avg) == PLAIT_AVG, "capi.h op codes");
+static_assert(kAnySource == PLAIT_ANY_SOURCE, "capi.h any-source code");
 static_assert(int(ErrorKind::peer_lost) == PLAIT_E_PEER_LOST && int(ErrorKind::timeout) == PLAIT_E_TIMEOUT,
               "capi.h error codes");
 
@@ -78,6 +79,8 @@ int c_task_run(void* comm, void* task) {
   }
 }
 
+int c_task_peer(void* task) { return (*static_cast<std::shared_ptr<Task>*>(task))->args.peer; }
+
 void c_task_release(void* task) { delete static_cast<std::shared_ptr<Task>*>(task); }
 
 void c_finalize(void* comm) { static_cast<Communicator*>(comm)->finalize(); }
@@ -91,7 +94,7 @@ void* c_shared_alloc(size_t bytes, uint64_t* id) {
 }
 
 const plait_capi kTable = {PLAIT_CAPI_VERSION, sizeof(plait_capi), c_rank, c_size, c_call, c_fail,
-                           c_task_run, c_task_release, c_finalize, c_shared_alloc, shared_free};
+                           c_task_run, c_task_release, c_finalize, c_task_peer, c_shared_alloc, shared_free};
 
 }  // namespace
 

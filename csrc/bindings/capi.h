@@ -21,6 +21,7 @@ enum plait_coll { PLAIT_ALLREDUCE = 0, PLAIT_REDUCE_SCATTER, PLAIT_ALLGATHER, PL
                   PLAIT_ALLTOALL, PLAIT_BARRIER, PLAIT_SEND, PLAIT_RECV };
 enum plait_dtype { PLAIT_F16 = 0, PLAIT_BF16, PLAIT_F32, PLAIT_F64, PLAIT_I8, PLAIT_U8, PLAIT_I32, PLAIT_I64,
                    PLAIT_BOOL };
+enum { PLAIT_ANY_SOURCE = -1 };
 enum plait_op { PLAIT_SUM = 0, PLAIT_PROD, PLAIT_MIN, PLAIT_MAX, PLAIT_AVG };
 enum plait_error { PLAIT_OK = 0, PLAIT_E_GENERIC, PLAIT_E_INVALID, PLAIT_E_MISMATCH, PLAIT_E_TIMEOUT,
                    PLAIT_E_PEER_LOST };
@@ -42,7 +43,7 @@ typedef struct plait_capi {
   uint32_t struct_size;  // sizeof(plait_capi) of the library: later versions only append
   int (*rank)(void* comm);
   int (*size)(void* comm);
-  // One call. done == NULL: synchronous, returns when it finished. Otherwise asynchronous:
+  // One call; a recv's peer may be PLAIT_ANY_SOURCE. done == NULL: synchronous, returns when it finished. Otherwise asynchronous:
   // returns 0 once it is queued, done(ctx, ...) follows exactly once; with task != NULL,
   // *task receives a handle for task_run / task_release. Validation errors return their kind
   // (done is not called) and abort the communicator on every rank, as the Python calls do.
@@ -56,6 +57,8 @@ typedef struct plait_capi {
   void (*task_release)(void* task);
   // Finishes the queued calls, then stops the communicator (later calls fail); idempotent.
   void (*finalize)(void* comm);
+  // The rank a finished recv task got its message from (the sender an any-source recv matched).
+  int (*task_peer)(void* task);
   // Memory peers can map (plait.empty's): alloc returns NULL on failure; id frees it.
   void* (*shared_alloc)(size_t bytes, uint64_t* id);
   void (*shared_free)(uint64_t id);

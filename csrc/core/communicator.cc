@@ -269,7 +269,8 @@ CallArgs Communicator::validate(Coll c, const Buffer& in, const Buffer& out, Red
   if (c == Coll::send && !in.present) bad() << "send needs an input buffer";
   if ((c == Coll::broadcast || c == Coll::reduce) && (root < 0 || root >= size_))
     bad() << "root " << root << " is out of range for " << size_ << " ranks";
-  if ((c == Coll::send || c == Coll::recv) && (peer < 0 || peer >= size_ || peer == rank_))
+  if ((c == Coll::send || c == Coll::recv) && (peer < 0 || peer >= size_ || peer == rank_) &&
+      !(c == Coll::recv && peer == kAnySource))
     bad() << "peer " << peer << " is not another rank of this " << size_ << "-rank communicator";
   if (op == RedOp::avg && !is_float(a.dtype))
     bad() << "op avg needs a floating-point dtype, got " << dtype_name(a.dtype);

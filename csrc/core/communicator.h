@@ -40,6 +40,9 @@ struct Options {
   double init_timeout_s = 300;
 };
 
+// recv's peer for "from any rank": the first message of its tag from whichever sender.
+constexpr int kAnySource = -1;
+
 class Task {
  public:
   explicit Task(const CallArgs& a) : args(a) {}
@@ -121,7 +124,8 @@ class Communicator {
   void run_local(const CallArgs& a);
   void run_p2p(std::vector<P2P>& ops);
   bool p2p_step(P2P& op);
-  int take_stashed(P2P& op);  // 1 copied from the stash, 0 none there, -1 there but incomplete
+  int take_stashed(P2P& op);
+  int any_source(const CallArgs& a);  // 1 copied from the stash, 0 none there, -1 there but incomplete
   bool stash_head(int peer, const std::vector<P2P>& ops);
   void progress_loop();
   void enqueue(const std::shared_ptr<Task>& t);

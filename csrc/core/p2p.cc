@@ -16,6 +16,10 @@ namespace plait {
 
 // Moves one chunk if the channel allows; false when it has to wait.
 bool Communicator::p2p_step(P2P& op) {
+  if (op.a->peer == kAnySource && !(op.a->peer = any_source(*op.a), op.a->peer >= 0)) {
+    op.a->peer = kAnySource;
+    return false;
+  }
   const CallArgs& a = *op.a;
   const size_t slot_bytes = seg_->params().pair_slot_bytes;
   const size_t nbytes = size_t(a.count) * dtype_size(a.dtype);
@@ -74,6 +78,24 @@ bool Communicator::p2p_step(P2P& op) {
   return true;
 }
 
+// The sender an any-source recv takes its message from: a stashed message of its tag, else a
+// channel whose next message has its tag; -1 while there is none.
+int Communicator::any_source(const CallArgs& a) {
+  for (int p = 0; p < size_; ++p)
+    for (const auto& e : stash_[size_t(p)])
+      if (e.a.tag == a.tag && e.p.started && e.p.done == e.p.nchunks) return p;
+  for (int p = 0; p < size_; ++p) {
+    const uint64_t head = recv_chunk_[size_t(p)];
+    if (p == rank_ || rx_busy_[size_t(p)] ||
+        seg_->pair_posted(p, rank_)->v.load(std::memory_order_acquire) < head + 1)
+      continue;
+    PairSlotHeader h;
+    std::memcpy(&h, seg_->pair_slot(p, rank_, head), sizeof h);
+    if (h.tag == a.tag) return p;
+  }
+  return -1;
+}
+
 int Communicator::take_stashed(P2P& op) {
   const CallArgs& a = *op.a;
   auto& st = stash_[size_t(a.peer)];
@@ -106,7 +128,9 @@ bool Communicator::stash_head(int peer, const std::vector<P2P>& ops) {
   PairSlotHeader h;
   std::memcpy(&h, seg_->pair_slot(peer, rank_, head), sizeof h);
   for (const auto& op : ops)
-    if (op.a->coll == Coll::recv && !op.started && op.a->peer == peer && op.a->tag == h.tag) return false;
+    if (op.a->coll == Coll::recv && !op.started && (op.a->peer == peer || op.a->peer == kAnySource) &&
+        op.a->tag == h.tag)
+      return false;
   const DType dt = h.dtype < uint32_t(DType::kCount) ? DType(h.dtype) : DType::u8;
   Stash& e = stash_[size_t(peer)].emplace_back();
   e.a.coll = Coll::recv;
@@ -143,14 +167,16 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
       std::fill(busy.begin(), busy.end(), 0);
       for (size_t i = 0; i < ops.size();) {
         P2P& op = ops[i];
-        uint8_t& b = busy[size_t(op.a->peer) * 2 + (op.a->coll == Coll::send)];
         // an earlier call on the same channel goes first; async recvs pick messages by tag
-        const bool by_tag = op.a->coll == Coll::recv && op.task;
-        if (b && !by_tag) {
-          ++i;
-          continue;
+        const bool by_tag = op.a->coll == Coll::recv && (op.task || op.a->peer == kAnySource);
+        if (!by_tag) {
+          uint8_t& b = busy[size_t(op.a->peer) * 2 + (op.a->coll == Coll::send)];
+          if (b) {
+            ++i;
+            continue;
+          }
+          b = 1;
         }
-        b = 1;
         while (!(op.started && op.done == op.nchunks) && p2p_step(op)) progressed = true;
         if (op.started && op.done == op.nchunks) {
           finish(op, ErrorKind::none, "");
@@ -160,8 +186,11 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
         }
       }
       // A head message no async recv of this batch took goes aside; stashed ones keep arriving.
-      for (auto& op : ops)
-        if (op.task && op.a->coll == Coll::recv && !op.started && stash_head(op.a->peer, ops)) progressed = true;
+      for (auto& op : ops) {
+        if (!op.task || op.a->coll != Coll::recv || op.started) continue;
+        for (int p = 0; p < size_; ++p)
+          if ((p == op.a->peer || (op.a->peer == kAnySource && p != rank_)) && stash_head(p, ops)) progressed = true;
+      }
       for (auto& st : stash_)
         for (auto& e : st)
           while (!(e.p.started && e.p.done == e.p.nchunks) && p2p_step(e.p)) progressed = true;
@@ -182,7 +211,8 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
         backoff.idle([&](double t) {
           for (auto& op : ops) {
             tp_.set_deadline(op.deadline, op.a, "");
-            if (!unhealthy && !tp_.healthy(t, op.a->peer, &bad_kind, &bad_msg)) unhealthy = true;
+            if (!unhealthy && op.a->peer != kAnySource && !tp_.healthy(t, op.a->peer, &bad_kind, &bad_msg))
+              unhealthy = true;
           }
         });
       } else {

@@ -57,6 +57,7 @@ class Op {
   bool wait(std::chrono::milliseconds timeout);
   c10::intrusive_ptr<c10::ivalue::Future> future();
   const std::vector<at::Tensor>& value() const { return value_; }
+  int source() const;  // the sender of a finished recv (any-source: the one it matched)
 
   // The end of one plait call (ctx is a heap std::shared_ptr<Op>).
   static void on_call_done(void* ctx, uint32_t kind, const char* msg);
@@ -107,6 +108,7 @@ class Work : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return op_->future(); }
   void synchronize() override {}
+  int sourceRank() const override { return op_->source(); }
 
  private:
   std::shared_ptr<Op> op_;

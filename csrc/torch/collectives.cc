@@ -737,8 +737,13 @@ Backend::WorkPtr Backend::recv(Tensors& ts, int src, int tag) {
 
 Backend::WorkPtr Backend::recvAnysource(Tensors& ts, int tag) {
   auto op = begin("recv from any source", ts, false);
-  unsupported(*op, "recv from any source is not supported (plait matches messages per sender, in order); "
-                   "pass src= to dist.recv / dist.irecv");
+  if (ts.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
+  if (!ts[0].is_cpu()) unsupported(*op, "tensor on " + ts[0].device().str() + " (the native backend takes CPU tensors)");
+  at::Tensor d = sink(*op, ts[0]);
+  op->keep(d);
+  plait_buffer b = bytes(d);
+  op->issue(PLAIT_RECV, nullptr, &b, PLAIT_SUM, 0, PLAIT_ANY_SOURCE, tag);
+  return op->launch();
 }
 
 Backend::WorkPtr Backend::barrier(const c10d::BarrierOptions& o) {

@@ -151,6 +151,8 @@ bool Op::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
+int Op::source() const { return tasks_.empty() ? -1 : b_->api()->task_peer(tasks_.back()); }
+
 Work::Work(std::shared_ptr<Op> op, c10d::OpType type) : c10d::Work(-1, type), op_(std::move(op)) {}
 
 std::vector<at::Tensor> Work::result() {
