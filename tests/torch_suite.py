@@ -18,9 +18,11 @@ os.environ.setdefault("BACKEND", "plait")
 os.environ.setdefault("WORLD_SIZE", "2")
 os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="plait-torch-suite-"))
 
-import plait.torch  # noqa: E402,F401  (registers "plait" here and in every spawned rank)
-from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
-    DistributedTest, TestDistBackend)
+import plait.torch  # noqa: F401  (registers "plait" here and in every spawned rank)
+from torch.testing._internal.distributed.distributed_test import (
+    DistributedTest,
+    TestDistBackend,
+)
 
 
 class TestPlait(TestDistBackend, DistributedTest._DistTestBase):

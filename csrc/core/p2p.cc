@@ -187,7 +187,8 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
       }
       // A head message no async recv of this batch took goes aside; stashed ones keep arriving.
       for (auto& op : ops) {
-        if (!op.task || op.a->coll != Coll::recv || op.started) continue;
+        // (blocking recvs from one sender keep the strict order; from any sender they match by tag)
+        if (!(op.task || op.a->peer == kAnySource) || op.a->coll != Coll::recv || op.started) continue;
         for (int p = 0; p < size_; ++p)
           if ((p == op.a->peer || (op.a->peer == kAnySource && p != rank_)) && stash_head(p, ops)) progressed = true;
       }

@@ -104,9 +104,10 @@ def main():
         groups["native"] = _plait_group(True)
     groups["python"] = _plait_group(False)
     for impl, pg in groups.items():
-        rows.append((f"dist.all_reduce, plait {impl}", _time(lambda: dist.all_reduce(t, group=pg), args.iters)))
+        rows.append((f"dist.all_reduce, plait {impl}",
+                     _time(lambda pg=pg: dist.all_reduce(t, group=pg), args.iters)))
         rows.append((f"dist.all_reduce(async_op=True).wait(), plait {impl}",
-                     _time(lambda: dist.all_reduce(t, group=pg, async_op=True).wait(), args.iters)))
+                     _time(lambda pg=pg: dist.all_reduce(t, group=pg, async_op=True).wait(), args.iters)))
     comm = communicator(next(iter(groups.values())))
     x = np.ones(2, np.float32)
     rows.append(("plait comm.allreduce on numpy", _time(lambda: comm.allreduce(x, out=x), args.iters)))
