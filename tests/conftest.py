@@ -183,3 +183,18 @@ def _no_shm_left_at_end():
     left = sorted(s for s in glob.glob(SHM_GLOB)
                   if _creator(os.path.basename(s)) in _SESSION_PIDS)
     assert not left, "plait segments left in /dev/shm at the end of the session: %s" % left
+
+
+@pytest.fixture(params=["native", "python"])
+def torch_impl(request, monkeypatch):
+    """Runs a torch backend test on the native (C++) backend and on the Python one: the choice is
+    read when each group is created, from PLAIT_TORCH_NATIVE, which forked ranks inherit."""
+    if request.param == "native":
+        monkeypatch.delenv("PLAIT_TORCH_NATIVE", raising=False)
+        import plait.torch
+        if not plait.torch.native():
+            pytest.skip("the native torch backend did not build here (see plait.torch's note on stderr)")
+        monkeypatch.setenv("PLAIT_TORCH_NATIVE", "1")
+    else:
+        monkeypatch.setenv("PLAIT_TORCH_NATIVE", "0")
+    return request.param

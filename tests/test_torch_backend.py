@@ -14,6 +14,8 @@ from datetime import timedelta
 import pytest
 
 torch = pytest.importorskip("torch")
+# every test runs on the native backend and on the Python one (conftest.torch_impl)
+pytestmark = pytest.mark.usefixtures("torch_impl")
 import torch.distributed as dist  # noqa: E402
 
 import plait  # noqa: E402
@@ -51,7 +53,7 @@ def _basics(rank, n, store_dir):
     init_pg("plait", rank, n, store_dir)
     assert dist.get_backend() == "plait"
     pg = dist.group.WORLD
-    assert pg.getBackendName() == "plait" and pg.group_name
+    assert pg._get_backend(torch.device("cpu")).name() == "plait" and pg.group_name
     t = torch.full((3,), float(rank))
     w = dist.all_reduce(t, async_op=True)
     fut = w.get_future()
@@ -81,7 +83,7 @@ def _basics(rank, n, store_dir):
     # DeviceMesh over the plait world
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (n,))
-    assert mesh.get_group().getBackendName() == "plait"
+    assert dist.get_backend(mesh.get_group()) == "plait"
     # coalescing manager with a device (start/end coalescing)
     from torch.distributed.distributed_c10d import _coalescing_manager
     a, b = torch.ones(3), torch.full((2,), 2.0)
@@ -95,8 +97,15 @@ def _basics(rank, n, store_dir):
     pg.allreduce(v).wait()
     pg.allreduce([v], dist.ReduceOp.MAX).wait()
     assert torch.equal(v, torch.full((2,), float(n * (n - 1) // 2)))
-    with pytest.raises(NotImplementedError, match="any source"):
-        dist.recv(torch.empty(1))
+    if isinstance(pg, plait.torch.ProcessGroupPlait):
+        with pytest.raises(NotImplementedError, match="any source"):
+            dist.recv(torch.empty(1))
+    else:  # the native backend receives from any source (the sender is what dist.recv returns)
+        if rank == 1:
+            dist.send(torch.full((2,), 5.0), 0)
+        elif rank == 0:
+            got = torch.empty(2)
+            assert dist.recv(got) == 1 and torch.equal(got, torch.full((2,), 5.0))
     dist.destroy_process_group()
     return True
 
@@ -214,8 +223,11 @@ def _errors(rank, n, store_dir):
     with pytest.raises(dist.DistBackendError, match="complex"):
         dist.group.WORLD.allreduce([torch.ones(2, dtype=torch.complex64)],
                                    _opts(dist.ReduceOp.MAX))
-    with pytest.raises(NotImplementedError, match="split_group"):
-        dist.group.WORLD.split_group([[0]])
+    if not isinstance(dist.group.WORLD, plait.torch.ProcessGroupPlait):
+        pass  # the native backend splits (test_torch_native.py)
+    else:
+        with pytest.raises(NotImplementedError, match="split_group"):
+            dist.group.WORLD.split_group([[0]])
     t = torch.ones(1)
     dist.all_reduce(t)
     assert float(t) == n
@@ -367,7 +379,7 @@ def test_example_ddp_train(launcher):
 
 def _shared_tensors(rank, n, store_dir):
     init_pg("plait", rank, n, store_dir)
-    comm = dist.group.WORLD._get_backend(torch.device("cpu"))._comm
+    comm = plait.torch.communicator()
     before = comm.mapped_bytes
     count = 300_001  # above the single_copy thresholds and its 256 KiB chunk
     base = torch.arange(count, dtype=torch.int64) % 64  # sums stay exact in bfloat16

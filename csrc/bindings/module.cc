@@ -12,6 +12,7 @@ namespace py = pybind11;
 namespace plait {
 void bind_comm(py::module_& m);
 void bind_gpu(py::module_& m);
+void bind_capi(py::module_& m);
 
 namespace {
 // Memory of one plait.empty() array: a writable buffer that frees its region when the last
@@ -95,4 +96,5 @@ PYBIND11_MODULE(_C, m) {
   bind_shared(m);
   bind_comm(m);
   bind_gpu(m);
+  bind_capi(m);
 }

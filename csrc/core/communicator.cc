@@ -47,6 +47,11 @@ void Task::finish(ErrorKind kind, std::string msg, std::shared_ptr<const std::st
     state_.store(kind == ErrorKind::none ? 1 : 2, std::memory_order_release);
   }
   cv_.notify_all();
+  if (on_done_) {
+    Done done = std::move(on_done_);
+    on_done_ = nullptr;
+    done(kind_, msg_);
+  }
 }
 
 Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options& opt)
@@ -68,6 +73,8 @@ Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options
     throw;
   }
   for (auto* v : {&send_chunk_, &send_msg_, &recv_chunk_, &recv_msg_}) v->assign(size_t(size_), 0);
+  stash_.resize(size_t(size_));
+  rx_busy_.assign(size_t(size_), 0);
   static std::atomic<int> made{0};
   label_ = "comm" + std::to_string(made.fetch_add(1));
   const char* fl = getenv("PLAIT_FLIGHT");
@@ -306,7 +313,8 @@ CallArgs Communicator::validate(Coll c, const Buffer& in, const Buffer& out, Red
   if (c == Coll::send && !in.present) bad() << "send needs an input buffer";
   if ((c == Coll::broadcast || c == Coll::reduce) && (root < 0 || root >= size_))
     bad() << "root " << root << " is out of range for " << size_ << " ranks";
-  if ((c == Coll::send || c == Coll::recv) && (peer < 0 || peer >= size_ || peer == rank_))
+  if ((c == Coll::send || c == Coll::recv) && (peer < 0 || peer >= size_ || peer == rank_) &&
+      !(c == Coll::recv && peer == kAnySource))
     bad() << "peer " << peer << " is not another rank of this " << size_ << "-rank communicator";
   if (op == RedOp::avg && !is_float(a.dtype))
     bad() << "op avg needs a floating-point dtype, got " << dtype_name(a.dtype);
@@ -370,7 +378,7 @@ CallArgs Communicator::validate(Coll c, const Buffer& in, const Buffer& out, Red
 
 std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer& out, RedOp op,
                                          int root, int peer, int64_t tag, const std::string& algo,
-                                         std::optional<double> timeout_s, bool async) {
+                                         std::optional<double> timeout_s, bool async, Task::Done on_done) {
   if (closed_) throw PlaitError("communicator is finalized; " + std::string(coll_name(c)) + " needs a live one");
   if (reported_abort_) throw PlaitError("communicator aborted after an earlier error: " + first_error_);
   CallArgs a = validate(c, in, out, op, root, peer, tag, algo, timeout_s);
@@ -395,6 +403,7 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
     }
   }
   auto t = std::make_shared<Task>(a);
+  t->on_done_ = std::move(on_done);
   enqueue(t);
   if (async) return t;
   try {
@@ -404,6 +413,35 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
     rethrow(e);
   }
   return nullptr;
+}
+
+bool Communicator::run_here(const std::shared_ptr<Task>& t) {
+  if (t->done()) return true;
+  if (t->args.coll == Coll::send || t->args.coll == Coll::recv) return false;  // batched
+  ErrorKind kind = ErrorKind::none;
+  std::string msg;
+  {
+    // exec_mu_ first: once t leaves the queue, nothing issued later may run before it.
+    std::unique_lock<std::mutex> ex(exec_mu_, std::try_to_lock);
+    if (!ex.owns_lock()) return false;
+    {
+      std::lock_guard<std::mutex> lk(q_mu_);
+      // Nothing running (pending_ counts queued and running calls) and t next in line.
+      if (queue_.empty() || queue_.front() != t ||
+          size_t(pending_.load(std::memory_order_acquire)) != queue_.size())
+        return false;
+      queue_.pop_front();
+    }
+    try {
+      run(t->args);
+    } catch (const PlaitError& e) {
+      kind = e.kind();
+      msg = e.what();
+    }
+  }
+  pending_.fetch_sub(1, std::memory_order_acq_rel);
+  t->finish(kind, msg);  // outside exec_mu_: its callback may issue calls
+  return true;
 }
 
 // One rank: every collective is a copy of the input (or nothing, in place). avg divides by 1.

@@ -8,6 +8,8 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <functional>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -44,6 +46,9 @@ struct Options {
   double init_timeout_s = 300;
 };
 
+// recv's peer for "from any rank": the first message of its tag from whichever sender.
+constexpr int kAnySource = -1;
+
 class Task {
  public:
   explicit Task(const CallArgs& a) : args(a) {}
@@ -52,11 +57,17 @@ class Task {
   bool wait(std::optional<double> timeout_s);
   bool done() const { return state_.load(std::memory_order_acquire) != 0; }
 
+  // Called once when the task finishes, on the thread that finished it (plait's progress
+  // thread, or a waiter that ran the task itself): how callers complete their own futures
+  // (the torch backend) without a thread of theirs waiting on each task.
+  using Done = std::function<void(ErrorKind, const std::string&)>;
+
   CallArgs args;
 
  private:
   friend class Communicator;
   void finish(ErrorKind kind, std::string msg, std::shared_ptr<const std::string> flight = nullptr);
+  Done on_done_;
   std::mutex m_;
   std::condition_variable cv_;
   std::atomic<int> state_{0};  // 0 pending, 1 ok, 2 failed
@@ -85,7 +96,10 @@ class Communicator {
   // every rank, as any invalid argument does.
   std::shared_ptr<Task> call(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root,
                              int peer, int64_t tag, const std::string& algo,
-                             std::optional<double> timeout_s, bool async);
+                             std::optional<double> timeout_s, bool async, Task::Done on_done = nullptr);
+  // Runs an async task on the calling thread when it is next in line and nothing runs (a caller
+  // about to wait on it saves two thread hand-offs). True if the task is finished on return.
+  bool run_here(const std::shared_ptr<Task>& t);
   // Aborts the communicator on every rank with this error (used for input the Python layer
   // rejects before it reaches call()).
   [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
@@ -123,9 +137,18 @@ class Communicator {
     CallArgs* a;
     std::shared_ptr<Task> task;  // null for an inline call
     bool started = false;
+    bool stashing = false;  // copies a message into the stash (Stash::p)
     uint64_t msg = 0, first = 0, nchunks = 0, done = 0;
     double deadline = 0;
     uint64_t rec = 0, t0 = 0, idle0 = 0;  // flight record, start, batch idle time at start
+  };
+
+  // A message no posted async recv wanted when it reached the head of its channel: copied
+  // aside so later messages can reach their receivers (receives match by (sender, tag)).
+  struct Stash {
+    CallArgs a;
+    std::vector<char> buf;
+    P2P p{&a, nullptr, false, true};
   };
 
   CallArgs validate(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root, int peer,
@@ -136,6 +159,9 @@ class Communicator {
   void run_local(const CallArgs& a);
   void run_p2p(std::vector<P2P>& ops);
   bool p2p_step(P2P& op);
+  int take_stashed(P2P& op);
+  int any_source(const CallArgs& a);  // 1 copied from the stash, 0 none there, -1 there but incomplete
+  bool stash_head(int peer, const std::vector<P2P>& ops);
   void progress_loop();
   void enqueue(const std::shared_ptr<Task>& t);
   void wait_for_all_ranks(double timeout_s);
@@ -161,6 +187,8 @@ class Communicator {
   bool closed_ = false;
 
   std::vector<uint64_t> send_chunk_, send_msg_, recv_chunk_, recv_msg_;
+  std::vector<std::list<Stash>> stash_;  // per sender, in arrival order
+  std::vector<uint8_t> rx_busy_;         // per sender: a message is being copied out
   uint64_t p2p_idle_ns_ = 0;  // time run_p2p spent waiting, for trace slices
 
   FlightRecorder flight_;

@@ -2,7 +2,10 @@
 // Each ordered pair (src, dst) has two slots of pair_slot_bytes; a message is cut into chunks
 // that alternate between them. The sender writes a chunk with its header (message number, tag,
 // size, dtype) and bumps `posted`; the receiver checks the header against its own call, copies
-// the chunk out and bumps `taken`, which frees the slot. Messages on one pair match in order.
+// the chunk out and bumps `taken`, which frees the slot. Messages on one pair arrive in order;
+// receives match them by (sender, tag) as gloo's do: an async recv takes the first message of
+// its tag, one no posted recv wants is copied aside (the stash) for a later recv, so a receiver
+// may post tag 9 before tag 7. A blocking (inline) recv takes the next message, which must match.
 // Several calls progress together so that exchanges (isend+irecv on both sides) cannot deadlock.
 #include <cstring>
 #include <sstream>
@@ -13,10 +16,27 @@ namespace plait {
 
 // Moves one chunk if the channel allows; false when it has to wait.
 bool Communicator::p2p_step(P2P& op) {
+  if (op.a->peer == kAnySource && !(op.a->peer = any_source(*op.a), op.a->peer >= 0)) {
+    op.a->peer = kAnySource;
+    return false;
+  }
   const CallArgs& a = *op.a;
   const size_t slot_bytes = seg_->params().pair_slot_bytes;
   const size_t nbytes = size_t(a.count) * dtype_size(a.dtype);
   const bool is_send = a.coll == Coll::send;
+  if (!op.started && !is_send) {
+    const int stashed = op.stashing ? 0 : take_stashed(op);
+    if (stashed) return stashed > 0;
+    if (rx_busy_[size_t(a.peer)]) return false;  // another recv is copying a message out
+    const uint64_t head = recv_chunk_[size_t(a.peer)];
+    if (seg_->pair_posted(a.peer, rank_)->v.load(std::memory_order_acquire) < head + 1) return false;
+    if (op.task) {  // async: only the message of its tag
+      PairSlotHeader h;
+      std::memcpy(&h, seg_->pair_slot(a.peer, rank_, head), sizeof h);
+      if (h.tag != a.tag) return false;
+    }
+    rx_busy_[size_t(a.peer)] = 1;
+  }
   if (!op.started) {
     op.started = true;
     op.nchunks = nbytes ? (nbytes + slot_bytes - 1) / slot_bytes : 1;
@@ -55,8 +75,76 @@ bool Communicator::p2p_step(P2P& op) {
     }
     std::memcpy(static_cast<char*>(a.out) + off, slot + 64, len);
     seg_->pair_taken(a.peer, rank_)->v.store(g + 1, std::memory_order_release);
+    if (op.done + 1 == op.nchunks) rx_busy_[size_t(a.peer)] = 0;
   }
   ++op.done;
+  return true;
+}
+
+// The sender an any-source recv takes its message from: a stashed message of its tag, else a
+// channel whose next message has its tag; -1 while there is none.
+int Communicator::any_source(const CallArgs& a) {
+  for (int p = 0; p < size_; ++p)
+    for (const auto& e : stash_[size_t(p)])
+      if (e.a.tag == a.tag && e.p.started && e.p.done == e.p.nchunks) return p;
+  for (int p = 0; p < size_; ++p) {
+    const uint64_t head = recv_chunk_[size_t(p)];
+    if (p == rank_ || rx_busy_[size_t(p)] ||
+        seg_->pair_posted(p, rank_)->v.load(std::memory_order_acquire) < head + 1)
+      continue;
+    PairSlotHeader h;
+    std::memcpy(&h, seg_->pair_slot(p, rank_, head), sizeof h);
+    if (h.tag == a.tag) return p;
+  }
+  return -1;
+}
+
+int Communicator::take_stashed(P2P& op) {
+  const CallArgs& a = *op.a;
+  auto& st = stash_[size_t(a.peer)];
+  for (auto it = st.begin(); it != st.end(); ++it) {
+    if (it->a.tag != a.tag) continue;
+    if (!it->p.started || it->p.done != it->p.nchunks) return -1;  // still arriving
+    const size_t nbytes = size_t(a.count) * dtype_size(a.dtype);
+    if (it->buf.size() != nbytes || it->a.dtype != a.dtype) {
+      std::ostringstream m;
+      m << "mismatched send/recv: rank " << rank_ << " called recv from rank " << a.peer << " (tag=" << a.tag
+        << ", " << nbytes << " bytes, " << dtype_name(a.dtype) << ") but rank " << a.peer << " sent (tag="
+        << it->a.tag << ", " << it->buf.size() << " bytes, " << dtype_name(it->a.dtype) << ")";
+      tp_.fail(ErrorKind::mismatch, m.str());
+    }
+    if (nbytes) std::memcpy(a.out, it->buf.data(), nbytes);
+    st.erase(it);
+    op.started = true;
+    op.nchunks = op.done = 1;
+    return 1;
+  }
+  return 0;
+}
+
+// Starts copying the message at the head of `peer`'s channel into the stash unless a recv of
+// the batch wants it (it takes it next round); false if nothing was stashed.
+bool Communicator::stash_head(int peer, const std::vector<P2P>& ops) {
+  const uint64_t head = recv_chunk_[size_t(peer)];
+  if (rx_busy_[size_t(peer)] || seg_->pair_posted(peer, rank_)->v.load(std::memory_order_acquire) < head + 1)
+    return false;
+  PairSlotHeader h;
+  std::memcpy(&h, seg_->pair_slot(peer, rank_, head), sizeof h);
+  for (const auto& op : ops)
+    if (op.a->coll == Coll::recv && !op.started && (op.a->peer == peer || op.a->peer == kAnySource) &&
+        op.a->tag == h.tag)
+      return false;
+  const DType dt = h.dtype < uint32_t(DType::kCount) ? DType(h.dtype) : DType::u8;
+  Stash& e = stash_[size_t(peer)].emplace_back();
+  e.a.coll = Coll::recv;
+  e.a.peer = peer;
+  e.a.tag = h.tag;
+  e.a.dtype = dt;
+  e.a.count = int64_t(h.nbytes / dtype_size(dt));
+  e.a.timeout_s = opt_.timeout_s;
+  e.buf.resize(size_t(h.nbytes));
+  e.a.out = e.buf.data();
+  p2p_step(e.p);  // claims the channel (rx_busy_) before anyone else looks at it
   return true;
 }
 
@@ -84,12 +172,16 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
       std::fill(busy.begin(), busy.end(), 0);
       for (size_t i = 0; i < ops.size();) {
         P2P& op = ops[i];
-        uint8_t& b = busy[size_t(op.a->peer) * 2 + (op.a->coll == Coll::send)];
-        if (b) {  // an earlier call on the same channel goes first
-          ++i;
-          continue;
+        // an earlier call on the same channel goes first; async recvs pick messages by tag
+        const bool by_tag = op.a->coll == Coll::recv && (op.task || op.a->peer == kAnySource);
+        if (!by_tag) {
+          uint8_t& b = busy[size_t(op.a->peer) * 2 + (op.a->coll == Coll::send)];
+          if (b) {
+            ++i;
+            continue;
+          }
+          b = 1;
         }
-        b = 1;
         while (!(op.started && op.done == op.nchunks) && p2p_step(op)) progressed = true;
         if (op.started && op.done == op.nchunks) {
           finish(op, ErrorKind::none, "", nullptr);
@@ -98,6 +190,16 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
           ++i;
         }
       }
+      // A head message no async recv of this batch took goes aside; stashed ones keep arriving.
+      for (auto& op : ops) {
+        // (blocking recvs from one sender keep the strict order; from any sender they match by tag)
+        if (!(op.task || op.a->peer == kAnySource) || op.a->coll != Coll::recv || op.started) continue;
+        for (int p = 0; p < size_; ++p)
+          if ((p == op.a->peer || (op.a->peer == kAnySource && p != rank_)) && stash_head(p, ops)) progressed = true;
+      }
+      for (auto& st : stash_)
+        for (auto& e : st)
+          while (!(e.p.started && e.p.done == e.p.nchunks) && p2p_step(e.p)) progressed = true;
       if (ops.empty() || !ops.front().task) {
         if (ops.empty()) break;
       } else {  // absorb send/recv queued behind this batch
@@ -118,7 +220,8 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
         backoff.idle([&](double t) {
           for (auto& op : ops) {
             tp_.set_deadline(op.deadline, op.a, "");
-            if (!unhealthy && !tp_.healthy(t, op.a->peer, &bad_kind, &bad_msg)) unhealthy = true;
+            if (!unhealthy && op.a->peer != kAnySource && !tp_.healthy(t, op.a->peer, &bad_kind, &bad_msg))
+              unhealthy = true;
           }
         });
         if (trace_) p2p_idle_ns_ += mono_ns() - idle_from;

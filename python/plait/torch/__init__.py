@@ -16,12 +16,14 @@ Errors are torch.distributed.DistBackendError subclasses that are also plait's c
 import atexit
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _CBackend
 
 from ._errors import (PlaitBackendError, PlaitInvalidArgument, PlaitMismatchError,  # noqa: F401
                       PlaitPeerLostError, PlaitTimeoutError, PlaitUnsupportedError)
+from . import _native
 from ._group import Options, ProcessGroupPlait, shutdown_all
 
-__all__ = ["ProcessGroupPlait", "Options", "BACKEND", "empty", "zeros", "PlaitBackendError", "PlaitInvalidArgument",
+__all__ = ["ProcessGroupPlait", "Options", "BACKEND", "communicator", "native", "empty", "zeros", "PlaitBackendError", "PlaitInvalidArgument",
            "PlaitMismatchError", "PlaitTimeoutError", "PlaitPeerLostError", "PlaitUnsupportedError"]
 
 BACKEND = "plait"
@@ -46,11 +48,35 @@ zeros = empty
 
 
 def _create(opts, pg_options):
-    """c10d's creator (extended API): one ProcessGroupPlait for the group described by opts."""
+    """c10d's creator (extended API): the native Backend for the group described by opts, or
+    a ProcessGroupPlait (the Python backend)."""
+    buffer_bytes = pg_options.buffer_bytes if isinstance(pg_options, Options) else None
+    comm = None
+    if _native.load() is not None:
+        made = _native.create(opts, buffer_bytes)
+        if isinstance(made, _CBackend):
+            return made
+        comm = made  # a communicator only the Python backend drives
     return ProcessGroupPlait(opts.store, opts.group_rank, opts.group_size, opts.timeout,
-                             group_id=opts.group_id, options=pg_options)
+                             group_id=opts.group_id, options=pg_options, comm=comm)
+
+
+def communicator(group=None):
+    """The plait communicator under a "plait" process group (default: the world)."""
+    pg = group if group is not None else dist.group.WORLD
+    comm = _native._comms.get(pg.group_name)
+    if comm is not None:
+        return comm
+    import torch
+    return pg._get_backend(torch.device("cpu"))._comm
+
+
+def native():
+    """Whether new "plait" groups get the native (C++) backend."""
+    return _native.load() is not None
 
 
 if BACKEND.upper() not in dist.Backend._plugins:
-    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True,
+                                  devices=["cpu"] if native() else ["cpu", "cuda"])
 atexit.register(shutdown_all)

@@ -57,7 +57,7 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
     supports_coalescing = False
     supports_time_estimate = False
 
-    def __init__(self, store, rank, size, timeout, group_id=None, options=None):
+    def __init__(self, store, rank, size, timeout, group_id=None, options=None, comm=None):
         super().__init__(rank, size)
         self._rank, self._size = rank, size  # pybind's rank()/size() cost ~1 us a call
         self._store = store
@@ -71,7 +71,7 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
         self._coalesce_from = None
         buffer_bytes = options.buffer_bytes if isinstance(options, Options) else None
         try:
-            self._comm = plait.init(rank, size, store=TorchStore(store, secs), timeout=secs,
+            self._comm = comm if comm is not None else plait.init(rank, size, store=TorchStore(store, secs), timeout=secs,
                                     buffer_bytes=buffer_bytes, set_default=False)
         except plait.PlaitError as e:
             raise _errors.to_torch(e, f"plait: creating {self._label}") from None

@@ -1,11 +1,16 @@
-"""Per-call cost of the torch layer: an 8-byte all-reduce three ways, on every rank in step.
+"""Per-call cost of the torch layer, and a training step, on every rank in step.
 
     plait-run -n 2 -m plait.torch.overhead            # or: torchrun --nproc-per-node 2 -m ...
+    plait-run -n 4 -m plait.torch.overhead            # 4 ranks on a 2-core machine: oversubscribed
 
 1. plait directly: comm.allreduce on a 2-element float32 numpy array (the floor);
-2. dist.all_reduce on a process group of backend "plait" (sync, and async_op=True + wait());
-3. dist.all_reduce on gloo.
-Prints the best and the median of 7 timed batches (microseconds per call) on rank 0.
+2. dist.all_reduce on process groups of backend "plait", native (C++) and Python, sync and
+   async_op=True + wait() (what DDP and FSDP do);
+3. dist.all_reduce on gloo;
+4. one DDP step and one FSDP2 step of a wide MLP with a small batch (communication-bound), on
+   gloo and on each plait backend.
+Prints the best and the median of 7 timed batches on rank 0, and the ratios the issue sets
+targets for (plait native against the direct call, and against gloo).
 """
 import argparse
 import os
@@ -16,44 +21,124 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import BACKEND
+from . import BACKEND, _native, communicator
 
 
-def _time(fn, iters):
+def _time(fn, iters, batches=7):
     for _ in range(min(iters, 500)):
         fn()
     runs = []
-    for _ in range(7):
+    for _ in range(batches):
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
         runs.append((time.perf_counter() - t0) / iters * 1e6)
     runs.sort()
-    return runs[0], runs[3]
+    return runs[0], runs[len(runs) // 2]
+
+
+def _plait_group(native):
+    os.environ["PLAIT_TORCH_NATIVE"] = "1" if native else "0"
+    try:
+        return dist.new_group(backend=BACKEND)
+    finally:
+        del os.environ["PLAIT_TORCH_NATIVE"]
+
+
+def _mlp(width, depth):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers)
+
+
+def _step_fn(model, width, batch):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, width)
+
+    def step():
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return step
+
+
+def _ddp_step(pg, width, depth, batch):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return _step_fn(DDP(_mlp(width, depth), process_group=pg), width, batch)
+
+
+def _fsdp2_step(pg, width, depth, batch, gloo):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = DeviceMesh.from_group(pg, "cpu")
+    model = _mlp(width, depth)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if gloo:  # gloo has no AVG
+        model.set_force_sum_reduction_for_comms(True)
+    return _step_fn(model, width, batch)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=10000)
     p.add_argument("--gloo-iters", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=10, help="training steps per timed batch")
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--no-train", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")  # the gloo group also paces the batches of the other two
-    rank = dist.get_rank()
+    dist.init_process_group("gloo")  # the gloo group also paces the batches of the others
+    rank, n = dist.get_rank(), dist.get_world_size()
     t = torch.ones(2)
     rows = [("dist.all_reduce, gloo", _time(lambda: dist.all_reduce(t), args.gloo_iters))]
-    pg = dist.new_group(backend=BACKEND)
-    rows.append(("dist.all_reduce, plait", _time(lambda: dist.all_reduce(t, group=pg), args.iters)))
-    rows.append(("dist.all_reduce(async_op=True).wait(), plait",
-                 _time(lambda: dist.all_reduce(t, group=pg, async_op=True).wait(), args.iters)))
-    comm = pg._comm  # the group's own plait communicator
+    groups = {}
+    if _native.load() is not None:
+        groups["native"] = _plait_group(True)
+    groups["python"] = _plait_group(False)
+    for impl, pg in groups.items():
+        rows.append((f"dist.all_reduce, plait {impl}",
+                     _time(lambda pg=pg: dist.all_reduce(t, group=pg), args.iters)))
+        rows.append((f"dist.all_reduce(async_op=True).wait(), plait {impl}",
+                     _time(lambda pg=pg: dist.all_reduce(t, group=pg, async_op=True).wait(), args.iters)))
+    comm = communicator(next(iter(groups.values())))
     x = np.ones(2, np.float32)
     rows.append(("plait comm.allreduce on numpy", _time(lambda: comm.allreduce(x, out=x), args.iters)))
+    train = []
+    if not args.no_train:
+        shape = (args.width, args.depth, args.batch)
+        for name, pg in [("gloo", dist.group.WORLD)] + [(f"plait {k}", g) for k, g in groups.items()]:
+            ddp = _ddp_step(pg, *shape)
+            train.append((f"DDP step, {name}", _time(ddp, args.steps, 5)))
+            fsdp = _fsdp2_step(pg, *shape, gloo=name == "gloo")
+            train.append((f"FSDP2 step, {name}", _time(fsdp, args.steps, 5)))
     if rank == 0:
-        print(f"8-byte all-reduce, {dist.get_world_size()} ranks, us per call (best, median):")
+        print(f"8-byte all-reduce, {n} ranks, us per call (best, median):")
         for name, (best, median) in rows:
-            print(f"  {name:46s} {best:8.1f} {median:8.1f}")
+            print(f"  {name:56s} {best:9.1f} {median:9.1f}")
+        med = {name: m for name, (_, m) in rows + train}
+        if "native" in groups:
+            direct = med["plait comm.allreduce on numpy"]
+            sync = med["dist.all_reduce, plait native"]
+            asyn = med["dist.all_reduce(async_op=True).wait(), plait native"]
+            print(f"  ratios (medians): sync/direct {sync / direct:.2f} (target <= 2), async+wait/direct "
+                  f"{asyn / direct:.2f} (target <= 3), async+wait/sync {asyn / sync:.2f}")
+        if train:
+            w, d, b = args.width, args.depth, args.batch
+            print(f"training step of a {d}-layer {w}-wide MLP, batch {b}, us per step (best, median):")
+            for name, (best, median) in train:
+                print(f"  {name:56s} {best:9.0f} {median:9.0f}")
+            for kind in ("DDP", "FSDP2"):
+                for impl in groups:
+                    print(f"  {kind} plait {impl} / gloo (medians): "
+                          f"{med[f'{kind} step, plait {impl}'] / med[f'{kind} step, gloo']:.2f} (target <= 0.8)")
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # a command, not library code: gloo sometimes aborts at interpreter exit

@@ -1,0 +1,192 @@
+// The plait c10d Backend: lifetime, errors, the completion thread, and the Python module that
+// creates it (plait.torch._native loads this file's module and registers the backend).
+#include "torch/backend.h"
+
+#include <Python.h>
+#include <torch/python.h>
+
+#include <algorithm>
+
+namespace plait_torch {
+
+namespace {
+thread_local const Backend* tl_completing = nullptr;  // the backend whose completion thread this is
+
+const char* kind_name(uint32_t kind) {
+  switch (kind) {
+    case PLAIT_E_INVALID: return "InvalidArgument";
+    case PLAIT_E_MISMATCH: return "MismatchError";
+    case PLAIT_E_TIMEOUT: return "TimeoutError";
+    case PLAIT_E_PEER_LOST: return "PeerLostError";
+    case kUnsupported: return "UnsupportedError";
+    default: return "PlaitError";
+  }
+}
+}  // namespace
+
+Backend::Backend(const plait_capi* api, void* comm, void* owner, int rank, int size, double timeout_s)
+    : c10d::Backend(rank, size), api_(api), comm_(comm), owner_(owner), timeout_s_(timeout_s) {
+  Py_XINCREF(static_cast<PyObject*>(owner_));
+}
+
+Backend::~Backend() {
+  shutdown();
+  // The Python communicator goes with its last reference (not at interpreter exit: gone then).
+  if (owner_ && Py_IsInitialized() && !_Py_IsFinalizing()) {
+    PyGILState_STATE s = PyGILState_Ensure();
+    Py_DECREF(static_cast<PyObject*>(owner_));
+    PyGILState_Release(s);
+  }
+}
+
+void Backend::shutdown() {
+  if (closed_.exchange(true)) return;
+  auto stop = [&] {
+    api_->finalize(comm_);  // finishes queued calls; their completions reach the queue
+    {
+      std::lock_guard<std::mutex> lk(q_mu_);
+      stop_ = true;
+    }
+    q_cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  };
+  // Future callbacks on the completion thread may need the GIL: never hold it while joining.
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    Py_BEGIN_ALLOW_THREADS stop();
+    Py_END_ALLOW_THREADS
+  } else {
+    stop();
+  }
+}
+
+Error Backend::error(uint32_t kind, const std::string& where, const std::string& msg) const {
+  std::string text = where + ": " + kind_name(kind) + ": ";
+  // torch's convention (gloo's, NCCL's): a timeout's text says " Timed out ".
+  if (kind == PLAIT_E_TIMEOUT && msg.find("Timed out") == std::string::npos) text += "Timed out (timeout): ";
+  return Error(kind, text + msg);
+}
+
+std::string Backend::label(const std::string& what) const {
+  return "plait " + what + " on group '" + getGroupUid() + "' (rank " + std::to_string(getRank()) + " of " +
+         std::to_string(getSize()) + ")";
+}
+
+std::shared_ptr<Op> Backend::begin(const std::string& what, Tensors value, bool sync,
+                                   std::chrono::milliseconds timeout, bool fusable) {
+  if (!fusable && !fuse_.empty()) flush();  // issue order is call order
+  if (closed_.load()) throw Error(PLAIT_E_GENERIC, label(what) + ": the group was shut down");
+  auto op = std::make_shared<Op>(this, what, std::move(value));
+  op->weak = op;
+  op->sync = sync && !coalescing_;  // a coalesced op completes with the group
+  op->timeout_s = timeout.count() > 0 ? double(timeout.count()) / 1000.0 : timeout_s_;
+  // A Future callback issuing a call on this thread: nobody else would complete it here.
+  op->waiter_completes = on_completion_thread();
+  if (coalescing_) coalesced_.push_back(op);
+  return op;
+}
+
+void Backend::startCoalescing() {
+  coalescing_ = true;
+  coalesced_.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::endCoalescing() {
+  flush();
+  coalescing_ = false;
+  return c10::make_intrusive<GroupWork>(std::move(coalesced_));
+}
+
+void Backend::fail(const std::string& msg) {
+  char err[1024];
+  const std::string m = "rank " + std::to_string(getRank()) + ": " + msg;
+  uint32_t kind = api_->fail(comm_, PLAIT_E_INVALID, m.c_str(), err, sizeof err);
+  throw error(kind, "plait on group '" + getGroupUid() + "'", err);
+}
+
+void Backend::unsupported(const Op& op, const std::string& msg) const {
+  throw error(kUnsupported, op.where(), msg);
+}
+
+c10::intrusive_ptr<c10d::Backend> Backend::split(const c10::intrusive_ptr<c10d::Store>& store,
+                                                 const std::vector<int>& ranks,
+                                                 const c10::intrusive_ptr<c10d::Backend::Options>& opts) {
+  auto me = std::find(ranks.begin(), ranks.end(), getRank());
+  if (me == ranks.end()) return nullptr;  // only the new group's members rendezvous
+  const double secs = opts && opts->timeout.count() > 0 ? double(opts->timeout.count()) / 1000.0 : timeout_s_;
+  const std::string name = opts ? opts->group_name : std::string();
+  // A new communicator rendezvouses through the store in plait.init (Python): once per split.
+  pybind11::gil_scoped_acquire gil;
+  pybind11::object made = pybind11::module_::import("plait.torch._native")
+                              .attr("split")(store, int(me - ranks.begin()), int(ranks.size()), secs, name);
+  return made.cast<c10::intrusive_ptr<c10d::Backend>>();
+}
+
+at::Tensor Backend::allocateTensor(long size, at::TensorOptions options) {
+  const size_t bytes = size_t(std::max<long>(size, 0)) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  uint64_t id = 0;
+  void* p = api_->shared_alloc(std::max<size_t>(bytes, 1), &id);
+  if (!p) return at::empty({size}, options.device(at::kCPU));  // out of shared memory: private
+  const plait_capi* api = api_;
+  return at::from_blob(p, {size}, [api, id](void*) { api->shared_free(id); }, options.device(at::kCPU));
+}
+
+bool Backend::on_completion_thread() const { return tl_completing == this; }
+
+void Backend::post(std::shared_ptr<Op> op) {
+  {
+    std::lock_guard<std::mutex> lk(q_mu_);
+    queue_.push_back(std::move(op));
+    if (!thread_.joinable()) thread_ = std::thread([this] { completion_loop(); });
+  }
+  q_cv_.notify_one();
+}
+
+void Backend::completion_loop() {
+  tl_completing = this;
+  for (;;) {
+    std::shared_ptr<Op> op;
+    {
+      std::unique_lock<std::mutex> lk(q_mu_);
+      q_cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      op = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    op->complete();
+  }
+}
+
+}  // namespace plait_torch
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::module_::import("torch.distributed");
+  m.attr("CAPI_VERSION") = PLAIT_CAPI_VERSION;
+  m.def("create", [](py::capsule api, py::capsule comm, py::object owner, int rank, int size, double timeout_s) {
+        auto* table = static_cast<const plait_capi*>(api.get_pointer());
+        if (std::string(api.name()) != PLAIT_CAPI_CAPSULE || table->version != PLAIT_CAPI_VERSION)
+          throw std::runtime_error("plait._C's C API does not match this build of the torch backend");
+        if (std::string(comm.name()) != PLAIT_COMM_CAPSULE) throw std::runtime_error("not a plait communicator");
+        return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<plait_torch::Backend>(
+            table, comm.get_pointer(), owner.ptr(), rank, size, timeout_s));
+      });
+  // plait's error kinds onto plait.torch's classes (each a DistBackendError and plait's class).
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const plait_torch::Error& e) {
+      const char* cls = "PlaitBackendError";
+      switch (e.kind()) {
+        case PLAIT_E_INVALID: cls = "PlaitInvalidArgument"; break;
+        case PLAIT_E_MISMATCH: cls = "PlaitMismatchError"; break;
+        case PLAIT_E_TIMEOUT: cls = "PlaitTimeoutError"; break;
+        case PLAIT_E_PEER_LOST: cls = "PlaitPeerLostError"; break;
+        case plait_torch::kUnsupported: cls = "PlaitUnsupportedError"; break;
+        default: break;
+      }
+      py::object errors = py::module_::import("plait.torch._errors");
+      PyErr_SetString(errors.attr(cls).ptr(), e.what_without_backtrace());
+    }
+  });
+}
