@@ -101,6 +101,7 @@ def create(opts, buffer_bytes):
     native = getattr(comm, "_c", None)
     if not isinstance(native, _C.Communicator):
         return comm
+    comm.label = f"pg:{opts.group_id}"  # flight reports and PLAIT_TRACE tracks name the group
     backend = _module.create(_C._capi, _C._comm_capsule(native), comm, opts.group_rank, opts.group_size,
                              secs if secs else 300.0)
     _comms[str(opts.group_id)] = comm
