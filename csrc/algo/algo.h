@@ -15,7 +15,16 @@
 namespace plait {
 
 enum class Coll : uint8_t {
-  allreduce = 0, reduce_scatter, allgather, broadcast, reduce, alltoall, barrier, send, recv, kCount
+  allreduce = 0,
+  reduce_scatter,
+  allgather,
+  broadcast,
+  reduce,
+  alltoall,
+  barrier,
+  send,
+  recv,
+  kCount
 };
 const char* coll_name(Coll c);
 
@@ -45,8 +54,12 @@ struct Ctx {
   int rank, size;
 
   Ctx(Transport& t, const CallArgs& args)
-      : tp(t), a(args), esize(dtype_size(args.dtype)), psize(partial_size(args.dtype)),
-        rank(t.rank()), size(t.size()) {}
+      : tp(t),
+        a(args),
+        esize(dtype_size(args.dtype)),
+        psize(partial_size(args.dtype)),
+        rank(t.rank()),
+        size(t.size()) {}
 
   const char* in_at(int64_t elem) const { return static_cast<const char*>(a.in) + elem * esize; }
   char* out_at(int64_t elem) const { return static_cast<char*>(a.out) + elem * esize; }
@@ -56,7 +69,8 @@ struct Ctx {
   // them, so that half types carry float32 between hops and round only in the finishing step.
   void reduce(void* dst, const void* const* srcs, int n, int64_t count, bool final,
               uint32_t partial_srcs = 0, bool partial_dst = false) const {
-    plait::reduce(a.dtype, a.op, dst, srcs, n, size_t(count), final ? size : 0, partial_srcs, partial_dst);
+    plait::reduce(a.dtype, a.op, dst, srcs, n, size_t(count), final ? size : 0, partial_srcs,
+                  partial_dst);
   }
   // Whether `bytes` (> 0) can travel inline on the post line (Transport::inline_slot): tiny
   // calls then need no staging copy and one cache-line transfer per peer.
@@ -74,7 +88,8 @@ struct Ctx {
 // The staging area cut into `count` pipeline slots used round-robin by 1-based step number:
 // step s writes slot (s-1) % count, and may do so once its readers acked step s - count.
 struct Slots {
-  Slots(Transport& tp, int count) : tp_(tp), count_(count), bytes(tp.staging_bytes() / size_t(count)) {}
+  Slots(Transport& tp, int count)
+      : tp_(tp), count_(count), bytes(tp.staging_bytes() / size_t(count)) {}
   size_t offset(int64_t step) const { return size_t((step - 1) % count_) * bytes; }
   char* at(int rank, int64_t step) const { return tp_.staging(rank) + offset(step); }
   int count() const { return count_; }
@@ -142,8 +157,8 @@ constexpr size_t kStreamOutMin = size_t(8) << 20;
 // peer's input (Transport::read_peer) into scratch `tmp` (n-1 slots of `stride` bytes) and
 // reduces them with this rank's `own` elements, in rank order, into dst. Peers are read in an
 // order rotated by rank so that no rank is read by all the others at once.
-inline void reduce_from_peers(Ctx& c, void* dst, const void* own, size_t off, int64_t len, char* tmp,
-                              size_t stride, std::vector<const void*>& src) {
+inline void reduce_from_peers(Ctx& c, void* dst, const void* own, size_t off, int64_t len,
+                              char* tmp, size_t stride, std::vector<const void*>& src) {
   int slot = 0;
   for (int i = 0; i < c.size; ++i) {
     const int p = (c.rank + i) % c.size;
@@ -174,8 +189,8 @@ inline void reduce_range_from_peers(Ctx& c, char* dst, int64_t first, int64_t co
     if (p != c.rank) c.tp.wait_post(p, 0, 1);
   for (int64_t lo = 0; lo < count; lo += chunk) {
     const int64_t len = std::min(chunk, count - lo);
-    reduce_from_peers(c, dst + size_t(lo) * c.esize, c.in_at(first + lo), size_t(first + lo) * c.esize,
-                      len, tmp, size_t(chunk) * c.esize, src);
+    reduce_from_peers(c, dst + size_t(lo) * c.esize, c.in_at(first + lo),
+                      size_t(first + lo) * c.esize, len, tmp, size_t(chunk) * c.esize, src);
   }
 }
 

@@ -35,10 +35,13 @@ void alltoall_direct(Ctx& c) {
     const size_t stride = size_t(piece) * c.esize;
     tp.wait_ack_all(0, round - slots.count());
     for (int q = 0; q < n; ++q)
-      if (q != r) std::memcpy(tp.staging(r) + slot + size_t(q) * stride, c.in_at(int64_t(q) * m + off), bytes);
+      if (q != r)
+        std::memcpy(tp.staging(r) + slot + size_t(q) * stride, c.in_at(int64_t(q) * m + off),
+                    bytes);
     tp.post(0, round);
     char* own = c.out_at(int64_t(r) * m + off);
-    if (own != c.in_at(int64_t(r) * m + off)) std::memmove(own, c.in_at(int64_t(r) * m + off), bytes);
+    if (own != c.in_at(int64_t(r) * m + off))
+      std::memmove(own, c.in_at(int64_t(r) * m + off), bytes);
     for (int i = 1; i < n; ++i) {
       const int p = (r + i) % n;
       tp.wait_post(p, 0, round);

@@ -19,7 +19,9 @@ void alltoall_single_copy(Ctx& c) {
   tp.expose(c.a.in, c.a.out);
   tp.post(0, 1);
   std::unique_ptr<char[]> held(in_place && bytes ? new char[size_t(n) * bytes] : nullptr);
-  auto dest = [&](int p) { return in_place ? held.get() + size_t(p) * bytes : c.out_at(int64_t(p) * m); };
+  auto dest = [&](int p) {
+    return in_place ? held.get() + size_t(p) * bytes : c.out_at(int64_t(p) * m);
+  };
   if (!in_place && bytes) std::memcpy(dest(r), c.in_at(int64_t(r) * m), bytes);
   for (int i = 1; i < n; ++i) {
     const int p = (r + i) % n;  // start with different peers so readers spread out

@@ -21,11 +21,14 @@ class GpuOps {  // implemented by the GPU communicator: every call checks and th
   virtual void group_end() = 0;
   virtual void send(const void* buf, size_t bytes, int peer) = 0;
   virtual void recv(void* buf, size_t bytes, int peer) = 0;
-  virtual void all_reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op) = 0;
-  virtual void reduce_scatter(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op) = 0;
+  virtual void all_reduce(const void* in, void* out, size_t count, nccl::DataType t,
+                          nccl::RedOp op) = 0;
+  virtual void reduce_scatter(const void* in, void* out, size_t count, nccl::DataType t,
+                              nccl::RedOp op) = 0;
   virtual void all_gather(const void* in, void* out, size_t bytes) = 0;
   virtual void broadcast(const void* in, void* out, size_t bytes, int root) = 0;
-  virtual void reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op, int root) = 0;
+  virtual void reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op,
+                      int root) = 0;
 };
 
 struct GpuCtx {
@@ -91,7 +94,8 @@ struct IpcCtx {
   void copy(void* dst, const void* src, int64_t n) const;
   void load(void* dst, const void* src, int64_t n) const;
   // `rows` rows of n elements, rows spitch/dpitch elements apart.
-  void copy_rows(void* dst, int64_t dpitch, const void* src, int64_t spitch, int64_t n, int64_t rows) const;
+  void copy_rows(void* dst, int64_t dpitch, const void* src, int64_t spitch, int64_t n,
+                 int64_t rows) const;
   // dst = srcs[0] op srcs[1] op ... in rank order (bitwise the same on every rank) over raw
   // inputs (avg divides each).
   void reduce_all(void* dst, const std::vector<const char*>& srcs, int64_t n) const;

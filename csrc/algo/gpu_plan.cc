@@ -24,15 +24,17 @@ uint64_t gpu_timeout_ns(double seconds) {
 
 int64_t aligned_part_begin(int64_t count, int n, int q, int64_t align) {
   if (n < 1 || q < 0 || q > n || count < 0 || align < 1)
-    throw InvalidArgument("aligned_part_begin: part " + std::to_string(q) + " of " + std::to_string(n) + ", count " +
-                          std::to_string(count) + ", alignment " + std::to_string(align));
+    throw InvalidArgument("aligned_part_begin: part " + std::to_string(q) + " of " +
+                          std::to_string(n) + ", count " + std::to_string(count) + ", alignment " +
+                          std::to_string(align));
   const int64_t lo = part_begin(count, n, q), up = (lo + align - 1) / align * align;
   return up < count ? up : count;
 }
 
 RingPlan ring_plan(int rank, int n) {
   if (n < 1 || rank < 0 || rank >= n)
-    throw InvalidArgument("ring_plan: rank " + std::to_string(rank) + " is not in a ring of " + std::to_string(n));
+    throw InvalidArgument("ring_plan: rank " + std::to_string(rank) + " is not in a ring of " +
+                          std::to_string(n));
   const auto mod = [n](int b) { return ((b % n) + n) % n; };
   RingPlan p;
   p.left = mod(rank - 1);
@@ -44,16 +46,19 @@ RingPlan ring_plan(int rank, int n) {
   return p;
 }
 
-std::vector<IpcRingStep> ipc_ring_plan(Coll coll, int rank, int n, int64_t count, int64_t slot_elems) {
+std::vector<IpcRingStep> ipc_ring_plan(Coll coll, int rank, int n, int64_t count,
+                                       int64_t slot_elems) {
   const RingPlan p = ring_plan(rank, n);
   if (coll != Coll::allreduce && coll != Coll::reduce_scatter && coll != Coll::allgather)
     throw InvalidArgument(std::string("ipc_ring_plan: no ring for ") + coll_name(coll));
   if (slot_elems < 1 || slot_elems > INT64_MAX / n)
-    throw InvalidArgument("ipc_ring_plan: slot of " + std::to_string(slot_elems) + " elements is out of range");
+    throw InvalidArgument("ipc_ring_plan: slot of " + std::to_string(slot_elems) +
+                          " elements is out of range");
   std::vector<IpcRingStep> steps;
   if (n == 1) return steps;
   int64_t epoch = 0;  // the last one this rank posted
-  const auto step = [&](IpcRingStep::Kind kind, int b, int64_t in, int64_t out, int64_t m, bool reads, bool posts) {
+  const auto step = [&](IpcRingStep::Kind kind, int b, int64_t in, int64_t out, int64_t m,
+                        bool reads, bool posts) {
     steps.push_back({kind, b, in, out, m, reads ? epoch : 0, posts ? epoch + 1 : 0});
     if (posts) ++epoch;
   };
@@ -66,8 +71,10 @@ std::vector<IpcRingStep> ipc_ring_plan(Coll coll, int rank, int n, int64_t count
       };
       at(p.reduce_scatter[0].send_block, IpcRingStep::load, false, true);
       for (int s = 0; s <= last; ++s)
-        at(p.reduce_scatter[size_t(s)].recv_block, s == last ? IpcRingStep::finish : IpcRingStep::reduce, true, true);
-      for (int s = 0; s <= last; ++s) at(p.allgather[size_t(s)].recv_block, IpcRingStep::gather, true, s < last);
+        at(p.reduce_scatter[size_t(s)].recv_block,
+           s == last ? IpcRingStep::finish : IpcRingStep::reduce, true, true);
+      for (int s = 0; s <= last; ++s)
+        at(p.allgather[size_t(s)].recv_block, IpcRingStep::gather, true, s < last);
     }
     return steps;
   }
@@ -77,8 +84,8 @@ std::vector<IpcRingStep> ipc_ring_plan(Coll coll, int rank, int n, int64_t count
       step(IpcRingStep::load, first, first * count + w.offset, 0, w.count, false, true);
       for (int s = 0; s <= last; ++s) {
         const int b = p.reduce_scatter[size_t(s)].recv_block;
-        step(s == last ? IpcRingStep::finish : IpcRingStep::reduce, b, b * count + w.offset, w.offset, w.count, true,
-             s < last);
+        step(s == last ? IpcRingStep::finish : IpcRingStep::reduce, b, b * count + w.offset,
+             w.offset, w.count, true, s < last);
       }
     } else {
       step(IpcRingStep::load, rank, w.offset, rank * count + w.offset, w.count, false, true);
@@ -93,7 +100,8 @@ std::vector<IpcRingStep> ipc_ring_plan(Coll coll, int rank, int n, int64_t count
 
 TreeLinks tree_links(int rank, int n) {
   if (n < 1 || rank < 0 || rank >= n)
-    throw InvalidArgument("tree_links: rank " + std::to_string(rank) + " is not in a tree of " + std::to_string(n));
+    throw InvalidArgument("tree_links: rank " + std::to_string(rank) + " is not in a tree of " +
+                          std::to_string(n));
   TreeLinks t;
   t.parent = rank == 0 ? -1 : (rank - 1) / 2;
   for (int c = 2 * rank + 1; c <= 2 * rank + 2 && c < n; ++c) t.children.push_back(c);

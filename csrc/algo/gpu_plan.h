@@ -56,23 +56,25 @@ struct IpcRingStep {
   enum Kind {
     load,    // slot(post) = in[in_offset]
     reduce,  // slot(post) = left's slot(read) op in[in_offset]
-    finish,  // out[out_offset] = left's slot(read) op in[in_offset], finished (avg divides): block r,
-             // computed once; through slot(post) first when post != 0
-    gather,  // out[out_offset] = left's slot(read); then slot(post) = out[out_offset] unless post == 0
+    finish,  // out[out_offset] = left's slot(read) op in[in_offset], finished (avg divides): block
+             // r, computed once; through slot(post) first when post != 0
+    gather,  // out[out_offset] = left's slot(read); then slot(post) = out[out_offset] unless post
+             // == 0
   } kind;
-  int block;          // the block, by ring_plan's numbering
-  int64_t in_offset;  // elements into this rank's input (load, reduce, finish)
-  int64_t out_offset; // elements into its output (finish, gather)
-  int64_t count;      // elements the step moves
-  int64_t read = 0;   // the left neighbour's epoch this step reads (0: none)
-  int64_t post = 0;   // the epoch this step posts (0: none)
+  int block;           // the block, by ring_plan's numbering
+  int64_t in_offset;   // elements into this rank's input (load, reduce, finish)
+  int64_t out_offset;  // elements into its output (finish, gather)
+  int64_t count;       // elements the step moves
+  int64_t read = 0;    // the left neighbour's epoch this step reads (0: none)
+  int64_t post = 0;    // the epoch this step posts (0: none)
 };
-std::vector<IpcRingStep> ipc_ring_plan(Coll coll, int rank, int n, int64_t count, int64_t slot_elems);
+std::vector<IpcRingStep> ipc_ring_plan(Coll coll, int rank, int n, int64_t count,
+                                       int64_t slot_elems);
 
 // A binary tree in heap order rooted at rank 0: parent (r - 1) / 2, children 2r + 1 and 2r + 2
 // (those < n). Reduction flows to the root, which finishes the value and broadcasts it down.
 struct TreeLinks {
-  int parent = -1;           // -1 at the root
+  int parent = -1;            // -1 at the root
   std::vector<int> children;  // in the order their contributions are reduced
 };
 TreeLinks tree_links(int rank, int n);

@@ -25,13 +25,15 @@ void gpu_reduce_scatter_ring(GpuCtx& c) {
     const size_t bytes = c.bytes(w.count);
     for (int s = 0; s + 1 < n; ++s) {
       const RingStep& st = p.reduce_scatter[size_t(s)];
-      const void* partial = s == 0 ? static_cast<const void*>(c.in_at(st.send_block * m + w.offset)) : c.scratch_at(1);
+      const void* partial = s == 0 ? static_cast<const void*>(c.in_at(st.send_block * m + w.offset))
+                                   : c.scratch_at(1);
       c.ops.group_start();
       c.ops.send(partial, bytes, p.right);
       c.ops.recv(c.scratch_at(0), bytes, p.left);
       c.ops.group_end();
       const bool last = s + 2 == n;
-      // avg: this rank's input block is raw; what arrived is raw only at step 0 (a neighbour's input).
+      // avg: this rank's input block is raw; what arrived is raw only at step 0 (a neighbour's
+      // input).
       c.reduce(last ? c.out_at(w.offset) : c.scratch_at(1), c.in_at(st.recv_block * m + w.offset),
                c.scratch_at(0), w.count, true, s == 0);
     }
@@ -54,7 +56,7 @@ void gpu_allgather_ring(GpuCtx& c) {
 void gpu_allreduce_ring(GpuCtx& c) {
   const int n = c.size;
   c.load(c.a.out, c.a.in, c.a.count);  // avg: divided up front, so every partial is a plain sum
-  if (n == 1) return;  // avg over one rank divides by 1: the copy is the result
+  if (n == 1) return;                  // avg over one rank divides by 1: the copy is the result
   const RingPlan p = ring_plan(c.rank, n);
   for (const Span& r : chunk_plan(c.a.count, c.chunk_elems * n)) {
     const auto block = [&](int b) {
@@ -62,7 +64,8 @@ void gpu_allreduce_ring(GpuCtx& c) {
       return Span{r.offset + lo, hi - lo};
     };
     for (int s = 0; s + 1 < n; ++s) {
-      const Span out = block(p.reduce_scatter[size_t(s)].send_block), in = block(p.reduce_scatter[size_t(s)].recv_block);
+      const Span out = block(p.reduce_scatter[size_t(s)].send_block),
+                 in = block(p.reduce_scatter[size_t(s)].recv_block);
       c.ops.group_start();
       if (out.count) c.ops.send(c.out_at(out.offset), c.bytes(out.count), p.right);
       if (in.count) c.ops.recv(c.scratch_at(0), c.bytes(in.count), p.left);

@@ -62,8 +62,10 @@ const std::vector<IpcAlgorithm>& ipc_algorithm_table() {
   return table;
 }
 
-void IpcCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool raw_x, bool raw_y) const {
-  reduce_cuda(a.dtype, a.op, dst, x, y, size_t(n), AvgScale{size, raw_x, raw_y}, tp.skip_word(), stream);
+void IpcCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool raw_x,
+                    bool raw_y) const {
+  reduce_cuda(a.dtype, a.op, dst, x, y, size_t(n), AvgScale{size, raw_x, raw_y}, tp.skip_word(),
+              stream);
 }
 
 void IpcCtx::copy(void* dst, const void* src, int64_t n) const {
@@ -71,7 +73,8 @@ void IpcCtx::copy(void* dst, const void* src, int64_t n) const {
   copy_cuda(dst, bytes(n), src, bytes(n), bytes(n), 1, tp.skip_word(), stream);
 }
 
-void IpcCtx::copy_rows(void* dst, int64_t dpitch, const void* src, int64_t spitch, int64_t n, int64_t rows) const {
+void IpcCtx::copy_rows(void* dst, int64_t dpitch, const void* src, int64_t spitch, int64_t n,
+                       int64_t rows) const {
   copy_cuda(dst, bytes(dpitch), src, bytes(spitch), bytes(n), size_t(rows), tp.skip_word(), stream);
 }
 
@@ -82,10 +85,12 @@ void IpcCtx::load(void* dst, const void* src, int64_t n) const {
 
 void IpcCtx::reduce_all(void* dst, const std::vector<const char*>& srcs, int64_t n) const {
   if (srcs.size() == 1) return copy(dst, srcs[0], n);  // avg over one rank divides by 1
-  for (size_t k = 1; k < srcs.size(); ++k) reduce(dst, k == 1 ? srcs[0] : dst, srcs[k], n, k == 1, true);
+  for (size_t k = 1; k < srcs.size(); ++k)
+    reduce(dst, k == 1 ? srcs[0] : dst, srcs[k], n, k == 1, true);
 }
 
-void GpuCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool raw_x, bool raw_y) const {
+void GpuCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool raw_x,
+                    bool raw_y) const {
   reduce_cuda(a.dtype, a.op, dst, x, y, size_t(n), AvgScale{size, raw_x, raw_y}, nullptr, stream);
 }
 
@@ -94,7 +99,8 @@ void GpuCtx::copy(void* dst, const void* src, int64_t n) const {
   const cudaError_t e = cudaMemcpyAsync(dst, src, bytes(n), cudaMemcpyDeviceToDevice, stream);
   if (e != cudaSuccess)
     throw PlaitError(std::string("rank ") + std::to_string(rank) + ": " + coll_name(a.coll) +
-                     ": cudaMemcpyAsync of " + std::to_string(bytes(n)) + " bytes failed: " + cudaGetErrorString(e));
+                     ": cudaMemcpyAsync of " + std::to_string(bytes(n)) +
+                     " bytes failed: " + cudaGetErrorString(e));
 }
 
 void GpuCtx::load(void* dst, const void* src, int64_t n) const {

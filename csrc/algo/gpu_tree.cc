@@ -19,10 +19,12 @@ void gpu_allreduce_tree(GpuCtx& c) {
     const size_t bytes = c.bytes(ch.count);
     if (!t.children.empty()) {
       c.ops.group_start();
-      for (size_t i = 0; i < t.children.size(); ++i) c.ops.recv(c.scratch_at(int(i)), bytes, t.children[i]);
+      for (size_t i = 0; i < t.children.size(); ++i)
+        c.ops.recv(c.scratch_at(int(i)), bytes, t.children[i]);
       c.ops.group_end();
       for (size_t i = 0; i < t.children.size(); ++i)
-        c.reduce(c.out_at(ch.offset), c.out_at(ch.offset), c.scratch_at(int(i)), ch.count, false, false);
+        c.reduce(c.out_at(ch.offset), c.out_at(ch.offset), c.scratch_at(int(i)), ch.count, false,
+                 false);
     }
     if (t.parent >= 0) {
       c.ops.group_start();

@@ -18,7 +18,8 @@
 namespace plait {
 
 void ipc_allreduce_one_shot(IpcCtx& c) {
-  for (const Span& w : chunk_plan(c.a.count, std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize)))) {
+  for (const Span& w :
+       chunk_plan(c.a.count, std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize)))) {
     const uint64_t e = c.begin();
     c.copy(c.tp.staging(c.rank), c.in_at(w.offset), w.count);
     c.publish(e);
@@ -30,7 +31,8 @@ void ipc_allreduce_one_shot(IpcCtx& c) {
 }
 
 void ipc_reduce_scatter_one_shot(IpcCtx& c) {
-  const int64_t m = c.a.count, per_block = std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize) / c.size);
+  const int64_t m = c.a.count,
+                per_block = std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize) / c.size);
   for (const Span& w : chunk_plan(m, per_block)) {
     const uint64_t e = c.begin();
     // Window w of every block of the input, side by side in the staging (a kernel: blocks of
@@ -38,7 +40,8 @@ void ipc_reduce_scatter_one_shot(IpcCtx& c) {
     c.copy_rows(c.tp.staging(c.rank), per_block, c.in_at(w.offset), m, w.count, c.size);
     c.publish(e);
     std::vector<const char*> srcs;
-    for (int p = 0; p < c.size; ++p) srcs.push_back(c.tp.staging(p) + c.bytes(per_block) * size_t(c.rank));
+    for (int p = 0; p < c.size; ++p)
+      srcs.push_back(c.tp.staging(p) + c.bytes(per_block) * size_t(c.rank));
     c.reduce_all(c.out_at(w.offset), srcs, w.count);
     c.finish(e);
   }
@@ -46,11 +49,13 @@ void ipc_reduce_scatter_one_shot(IpcCtx& c) {
 
 void ipc_allgather_one_shot(IpcCtx& c) {
   const int64_t m = c.a.count;
-  for (const Span& w : chunk_plan(m, std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize)))) {
+  for (const Span& w :
+       chunk_plan(m, std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize)))) {
     const uint64_t e = c.begin();
     c.copy(c.tp.staging(c.rank), c.in_at(w.offset), w.count);
     c.publish(e);
-    for (int p = 0; p < c.size; ++p) c.copy(c.out_at(int64_t(p) * m + w.offset), c.tp.staging(p), w.count);
+    for (int p = 0; p < c.size; ++p)
+      c.copy(c.out_at(int64_t(p) * m + w.offset), c.tp.staging(p), w.count);
     c.finish(e);
   }
 }

@@ -21,12 +21,15 @@ void run_ring(IpcCtx& c) {
   const int n = c.size;
   const int64_t slot_elems = std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize / 2));
   const std::vector<IpcRingStep> plan = ipc_ring_plan(c.a.coll, c.rank, n, c.a.count, slot_elems);
-  if (plan.empty()) return c.copy(c.a.out, c.a.in, c.a.count);  // one rank (avg divides by 1), or nothing
+  if (plan.empty())
+    return c.copy(c.a.out, c.a.in, c.a.count);  // one rank (avg divides by 1), or nothing
   if (c.a.coll == Coll::allgather) c.copy(c.out_at(c.rank * c.a.count), c.a.in, c.a.count);
   const int left = (c.rank + n - 1) % n, right = (c.rank + 1) % n;
   // begin(): every peer is done with this rank's staging of earlier calls, whatever they read.
   const uint64_t base = c.begin() - 1;
-  const auto slot = [&](int p, uint64_t e) { return c.tp.staging(p) + size_t(e % 2) * c.bytes(slot_elems); };
+  const auto slot = [&](int p, uint64_t e) {
+    return c.tp.staging(p) + size_t(e % 2) * c.bytes(slot_elems);
+  };
   for (const IpcRingStep& s : plan) {
     const uint64_t read = base + uint64_t(s.read), post = base + uint64_t(s.post);
     const char* from = s.read ? slot(left, read) : nullptr;
@@ -42,7 +45,8 @@ void run_ring(IpcCtx& c) {
         c.reduce(to, from, c.in_at(s.in_offset), s.count, false, true);
         break;
       case IpcRingStep::finish:
-        c.reduce(to ? to : c.out_at(s.out_offset), from, c.in_at(s.in_offset), s.count, false, true);
+        c.reduce(to ? to : c.out_at(s.out_offset), from, c.in_at(s.in_offset), s.count, false,
+                 true);
         if (to) c.copy(c.out_at(s.out_offset), to, s.count);
         break;
       case IpcRingStep::gather:

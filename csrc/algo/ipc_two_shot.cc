@@ -12,7 +12,8 @@ namespace plait {
 // reduction runs vectorised whatever n is.
 void ipc_allreduce_two_shot(IpcCtx& c) {
   const int n = c.size;
-  for (const Span& w : chunk_plan(c.a.count, std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize)))) {
+  for (const Span& w :
+       chunk_plan(c.a.count, std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize)))) {
     const uint64_t first = c.begin();
     c.copy(c.tp.staging(c.rank), c.in_at(w.offset), w.count);
     c.publish(first);
@@ -26,13 +27,15 @@ void ipc_allreduce_two_shot(IpcCtx& c) {
     for (int p = 0; p < n; ++p) srcs.push_back(c.tp.staging(p) + c.bytes(mine.offset));
     c.reduce_all(c.out_at(w.offset + mine.offset), srcs, mine.count);
     // Only this rank reads part r of its own staging, so the reduced part may replace it now.
-    c.copy(c.tp.staging(c.rank) + c.bytes(mine.offset), c.out_at(w.offset + mine.offset), mine.count);
+    c.copy(c.tp.staging(c.rank) + c.bytes(mine.offset), c.out_at(w.offset + mine.offset),
+           mine.count);
     const uint64_t second = ++c.epoch;
     c.publish(second);
     for (int q = 0; q < n; ++q) {
       if (q == c.rank) continue;
       const Span theirs = part(q);
-      c.copy(c.out_at(w.offset + theirs.offset), c.tp.staging(q) + c.bytes(theirs.offset), theirs.count);
+      c.copy(c.out_at(w.offset + theirs.offset), c.tp.staging(q) + c.bytes(theirs.offset),
+             theirs.count);
     }
     c.finish(second);  // begin() of the next window waits for it: it covers both exchanges
   }

@@ -77,9 +77,10 @@ const std::vector<const Algorithm*>& algorithms_for(Coll c) {
 // (2026-12-03, `plait-bench -n 2 -c broadcast,reduce,alltoall -a all -b 4K -e 128M`) single copy
 // is 4-7x faster from 16 KiB (broadcast 1 MiB: 85 vs 455 us; reduce 1 MiB: 88 vs 432 us), except
 // reduce from 64 MiB, where staged reduce ran 2x faster (5.9 vs 11.6 ms) in two runs. Alltoall
-// stays staged: single copy was slower at every size but 256 KiB. When ranks outnumber cores, system calls and their context
-// switches cost more than staging: one_shot up to 16 KiB, then two_shot, whose two
-// synchronisations per chunk cost less than the ring's 2(n-1) hand-offs. Tree never won here.
+// stays staged: single copy was slower at every size but 256 KiB. When ranks outnumber cores,
+// system calls and their context switches cost more than staging: one_shot up to 16 KiB, then
+// two_shot, whose two synchronisations per chunk cost less than the ring's 2(n-1) hand-offs. Tree
+// never won here.
 int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes, bool single_copy,
                 bool oversubscribed) {
   const bool sc = single_copy && !oversubscribed;
@@ -91,7 +92,8 @@ int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes, bool sing
     case Coll::broadcast:
       return sc && bytes >= 16 * 1024 ? 1 : 0;  // single_copy : direct
     case Coll::reduce:
-      return sc && bytes >= 16 * 1024 && bytes < (size_t(64) << 20) ? 1 : 0;  // single_copy : direct
+      return sc && bytes >= 16 * 1024 && bytes < (size_t(64) << 20) ? 1
+                                                                    : 0;  // single_copy : direct
     case Coll::allreduce:
       break;
     default:

@@ -14,11 +14,14 @@ namespace py = pybind11;
 namespace plait {
 namespace {
 
-static_assert(int(Coll::recv) == PLAIT_RECV && int(Coll::barrier) == PLAIT_BARRIER, "capi.h coll codes");
-static_assert(int(DType::boolean) == PLAIT_BOOL && int(DType::i64) == PLAIT_I64, "capi.h dtype codes");
+static_assert(int(Coll::recv) == PLAIT_RECV && int(Coll::barrier) == PLAIT_BARRIER,
+              "capi.h coll codes");
+static_assert(int(DType::boolean) == PLAIT_BOOL && int(DType::i64) == PLAIT_I64,
+              "capi.h dtype codes");
 static_assert(int(RedOp::avg) == PLAIT_AVG, "capi.h op codes");
 static_assert(kAnySource == PLAIT_ANY_SOURCE, "capi.h any-source code");
-static_assert(int(ErrorKind::peer_lost) == PLAIT_E_PEER_LOST && int(ErrorKind::timeout) == PLAIT_E_TIMEOUT,
+static_assert(int(ErrorKind::peer_lost) == PLAIT_E_PEER_LOST &&
+                  int(ErrorKind::timeout) == PLAIT_E_TIMEOUT,
               "capi.h error codes");
 
 uint32_t report(const std::exception& e, char* err, size_t errlen) {
@@ -44,19 +47,22 @@ Buffer to_buffer(const plait_buffer* b) {
 int c_rank(void* c) { return static_cast<Communicator*>(c)->rank(); }
 int c_size(void* c) { return static_cast<Communicator*>(c)->size(); }
 
-uint32_t c_call(void* comm, uint8_t coll, const plait_buffer* in, const plait_buffer* out, uint8_t op,
-                int root, int peer, int64_t tag, const char* algo, double timeout_s, plait_done_fn done,
-                void* ctx, void** task, char* err, size_t errlen) {
+uint32_t c_call(void* comm, uint8_t coll, const plait_buffer* in, const plait_buffer* out,
+                uint8_t op, int root, int peer, int64_t tag, const char* algo, double timeout_s,
+                plait_done_fn done, void* ctx, void** task, char* err, size_t errlen) {
   auto& c = *static_cast<Communicator*>(comm);
   try {
-    if (coll >= uint8_t(Coll::kCount) || (in && in->present && in->dtype >= uint8_t(DType::kCount)) ||
+    if (coll >= uint8_t(Coll::kCount) ||
+        (in && in->present && in->dtype >= uint8_t(DType::kCount)) ||
         (out && out->present && out->dtype >= uint8_t(DType::kCount)))
       throw InvalidArgument("rank " + std::to_string(c.rank()) + ": bad collective or dtype code");
     Task::Done hook;
-    if (done) hook = [done, ctx](ErrorKind k, const std::string& m) { done(ctx, uint32_t(k), m.c_str()); };
-    auto t = c.call(Coll(coll), to_buffer(in), to_buffer(out), RedOp(op), root, peer, tag,
-                    algo ? algo : "", timeout_s < 0 ? std::nullopt : std::optional<double>(timeout_s),
-                    done != nullptr, std::move(hook));
+    if (done)
+      hook = [done, ctx](ErrorKind k, const std::string& m) { done(ctx, uint32_t(k), m.c_str()); };
+    auto t =
+        c.call(Coll(coll), to_buffer(in), to_buffer(out), RedOp(op), root, peer, tag,
+               algo ? algo : "", timeout_s < 0 ? std::nullopt : std::optional<double>(timeout_s),
+               done != nullptr, std::move(hook));
     if (task) *task = t ? new std::shared_ptr<Task>(std::move(t)) : nullptr;
     return 0;
   } catch (const std::exception& e) {
@@ -94,15 +100,17 @@ void* c_shared_alloc(size_t bytes, uint64_t* id) {
   }
 }
 
-const plait_capi kTable = {PLAIT_CAPI_VERSION, sizeof(plait_capi), c_rank, c_size, c_call, c_fail,
-                           c_task_run, c_task_release, c_finalize, c_task_peer, c_shared_alloc, shared_free};
+const plait_capi kTable = {
+    PLAIT_CAPI_VERSION, sizeof(plait_capi), c_rank,     c_size,      c_call,         c_fail,
+    c_task_run,         c_task_release,     c_finalize, c_task_peer, c_shared_alloc, shared_free};
 
 }  // namespace
 
 void bind_capi(py::module_& m) {
   m.attr("_capi") = py::capsule(static_cast<const void*>(&kTable), PLAIT_CAPI_CAPSULE);
   // The communicator stays owned by its Python object: callers keep that alive while they use it.
-  m.def("_comm_capsule", [](Communicator& c) { return py::capsule(static_cast<void*>(&c), PLAIT_COMM_CAPSULE); });
+  m.def("_comm_capsule",
+        [](Communicator& c) { return py::capsule(static_cast<void*>(&c), PLAIT_COMM_CAPSULE); });
 }
 
 }  // namespace plait

@@ -17,20 +17,44 @@ extern "C" {
 #endif
 
 // The codes, as plait's enums number them (capi.cc checks they agree).
-enum plait_coll { PLAIT_ALLREDUCE = 0, PLAIT_REDUCE_SCATTER, PLAIT_ALLGATHER, PLAIT_BROADCAST, PLAIT_REDUCE,
-                  PLAIT_ALLTOALL, PLAIT_BARRIER, PLAIT_SEND, PLAIT_RECV };
-enum plait_dtype { PLAIT_F16 = 0, PLAIT_BF16, PLAIT_F32, PLAIT_F64, PLAIT_I8, PLAIT_U8, PLAIT_I32, PLAIT_I64,
-                   PLAIT_BOOL };
+enum plait_coll {
+  PLAIT_ALLREDUCE = 0,
+  PLAIT_REDUCE_SCATTER,
+  PLAIT_ALLGATHER,
+  PLAIT_BROADCAST,
+  PLAIT_REDUCE,
+  PLAIT_ALLTOALL,
+  PLAIT_BARRIER,
+  PLAIT_SEND,
+  PLAIT_RECV
+};
+enum plait_dtype {
+  PLAIT_F16 = 0,
+  PLAIT_BF16,
+  PLAIT_F32,
+  PLAIT_F64,
+  PLAIT_I8,
+  PLAIT_U8,
+  PLAIT_I32,
+  PLAIT_I64,
+  PLAIT_BOOL
+};
 enum { PLAIT_ANY_SOURCE = -1 };
 enum plait_op { PLAIT_SUM = 0, PLAIT_PROD, PLAIT_MIN, PLAIT_MAX, PLAIT_AVG };
-enum plait_error { PLAIT_OK = 0, PLAIT_E_GENERIC, PLAIT_E_INVALID, PLAIT_E_MISMATCH, PLAIT_E_TIMEOUT,
-                   PLAIT_E_PEER_LOST };
+enum plait_error {
+  PLAIT_OK = 0,
+  PLAIT_E_GENERIC,
+  PLAIT_E_INVALID,
+  PLAIT_E_MISMATCH,
+  PLAIT_E_TIMEOUT,
+  PLAIT_E_PEER_LOST
+};
 
 typedef struct plait_buffer {
   void* ptr;
   size_t bytes;
   uint8_t dtype;
-  uint8_t present;   // 0: no buffer (e.g. reduce's output on a non-root)
+  uint8_t present;  // 0: no buffer (e.g. reduce's output on a non-root)
   uint8_t writable;
 } plait_buffer;
 
@@ -43,12 +67,12 @@ typedef struct plait_capi {
   uint32_t struct_size;  // sizeof(plait_capi) of the library: later versions only append
   int (*rank)(void* comm);
   int (*size)(void* comm);
-  // One call; a recv's peer may be PLAIT_ANY_SOURCE. done == NULL: synchronous, returns when it finished. Otherwise asynchronous:
-  // returns 0 once it is queued, done(ctx, ...) follows exactly once; with task != NULL,
-  // *task receives a handle for task_run / task_release. Validation errors return their kind
-  // (done is not called) and abort the communicator on every rank, as the Python calls do.
-  // timeout_s: the call's deadline in seconds (0: fail at once if a peer is not there); < 0: the
-  // communicator's default.
+  // One call; a recv's peer may be PLAIT_ANY_SOURCE. done == NULL: synchronous, returns when it
+  // finished. Otherwise asynchronous: returns 0 once it is queued, done(ctx, ...) follows exactly
+  // once; with task != NULL, *task receives a handle for task_run / task_release. Validation errors
+  // return their kind (done is not called) and abort the communicator on every rank, as the Python
+  // calls do. timeout_s: the call's deadline in seconds (0: fail at once if a peer is not there); <
+  // 0: the communicator's default.
   uint32_t (*call)(void* comm, uint8_t coll, const plait_buffer* in, const plait_buffer* out,
                    uint8_t op, int root, int peer, int64_t tag, const char* algo, double timeout_s,
                    plait_done_fn done, void* ctx, void** task, char* err, size_t errlen);

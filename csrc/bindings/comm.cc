@@ -33,10 +33,18 @@ bool infer_dtype(const py::array& a, DType* out) {
   const char kind = dt.kind();
   const auto size = dt.itemsize();
   switch (kind) {
-    case 'f': *out = size == 2 ? DType::f16 : size == 4 ? DType::f32 : DType::f64; return size == 2 || size == 4 || size == 8;
-    case 'i': *out = size == 1 ? DType::i8 : size == 4 ? DType::i32 : DType::i64; return size == 1 || size == 4 || size == 8;
-    case 'u': *out = DType::u8; return size == 1;
-    case 'b': *out = DType::boolean; return size == 1;
+    case 'f':
+      *out = size == 2 ? DType::f16 : size == 4 ? DType::f32 : DType::f64;
+      return size == 2 || size == 4 || size == 8;
+    case 'i':
+      *out = size == 1 ? DType::i8 : size == 4 ? DType::i32 : DType::i64;
+      return size == 1 || size == 4 || size == 8;
+    case 'u':
+      *out = DType::u8;
+      return size == 1;
+    case 'b':
+      *out = DType::boolean;
+      return size == 1;
     default:
       if (size == 2 && py::str(dt.attr("name")).cast<std::string>() == "bfloat16") {
         *out = DType::bf16;
@@ -83,11 +91,12 @@ struct Call {
     if (!dtype.empty()) {
       b.dtype = parse_dtype(dtype);
       if (size_t(a.itemsize()) != dtype_size(b.dtype))
-        err = std::string(name) + " has " + std::to_string(a.itemsize()) + "-byte elements, dtype='" +
-              dtype + "' needs " + std::to_string(dtype_size(b.dtype));
+        err = std::string(name) + " has " + std::to_string(a.itemsize()) +
+              "-byte elements, dtype='" + dtype + "' needs " + std::to_string(dtype_size(b.dtype));
     } else if (!infer_dtype(a, &b.dtype)) {
       err = std::string(name) + " has unsupported dtype " + py::str(a.dtype()).cast<std::string>() +
-            " (float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool; native byte order)";
+            " (float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool; native byte "
+            "order)";
     }
     return b;
   }
@@ -108,7 +117,8 @@ py::object call(Communicator& c, Coll coll, const py::object& x, const py::objec
     }
   }
   if (!k.err.empty())
-    c.fail(ErrorKind::invalid, "rank " + std::to_string(c.rank()) + ": " + coll_name(coll) + ": " + k.err);
+    c.fail(ErrorKind::invalid,
+           "rank " + std::to_string(c.rank()) + ": " + coll_name(coll) + ": " + k.err);
   std::shared_ptr<Task> t;
   {
     // Small synchronous calls keep the GIL unless they have to wait (see LongWaitHook); large
@@ -143,8 +153,8 @@ PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       if (root < INT32_MIN || root > INT32_MAX) throw InvalidArgument("root is out of range");
     }
     call(c, Coll(coll), py::reinterpret_borrow<py::object>(args[2]),
-         py::reinterpret_borrow<py::object>(args[3]), std::string(op, size_t(n_op)), int(root), -1, 0,
-         std::string(algo, size_t(n_algo)), std::nullopt, false, "");
+         py::reinterpret_borrow<py::object>(args[3]), std::string(op, size_t(n_op)), int(root), -1,
+         0, std::string(algo, size_t(n_algo)), std::nullopt, false, "");
     Py_RETURN_NONE;
   } catch (py::error_already_set& e) {
     e.restore();
@@ -159,7 +169,8 @@ PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return nullptr;
 }
 
-PyMethodDef fast_call_def = {"fast_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_call)),
+PyMethodDef fast_call_def = {"fast_call",
+                             reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_call)),
                              METH_FASTCALL, "fast_call(comm, coll, x, out, op, algorithm)"};
 
 }  // namespace
@@ -169,8 +180,8 @@ void bind_comm(py::module_& m) {
   py::class_<Segment, std::shared_ptr<Segment>>(m, "Segment")
       .def_static("bytes_needed", &Segment::bytes_needed)
       .def("unlink", &Segment::unlink);
-  auto params = [](const std::string& name, int size, size_t staging, size_t pair_slot,
-                   uint64_t t0, uint64_t t1, uint32_t flight) {
+  auto params = [](const std::string& name, int size, size_t staging, size_t pair_slot, uint64_t t0,
+                   uint64_t t1, uint32_t flight) {
     Segment::Params p;
     p.flight_slots = flight;
     p.name = name;
@@ -181,57 +192,78 @@ void bind_comm(py::module_& m) {
     p.token[1] = t1;
     return p;
   };
-  m.def("create_segment", [params](const std::string& name, int size, size_t staging, size_t pair_slot,
-                                   uint64_t t0, uint64_t t1, uint32_t flight) {
-    return std::shared_ptr<Segment>(Segment::create(params(name, size, staging, pair_slot, t0, t1, flight)));
-  }, py::arg("name"), py::arg("size"), py::arg("staging"), py::arg("pair_slot"), py::arg("t0"), py::arg("t1"),
-     py::arg("flight") = 0);
-  m.def("open_segment", [params](const std::string& name, int size, size_t staging, size_t pair_slot,
-                                 uint64_t t0, uint64_t t1, uint32_t flight) {
-    return std::shared_ptr<Segment>(Segment::open(params(name, size, staging, pair_slot, t0, t1, flight)));
-  }, py::arg("name"), py::arg("size"), py::arg("staging"), py::arg("pair_slot"), py::arg("t0"), py::arg("t1"),
-     py::arg("flight") = 0);
-  m.def("reduce_arrays", [](py::array out, const std::vector<py::array>& srcs, const std::string& dtype,
-                            const std::string& op, int avg_divisor) {
-    // The host-side arithmetic of layers above the core (the multi-host path's avg and its MPI
-    // engine's half-type reductions) on plait's own kernels: float32 accumulation for half types,
-    // one rounding, left to right.
-    const DType dt = parse_dtype(dtype);
-    const size_t esize = dtype_size(dt);
-    auto check = [&](const py::array& a, const char* what) {
-      if (!(a.flags() & py::array::c_style) || a.itemsize() != py::ssize_t(esize) || a.size() != out.size())
-        throw InvalidArgument(std::string("reduce_arrays: ") + what + " must be C-contiguous with " +
-                              std::to_string(out.size()) + " elements of " + dtype);
-    };
-    check(out, "out");
-    if (!out.writeable()) throw InvalidArgument("reduce_arrays: out is read-only");
-    if (srcs.empty() || srcs.size() > 32) throw InvalidArgument("reduce_arrays: 1 to 32 sources");
-    std::vector<const void*> ptrs;
-    for (const auto& s : srcs) {
-      check(s, "every source");
-      ptrs.push_back(s.data());
-    }
-    const RedOp rop = parse_op(op);
-    py::gil_scoped_release nogil;
-    reduce(dt, rop, out.mutable_data(), ptrs.data(), int(ptrs.size()), size_t(out.size()), avg_divisor);
-  }, py::arg("out"), py::arg("srcs"), py::arg("dtype"), py::arg("op"), py::arg("avg_divisor") = 0,
-     "out = srcs[0] op srcs[1] op ... (left to right; half types in float32, rounded once); with "
-     "op avg and avg_divisor > 0 the result is divided by it. out may be one of the sources.");
-  m.def("flush_traces", [] {
-    py::gil_scoped_release nogil;
-    Trace::flush_all();
-  }, "Writes every communicator's pending trace slices (PLAIT_TRACE); plait calls it at exit.");
+  m.def(
+      "create_segment",
+      [params](const std::string& name, int size, size_t staging, size_t pair_slot, uint64_t t0,
+               uint64_t t1, uint32_t flight) {
+        return std::shared_ptr<Segment>(
+            Segment::create(params(name, size, staging, pair_slot, t0, t1, flight)));
+      },
+      py::arg("name"), py::arg("size"), py::arg("staging"), py::arg("pair_slot"), py::arg("t0"),
+      py::arg("t1"), py::arg("flight") = 0);
+  m.def(
+      "open_segment",
+      [params](const std::string& name, int size, size_t staging, size_t pair_slot, uint64_t t0,
+               uint64_t t1, uint32_t flight) {
+        return std::shared_ptr<Segment>(
+            Segment::open(params(name, size, staging, pair_slot, t0, t1, flight)));
+      },
+      py::arg("name"), py::arg("size"), py::arg("staging"), py::arg("pair_slot"), py::arg("t0"),
+      py::arg("t1"), py::arg("flight") = 0);
+  m.def(
+      "reduce_arrays",
+      [](py::array out, const std::vector<py::array>& srcs, const std::string& dtype,
+         const std::string& op, int avg_divisor) {
+        // The host-side arithmetic of layers above the core (the multi-host path's avg and its MPI
+        // engine's half-type reductions) on plait's own kernels: float32 accumulation for half
+        // types, one rounding, left to right.
+        const DType dt = parse_dtype(dtype);
+        const size_t esize = dtype_size(dt);
+        auto check = [&](const py::array& a, const char* what) {
+          if (!(a.flags() & py::array::c_style) || a.itemsize() != py::ssize_t(esize) ||
+              a.size() != out.size())
+            throw InvalidArgument(std::string("reduce_arrays: ") + what +
+                                  " must be C-contiguous with " + std::to_string(out.size()) +
+                                  " elements of " + dtype);
+        };
+        check(out, "out");
+        if (!out.writeable()) throw InvalidArgument("reduce_arrays: out is read-only");
+        if (srcs.empty() || srcs.size() > 32)
+          throw InvalidArgument("reduce_arrays: 1 to 32 sources");
+        std::vector<const void*> ptrs;
+        for (const auto& s : srcs) {
+          check(s, "every source");
+          ptrs.push_back(s.data());
+        }
+        const RedOp rop = parse_op(op);
+        py::gil_scoped_release nogil;
+        reduce(dt, rop, out.mutable_data(), ptrs.data(), int(ptrs.size()), size_t(out.size()),
+               avg_divisor);
+      },
+      py::arg("out"), py::arg("srcs"), py::arg("dtype"), py::arg("op"), py::arg("avg_divisor") = 0,
+      "out = srcs[0] op srcs[1] op ... (left to right; half types in float32, rounded once); with "
+      "op avg and avg_divisor > 0 the result is divided by it. out may be one of the sources.");
+  m.def(
+      "flush_traces",
+      [] {
+        py::gil_scoped_release nogil;
+        Trace::flush_all();
+      },
+      "Writes every communicator's pending trace slices (PLAIT_TRACE); plait calls it at exit.");
 
   py::class_<Task, std::shared_ptr<Task>>(m, "Task")
-      .def("wait", [](Task& t, std::optional<double> timeout) {
-        py::gil_scoped_release nogil;
-        return t.wait(timeout);
-      }, py::arg("timeout") = py::none())
+      .def(
+          "wait",
+          [](Task& t, std::optional<double> timeout) {
+            py::gil_scoped_release nogil;
+            return t.wait(timeout);
+          },
+          py::arg("timeout") = py::none())
       .def("done", &Task::done);
 
   py::class_<Communicator>(m, "Communicator")
-      .def(py::init([](std::shared_ptr<Segment> seg, int rank, double timeout, const std::string& algo,
-                       bool oversubscribed, double init_timeout) {
+      .def(py::init([](std::shared_ptr<Segment> seg, int rank, double timeout,
+                       const std::string& algo, bool oversubscribed, double init_timeout) {
              Options o;
              o.timeout_s = timeout;
              o.algo_override = algo;
@@ -249,37 +281,51 @@ void bind_comm(py::module_& m) {
       .def_property_readonly("mapped_bytes", &Communicator::mapped_bytes)
       .def_property_readonly("single_copy_unavailable", &Communicator::single_copy_unavailable)
       .def_property("label", &Communicator::label, &Communicator::set_label)
-      .def("flight_json", [](Communicator& c) {
-        py::gil_scoped_release nogil;
-        return c.flight_json();
-      }, "Every rank's last calls from the flight recorder, as JSON text.")
+      .def(
+          "flight_json",
+          [](Communicator& c) {
+            py::gil_scoped_release nogil;
+            return c.flight_json();
+          },
+          "Every rank's last calls from the flight recorder, as JSON text.")
       .def("_flight_scribble", &Communicator::flight_scribble, py::arg("rank"), py::arg("seed"),
            "Test hook: overwrites rank's flight ring with garbage drawn from seed.")
-      .def("finalize", [](Communicator& c) {
-        py::gil_scoped_release nogil;
-        c.finalize();
-      })
-      .def("check_gpu_call", [](Communicator& c, const std::string& coll, const std::string& dtype,
-                                const std::string& op, int64_t count, int32_t root,
-                                const std::string& algo, const std::string& head) {
-             int code = 0;
-             while (code < int(Coll::kCount) && coll != coll_name(Coll(code))) ++code;
-             if (code == int(Coll::kCount)) throw InvalidArgument("check_gpu_call: no collective " + coll);
-             c.check_gpu_call(Coll(code), parse_dtype(dtype), parse_op(op), count, root, algo, head);
-           }, py::arg("coll"), py::arg("dtype"), py::arg("op"), py::arg("count"), py::arg("root"),
-           py::arg("algorithm"), py::arg("head"),
-           "Compares a GPU call with the other ranks' same call without waiting (MismatchError on "
-           "every rank when they disagree).")
-      .def("fail", [](Communicator& c, const std::string& msg, const std::string& kind) {
-             // Aborts the communicator on every rank and raises; kind: invalid (default) or mismatch.
-             c.fail(kind == "mismatch" ? ErrorKind::mismatch : ErrorKind::invalid, msg);
-           }, py::arg("msg"), py::arg("kind") = "invalid")
-      .def("call", [](Communicator& c, int coll, const py::object& x, const py::object& out,
-                      const std::string& op, int root, int peer, int64_t tag, const std::string& algo,
-                      std::optional<double> timeout, bool async, const std::string& dtype) {
-        if (coll < 0 || coll >= int(Coll::kCount)) throw InvalidArgument("bad collective code");
-        return call(c, Coll(coll), x, out, op, root, peer, tag, algo, timeout, async, dtype);
-      });
+      .def("finalize",
+           [](Communicator& c) {
+             py::gil_scoped_release nogil;
+             c.finalize();
+           })
+      .def(
+          "check_gpu_call",
+          [](Communicator& c, const std::string& coll, const std::string& dtype,
+             const std::string& op, int64_t count, int32_t root, const std::string& algo,
+             const std::string& head) {
+            int code = 0;
+            while (code < int(Coll::kCount) && coll != coll_name(Coll(code))) ++code;
+            if (code == int(Coll::kCount))
+              throw InvalidArgument("check_gpu_call: no collective " + coll);
+            c.check_gpu_call(Coll(code), parse_dtype(dtype), parse_op(op), count, root, algo, head);
+          },
+          py::arg("coll"), py::arg("dtype"), py::arg("op"), py::arg("count"), py::arg("root"),
+          py::arg("algorithm"), py::arg("head"),
+          "Compares a GPU call with the other ranks' same call without waiting (MismatchError on "
+          "every rank when they disagree).")
+      .def(
+          "fail",
+          [](Communicator& c, const std::string& msg, const std::string& kind) {
+            // Aborts the communicator on every rank and raises; kind: invalid (default) or
+            // mismatch.
+            c.fail(kind == "mismatch" ? ErrorKind::mismatch : ErrorKind::invalid, msg);
+          },
+          py::arg("msg"), py::arg("kind") = "invalid")
+      .def("call",
+           [](Communicator& c, int coll, const py::object& x, const py::object& out,
+              const std::string& op, int root, int peer, int64_t tag, const std::string& algo,
+              std::optional<double> timeout, bool async, const std::string& dtype) {
+             if (coll < 0 || coll >= int(Coll::kCount))
+               throw InvalidArgument("bad collective code");
+             return call(c, Coll(coll), x, out, op, root, peer, tag, algo, timeout, async, dtype);
+           });
   py::dict codes;
   for (int c = 0; c < int(Coll::kCount); ++c) codes[coll_name(Coll(c))] = c;
   m.attr("COLLECTIVES") = codes;

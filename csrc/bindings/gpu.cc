@@ -61,7 +61,8 @@ int device_count() {
 
 // The GPU communicators' hooks into the CPU communicator of the same ranks.
 GpuPeers cpu_peers(Communicator* c) {
-  return GpuPeers{[c] { c->throw_if_aborted(); }, [c](ErrorKind k, const std::string& msg) { c->abort_all(k, msg); },
+  return GpuPeers{[c] { c->throw_if_aborted(); },
+                  [c](ErrorKind k, const std::string& msg) { c->abort_all(k, msg); },
                   [c] { return c->dead_peer(); }};
 }
 
@@ -96,7 +97,8 @@ class WatchdogProbe {
     h.abort = [this](ErrorKind k, const std::string& m) {
       {
         std::lock_guard<std::mutex> lock(mu_);
-        static const char* const names[] = {"none", "generic", "invalid", "mismatch", "timeout", "peer_lost"};
+        static const char* const names[] = {"none",     "generic", "invalid",
+                                            "mismatch", "timeout", "peer_lost"};
         aborts_.push_back(std::string(names[int(k)]) + ": " + m);
       }
       peers_.tell(k, m);
@@ -164,27 +166,37 @@ GpuBuffer gpu_buffer(const py::object& o, const std::string& dtype) {
 // What both GPU communicators (NCCL's and the CUDA IPC transport's) offer Python alike.
 template <class Comm>
 void bind_gpu_work(py::class_<Comm, std::shared_ptr<Comm>>& cls) {
-  cls.def("call", [](Comm& g, const std::string& coll, py::object in, py::object out, const std::string& dtype,
-                     const std::string& op, const std::string& algo, uintptr_t stream, double timeout, int root,
-                     int peer) {
-       const GpuBuffer i = gpu_buffer(in, dtype), o = gpu_buffer(out, dtype);
-       const Coll c = coll_named(coll);
-       const RedOp r = op_named(op);
-       py::gil_scoped_release nogil;
-       g.call(c, i, o, r, algo, reinterpret_cast<cudaStream_t>(stream), timeout, root, peer);
-     }, py::arg("coll"), py::arg("in"), py::arg("out"), py::arg("dtype"), py::arg("op"), py::arg("algo"),
-        py::arg("stream"), py::arg("timeout"), py::arg("root") = 0, py::arg("peer") = -1)
-      .def("record", [](std::shared_ptr<Comm> g, uintptr_t stream, double timeout) {
-        return std::make_shared<GpuEvent>(std::static_pointer_cast<GpuWork>(g), reinterpret_cast<cudaStream_t>(stream),
-                                          timeout);
-      })
-      .def("finalize", [](Comm& g) {
-        py::gil_scoped_release nogil;
-        g.finalize();
-      })
-      .def("resolve", [](Comm& g, const std::string& coll, const std::string& algo) {
-        return std::string(g.resolve(coll_named(coll), algo));
-      }, py::arg("coll"), py::arg("algo"), "The algorithm `algo` (auto, or a name) runs as here; InvalidArgument if none.");
+  cls.def(
+         "call",
+         [](Comm& g, const std::string& coll, py::object in, py::object out,
+            const std::string& dtype, const std::string& op, const std::string& algo,
+            uintptr_t stream, double timeout, int root, int peer) {
+           const GpuBuffer i = gpu_buffer(in, dtype), o = gpu_buffer(out, dtype);
+           const Coll c = coll_named(coll);
+           const RedOp r = op_named(op);
+           py::gil_scoped_release nogil;
+           g.call(c, i, o, r, algo, reinterpret_cast<cudaStream_t>(stream), timeout, root, peer);
+         },
+         py::arg("coll"), py::arg("in"), py::arg("out"), py::arg("dtype"), py::arg("op"),
+         py::arg("algo"), py::arg("stream"), py::arg("timeout"), py::arg("root") = 0,
+         py::arg("peer") = -1)
+      .def("record",
+           [](std::shared_ptr<Comm> g, uintptr_t stream, double timeout) {
+             return std::make_shared<GpuEvent>(std::static_pointer_cast<GpuWork>(g),
+                                               reinterpret_cast<cudaStream_t>(stream), timeout);
+           })
+      .def("finalize",
+           [](Comm& g) {
+             py::gil_scoped_release nogil;
+             g.finalize();
+           })
+      .def(
+          "resolve",
+          [](Comm& g, const std::string& coll, const std::string& algo) {
+            return std::string(g.resolve(coll_named(coll), algo));
+          },
+          py::arg("coll"), py::arg("algo"),
+          "The algorithm `algo` (auto, or a name) runs as here; InvalidArgument if none.");
 }
 #endif
 
@@ -192,56 +204,79 @@ void bind_gpu_work(py::class_<Comm, std::shared_ptr<Comm>>& cls) {
 
 void bind_gpu(py::module_& m) {
   m.attr("CUDA_COMPILED") = bool(PLAIT_WITH_CUDA);
-  m.def("cuda_device_count", &device_count, "CUDA devices visible to this process (0: none, no driver, or a CPU-only build).");
-  m.def("cuda_pointer_device", [](uintptr_t ptr) {
+  m.def("cuda_device_count", &device_count,
+        "CUDA devices visible to this process (0: none, no driver, or a CPU-only build).");
+  m.def(
+      "cuda_pointer_device",
+      [](uintptr_t ptr) {
 #if PLAIT_WITH_CUDA
-    cudaPointerAttributes a;
-    if (cudaPointerGetAttributes(&a, reinterpret_cast<const void*>(ptr)) != cudaSuccess) {
-      cudaGetLastError();
-      return -1;
-    }
-    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? a.device : -1;
+        cudaPointerAttributes a;
+        if (cudaPointerGetAttributes(&a, reinterpret_cast<const void*>(ptr)) != cudaSuccess) {
+          cudaGetLastError();
+          return -1;
+        }
+        return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? a.device : -1;
 #else
-    return -1;
+        return -1;
 #endif
-  }, py::arg("ptr"), "The CUDA device a pointer lives on, or -1 (host memory, no driver, CPU-only build).");
-  m.def("gpu_plan_chunks", [](int64_t count, int64_t chunk) {
-    std::vector<std::pair<int64_t, int64_t>> v;
-    for (const Span& s : chunk_plan(count, chunk)) v.emplace_back(s.offset, s.count);
-    return v;
-  }, py::arg("count"), py::arg("chunk_elems"));
-  m.def("gpu_plan_ring", [](int rank, int n) {
-    const RingPlan p = ring_plan(rank, n);
-    py::dict d;
-    d["left"] = p.left;
-    d["right"] = p.right;
-    for (const char* k : {"reduce_scatter", "allgather"}) {
-      std::vector<std::pair<int, int>> steps;
-      for (const RingStep& s : std::string(k) == "allgather" ? p.allgather : p.reduce_scatter)
-        steps.emplace_back(s.send_block, s.recv_block);
-      d[k] = steps;
-    }
-    return d;
-  }, py::arg("rank"), py::arg("size"));
-  m.def("gpu_plan_ipc_ring", [](const std::string& coll, int rank, int n, int64_t count, int64_t slot_elems) {
-    static const char* const kinds[] = {"load", "reduce", "finish", "gather"};
-    std::vector<py::tuple> v;
-    for (const IpcRingStep& s : ipc_ring_plan(coll_named(coll), rank, n, count, slot_elems))
-      v.push_back(py::make_tuple(kinds[s.kind], s.block, s.in_offset, s.out_offset, s.count, s.read, s.post));
-    return v;
-  }, py::arg("collective"), py::arg("rank"), py::arg("size"), py::arg("count"), py::arg("slot_elems"),
-     "An IPC ring's steps: (kind, block, in offset, out offset, count, read epoch, post epoch); 0 is none.");
-  m.def("gpu_timeout_ns", &gpu_timeout_ns, py::arg("seconds"), "A GPU wait kernel's timeout, clamped.");
-  m.def("gpu_plan_parts", [](int64_t count, int n, int64_t align) {
-    std::vector<int64_t> v;
-    for (int q = 0; q <= n; ++q) v.push_back(aligned_part_begin(count, n, q, align));
-    return v;
-  }, py::arg("count"), py::arg("parts"), py::arg("align"), "Where each part begins (and the end), aligned.");
+      },
+      py::arg("ptr"),
+      "The CUDA device a pointer lives on, or -1 (host memory, no driver, CPU-only build).");
+  m.def(
+      "gpu_plan_chunks",
+      [](int64_t count, int64_t chunk) {
+        std::vector<std::pair<int64_t, int64_t>> v;
+        for (const Span& s : chunk_plan(count, chunk)) v.emplace_back(s.offset, s.count);
+        return v;
+      },
+      py::arg("count"), py::arg("chunk_elems"));
+  m.def(
+      "gpu_plan_ring",
+      [](int rank, int n) {
+        const RingPlan p = ring_plan(rank, n);
+        py::dict d;
+        d["left"] = p.left;
+        d["right"] = p.right;
+        for (const char* k : {"reduce_scatter", "allgather"}) {
+          std::vector<std::pair<int, int>> steps;
+          for (const RingStep& s : std::string(k) == "allgather" ? p.allgather : p.reduce_scatter)
+            steps.emplace_back(s.send_block, s.recv_block);
+          d[k] = steps;
+        }
+        return d;
+      },
+      py::arg("rank"), py::arg("size"));
+  m.def(
+      "gpu_plan_ipc_ring",
+      [](const std::string& coll, int rank, int n, int64_t count, int64_t slot_elems) {
+        static const char* const kinds[] = {"load", "reduce", "finish", "gather"};
+        std::vector<py::tuple> v;
+        for (const IpcRingStep& s : ipc_ring_plan(coll_named(coll), rank, n, count, slot_elems))
+          v.push_back(py::make_tuple(kinds[s.kind], s.block, s.in_offset, s.out_offset, s.count,
+                                     s.read, s.post));
+        return v;
+      },
+      py::arg("collective"), py::arg("rank"), py::arg("size"), py::arg("count"),
+      py::arg("slot_elems"),
+      "An IPC ring's steps: (kind, block, in offset, out offset, count, read epoch, post epoch); 0 "
+      "is none.");
+  m.def("gpu_timeout_ns", &gpu_timeout_ns, py::arg("seconds"),
+        "A GPU wait kernel's timeout, clamped.");
+  m.def(
+      "gpu_plan_parts",
+      [](int64_t count, int n, int64_t align) {
+        std::vector<int64_t> v;
+        for (int q = 0; q <= n; ++q) v.push_back(aligned_part_begin(count, n, q, align));
+        return v;
+      },
+      py::arg("count"), py::arg("parts"), py::arg("align"),
+      "Where each part begins (and the end), aligned.");
   py::class_<WatchdogProbe>(m, "_WatchdogProbe")
       .def(py::init([](py::object cpu, double interval_s) {
              Communicator* c = cpu.is_none() ? nullptr : &cpu.cast<Communicator&>();
              return std::make_unique<WatchdogProbe>(c, interval_s);
-           }), py::arg("cpu"), py::arg("interval_s") = 1e-3, py::keep_alive<1, 2>())
+           }),
+           py::arg("cpu"), py::arg("interval_s") = 1e-3, py::keep_alive<1, 2>())
       .def("issue", &WatchdogProbe::issue, py::arg("timeout"), py::arg("what"))
       .def("set", &WatchdogProbe::set, py::arg("event"), py::arg("state"))
       .def("set_poll_error", &WatchdogProbe::set_poll_error)
@@ -254,81 +289,110 @@ void bind_gpu(py::module_& m) {
         py::gil_scoped_release nogil;
         return p.wd().drain(max_s);
       });
-  m.def("gpu_plan_tree", [](int rank, int n) {
-    const TreeLinks t = tree_links(rank, n);
-    return py::make_tuple(t.parent, t.children);
-  }, py::arg("rank"), py::arg("size"));
+  m.def(
+      "gpu_plan_tree",
+      [](int rank, int n) {
+        const TreeLinks t = tree_links(rank, n);
+        return py::make_tuple(t.parent, t.children);
+      },
+      py::arg("rank"), py::arg("size"));
 
 #if PLAIT_WITH_CUDA
-  m.def("nccl_load", [](const std::string& path) {
-    py::gil_scoped_release nogil;
-    return nccl_load(path).version;
-  }, py::arg("path"), "Loads NCCL (once per process) and returns its version code.");
-  m.def("nccl_unique_id", [](const std::string& path) {
-    nccl::UniqueId id;
-    {
-      py::gil_scoped_release nogil;
-      const NcclApi& api = nccl_load(path);
-      const nccl::Result r = api.GetUniqueId(&id);
-      if (r != nccl::Success) throw PlaitError(std::string("ncclGetUniqueId failed: ") + api.GetErrorString(r));
-    }
-    return py::bytes(id.internal, sizeof id.internal);
-  }, py::arg("path"));
-  m.def("cuda_device_uuid", [](int device) {
-    cudaDeviceProp p;
-    const cudaError_t e = cudaGetDeviceProperties(&p, device);
-    if (e != cudaSuccess) throw PlaitError("cudaGetDeviceProperties(" + std::to_string(device) + "): " + cudaGetErrorString(e));
-    return py::bytes(p.uuid.bytes, sizeof p.uuid.bytes);
-  }, py::arg("device"));
+  m.def(
+      "nccl_load",
+      [](const std::string& path) {
+        py::gil_scoped_release nogil;
+        return nccl_load(path).version;
+      },
+      py::arg("path"), "Loads NCCL (once per process) and returns its version code.");
+  m.def(
+      "nccl_unique_id",
+      [](const std::string& path) {
+        nccl::UniqueId id;
+        {
+          py::gil_scoped_release nogil;
+          const NcclApi& api = nccl_load(path);
+          const nccl::Result r = api.GetUniqueId(&id);
+          if (r != nccl::Success)
+            throw PlaitError(std::string("ncclGetUniqueId failed: ") + api.GetErrorString(r));
+        }
+        return py::bytes(id.internal, sizeof id.internal);
+      },
+      py::arg("path"));
+  m.def(
+      "cuda_device_uuid",
+      [](int device) {
+        cudaDeviceProp p;
+        const cudaError_t e = cudaGetDeviceProperties(&p, device);
+        if (e != cudaSuccess)
+          throw PlaitError("cudaGetDeviceProperties(" + std::to_string(device) +
+                           "): " + cudaGetErrorString(e));
+        return py::bytes(p.uuid.bytes, sizeof p.uuid.bytes);
+      },
+      py::arg("device"));
   // The kernels alone, for tests/gpu and the bench: device pointers as integers is acceptable
   // only here, behind a private name, because the callers own and hold the arrays.
-  m.def("_reduce_cuda", [](const std::string& dtype, const std::string& op, uintptr_t dst, uintptr_t a,
-                           uintptr_t b, size_t count, int avg_divisor, uintptr_t stream) {
+  m.def("_reduce_cuda", [](const std::string& dtype, const std::string& op, uintptr_t dst,
+                           uintptr_t a, uintptr_t b, size_t count, int avg_divisor,
+                           uintptr_t stream) {
     py::gil_scoped_release nogil;
     cudaPointerAttributes at;
-    if (cudaPointerGetAttributes(&at, reinterpret_cast<const void*>(dst)) != cudaSuccess || at.device < 0)
+    if (cudaPointerGetAttributes(&at, reinterpret_cast<const void*>(dst)) != cudaSuccess ||
+        at.device < 0)
       throw InvalidArgument("_reduce_cuda: dst is not device memory");
     DeviceGuard g(at.device);  // launch on the GPU that holds the data, as torch/cupy chose it
-    reduce_cuda(dtype_named(dtype), op_named(op), reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(a),
-                reinterpret_cast<const void*>(b), count, AvgScale{avg_divisor, true, true}, nullptr,
-                reinterpret_cast<cudaStream_t>(stream));
+    reduce_cuda(dtype_named(dtype), op_named(op), reinterpret_cast<void*>(dst),
+                reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b), count,
+                AvgScale{avg_divisor, true, true}, nullptr, reinterpret_cast<cudaStream_t>(stream));
   });
-  m.def("gpu_algorithms", [](const std::string& coll) {
-    const Coll c = coll_named(coll);
-    std::vector<std::string> names;
-    for (const GpuAlgorithm& a : gpu_algorithm_table())
-      if (a.coll == c) names.push_back(a.name);
-    return names;
-  }, py::arg("collective"));
+  m.def(
+      "gpu_algorithms",
+      [](const std::string& coll) {
+        const Coll c = coll_named(coll);
+        std::vector<std::string> names;
+        for (const GpuAlgorithm& a : gpu_algorithm_table())
+          if (a.coll == c) names.push_back(a.name);
+        return names;
+      },
+      py::arg("collective"));
 
   py::class_<GpuEvent, std::shared_ptr<GpuEvent>>(m, "GpuEvent")
-      .def("wait", [](GpuEvent& e, double timeout) {
-        py::gil_scoped_release nogil;
-        return e.wait(timeout);
-      }, py::arg("timeout") = -1.0)
+      .def(
+          "wait",
+          [](GpuEvent& e, double timeout) {
+            py::gil_scoped_release nogil;
+            return e.wait(timeout);
+          },
+          py::arg("timeout") = -1.0)
       .def("done", &GpuEvent::done)
-      .def("block", [](GpuEvent& e, uintptr_t stream) { e.block(reinterpret_cast<cudaStream_t>(stream)); },
-           py::arg("stream"), "Makes `stream` wait for the call on the GPU; returns at once.");
+      .def(
+          "block",
+          [](GpuEvent& e, uintptr_t stream) { e.block(reinterpret_cast<cudaStream_t>(stream)); },
+          py::arg("stream"), "Makes `stream` wait for the call on the GPU; returns at once.");
 
-  m.def("ipc_algorithms", [](const std::string& coll) {
-    const Coll c = coll_named(coll);
-    std::vector<std::string> names;
-    for (const IpcAlgorithm& a : ipc_algorithm_table())
-      if (a.coll == c) names.push_back(a.name);
-    return names;
-  }, py::arg("collective"));
+  m.def(
+      "ipc_algorithms",
+      [](const std::string& coll) {
+        const Coll c = coll_named(coll);
+        std::vector<std::string> names;
+        for (const IpcAlgorithm& a : ipc_algorithm_table())
+          if (a.coll == c) names.push_back(a.name);
+        return names;
+      },
+      py::arg("collective"));
 
   py::class_<IpcComm, std::shared_ptr<IpcComm>> ipc(m, "IpcCommunicator");
-  ipc
-      .def(py::init([](Communicator& cpu, int device, double timeout, size_t staging_bytes) {
-             GpuOptions o;
-             o.timeout_s = timeout;
-             Communicator* c = &cpu;
-             GpuPeers peers = cpu_peers(c);
-             py::gil_scoped_release nogil;
-             return std::make_shared<IpcComm>(cpu.rank(), cpu.size(), device, staging_bytes, o, std::move(peers));
-           }),
-           py::arg("cpu"), py::arg("device"), py::arg("timeout"), py::arg("staging_bytes"), py::keep_alive<1, 2>())
+  ipc.def(py::init([](Communicator& cpu, int device, double timeout, size_t staging_bytes) {
+            GpuOptions o;
+            o.timeout_s = timeout;
+            Communicator* c = &cpu;
+            GpuPeers peers = cpu_peers(c);
+            py::gil_scoped_release nogil;
+            return std::make_shared<IpcComm>(cpu.rank(), cpu.size(), device, staging_bytes, o,
+                                             std::move(peers));
+          }),
+          py::arg("cpu"), py::arg("device"), py::arg("timeout"), py::arg("staging_bytes"),
+          py::keep_alive<1, 2>())
       .def_property_readonly("device", &IpcComm::device)
       .def("handle", [](IpcComm& g) { return py::bytes(g.handle()); })
       .def("open", [](IpcComm& g, const std::vector<py::bytes>& handles) {
@@ -341,17 +405,19 @@ void bind_gpu(py::module_& m) {
 
   py::class_<GpuComm, std::shared_ptr<GpuComm>> gpu(m, "GpuCommunicator");
   gpu
-      // rank/size >= 0: the NCCL communicator spans more ranks than `cpu` (a hierarchical job: cpu is
-      // the host-local communicator, whose abort stops this host's peers; other hosts learn of an
-      // error through NCCL's own errors and the call's deadline).
-      .def(py::init([](Communicator& cpu, const py::bytes& uid, int device, double timeout, int64_t chunk_bytes,
-                       const std::string& algo, const std::string& nccl_path, int rank, int size) {
+      // rank/size >= 0: the NCCL communicator spans more ranks than `cpu` (a hierarchical job: cpu
+      // is the host-local communicator, whose abort stops this host's peers; other hosts learn of
+      // an error through NCCL's own errors and the call's deadline).
+      .def(py::init([](Communicator& cpu, const py::bytes& uid, int device, double timeout,
+                       int64_t chunk_bytes, const std::string& algo, const std::string& nccl_path,
+                       int rank, int size) {
              if (rank < 0 && size < 0) rank = cpu.rank(), size = cpu.size();
              if (size < 1 || rank < 0 || rank >= size)
                throw InvalidArgument("GpuCommunicator: rank " + std::to_string(rank) + " of size " +
                                      std::to_string(size) + ": need 0 <= rank < size (or both -1)");
              const std::string id = uid;
-             if (id.size() != size_t(nccl::kUniqueIdBytes)) throw InvalidArgument("NCCL unique id must be 128 bytes");
+             if (id.size() != size_t(nccl::kUniqueIdBytes))
+               throw InvalidArgument("NCCL unique id must be 128 bytes");
              nccl::UniqueId u;
              std::memcpy(u.internal, id.data(), id.size());
              GpuOptions o;
@@ -361,19 +427,23 @@ void bind_gpu(py::module_& m) {
              Communicator* c = &cpu;
              GpuPeers peers = cpu_peers(c);
              py::gil_scoped_release nogil;
-             return std::make_shared<GpuComm>(nccl_load(nccl_path), u, rank, size, device, o, std::move(peers));
+             return std::make_shared<GpuComm>(nccl_load(nccl_path), u, rank, size, device, o,
+                                              std::move(peers));
            }),
-           py::arg("cpu"), py::arg("unique_id"), py::arg("device"), py::arg("timeout"), py::arg("chunk_bytes"),
-           py::arg("algo_override"), py::arg("nccl_path"), py::arg("rank") = -1, py::arg("size") = -1,
-           py::keep_alive<1, 2>())
+           py::arg("cpu"), py::arg("unique_id"), py::arg("device"), py::arg("timeout"),
+           py::arg("chunk_bytes"), py::arg("algo_override"), py::arg("nccl_path"),
+           py::arg("rank") = -1, py::arg("size") = -1, py::keep_alive<1, 2>())
       .def_property_readonly("device", &GpuComm::device);
   bind_gpu_work(gpu);
 #else
   for (const char* name : {"gpu_algorithms", "ipc_algorithms"})
-    m.def(name, [](const std::string& coll) {
-      coll_named(coll);
-      return std::vector<std::string>{};
-    }, py::arg("collective"));
+    m.def(
+        name,
+        [](const std::string& coll) {
+          coll_named(coll);
+          return std::vector<std::string>{};
+        },
+        py::arg("collective"));
 #endif
 }
 

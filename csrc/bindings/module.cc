@@ -37,12 +37,15 @@ void bind_shared(py::module_& m) {
       })
       .def_readonly("nbytes", &SharedBuffer::bytes);
   m.def("shared_region_count", &shared_region_count, "Live plait shared buffers in this process.");
-  m.def("is_shared", [](uintptr_t addr, size_t bytes) {
-    RegionRef r;
-    return shared_find(reinterpret_cast<const void*>(addr), std::max<size_t>(bytes, 1), &r);
-  }, py::arg("addr"), py::arg("nbytes"));
+  m.def(
+      "is_shared",
+      [](uintptr_t addr, size_t bytes) {
+        RegionRef r;
+        return shared_find(reinterpret_cast<const void*>(addr), std::max<size_t>(bytes, 1), &r);
+      },
+      py::arg("addr"), py::arg("nbytes"));
 }
-}
+}  // namespace plait
 
 PYBIND11_MODULE(_C, m) {
   using namespace plait;
@@ -55,11 +58,20 @@ PYBIND11_MODULE(_C, m) {
     } catch (const PlaitError& e) {
       const char* cls = "PlaitError";
       switch (e.kind()) {
-        case ErrorKind::invalid: cls = "InvalidArgument"; break;
-        case ErrorKind::mismatch: cls = "MismatchError"; break;
-        case ErrorKind::timeout: cls = "TimeoutError"; break;
-        case ErrorKind::peer_lost: cls = "PeerLostError"; break;
-        default: break;
+        case ErrorKind::invalid:
+          cls = "InvalidArgument";
+          break;
+        case ErrorKind::mismatch:
+          cls = "MismatchError";
+          break;
+        case ErrorKind::timeout:
+          cls = "TimeoutError";
+          break;
+        case ErrorKind::peer_lost:
+          cls = "PeerLostError";
+          break;
+        default:
+          break;
       }
       py::object type = py::module_::import("plait._errors").attr(cls);
       if (!e.flight) {
@@ -76,20 +88,24 @@ PYBIND11_MODULE(_C, m) {
       }
     }
   });
-  m.def("algorithms", [](const std::string& coll) {
-    for (int c = 0; c < int(Coll::kCount); ++c) {
-      if (coll != coll_name(Coll(c))) continue;
-      std::vector<std::string> names;
-      for (auto* a : algorithms_for(Coll(c))) names.push_back(a->name);
-      return names;
-    }
-    throw InvalidArgument("unknown collective '" + coll + "'");
-  }, py::arg("collective"), "Algorithm names of a collective, in table order.");
+  m.def(
+      "algorithms",
+      [](const std::string& coll) {
+        for (int c = 0; c < int(Coll::kCount); ++c) {
+          if (coll != coll_name(Coll(c))) continue;
+          std::vector<std::string> names;
+          for (auto* a : algorithms_for(Coll(c))) names.push_back(a->name);
+          return names;
+        }
+        throw InvalidArgument("unknown collective '" + coll + "'");
+      },
+      py::arg("collective"), "Algorithm names of a collective, in table order.");
   m.def("build_info", [] {
     py::dict d;
     // cuda: compiled with the CUDA path (whether a device is present is cuda_devices).
     d["cuda"] = bool(PLAIT_WITH_CUDA);
-    d["transports"] = PLAIT_WITH_CUDA ? std::vector<std::string>{"shm", "nccl"} : std::vector<std::string>{"shm"};
+    d["transports"] =
+        PLAIT_WITH_CUDA ? std::vector<std::string>{"shm", "nccl"} : std::vector<std::string>{"shm"};
     d["reduce_isa"] = reduce_isa();
     return d;
   });

@@ -84,9 +84,10 @@ void Communicator::check_gpu_call(Coll c, DType dtype, RedOp op, int64_t count, 
     field(theirs.algo == mine.algo, "algorithm");
     if (diff.empty()) continue;
     fail(ErrorKind::mismatch,
-         head + ": mismatched GPU calls: ranks " + std::to_string(rank_) + " and " + std::to_string(p) +
-             " disagree on " + diff + " at GPU call #" + std::to_string(seq) + " (rank " +
-             std::to_string(rank_) + ": " + describe(mine, algo) + "; rank " + std::to_string(p) + ": " +
+         head + ": mismatched GPU calls: ranks " + std::to_string(rank_) + " and " +
+             std::to_string(p) + " disagree on " + diff + " at GPU call #" + std::to_string(seq) +
+             " (rank " + std::to_string(rank_) + ": " + describe(mine, algo) + "; rank " +
+             std::to_string(p) + ": " +
              describe(theirs, theirs.algo == mine.algo ? algo : "another") + ")");
   }
 }

@@ -24,7 +24,8 @@ std::string bad_seconds(const char* what, double v, const char* zero_means) {
 
 bool Task::wait(std::optional<double> timeout_s) {
   if (timeout_s && !(*timeout_s >= 0))
-    throw InvalidArgument(bad_seconds("Handle.wait: timeout", *timeout_s, "0 only looks; None waits for the call"));
+    throw InvalidArgument(
+        bad_seconds("Handle.wait: timeout", *timeout_s, "0 only looks; None waits for the call"));
   if (!done()) {
     std::unique_lock<std::mutex> lk(m_);
     auto pred = [&] { return done(); };
@@ -66,7 +67,8 @@ Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options
     if (!(opt_.timeout_s >= 0))
       throw InvalidArgument(bad_seconds("timeout", opt_.timeout_s, "0: calls never wait"));
     if (!(opt_.init_timeout_s >= 0))
-      throw InvalidArgument(bad_seconds("init_timeout", opt_.init_timeout_s, "0: init never waits"));
+      throw InvalidArgument(
+          bad_seconds("init_timeout", opt_.init_timeout_s, "0: init never waits"));
     parse_algo_override();
   } catch (...) {
     seg_->unlink();
@@ -116,7 +118,8 @@ void Communicator::parse_algo_override() {
         if (name == a->name) forced_[size_t(c)] = name, used = true;
     }
     if (!used)
-      throw InvalidArgument("PLAIT_ALGO: '" + item + "' names no algorithm (see plait.algorithms(collective))");
+      throw InvalidArgument("PLAIT_ALGO: '" + item +
+                            "' names no algorithm (see plait.algorithms(collective))");
   }
 }
 
@@ -251,14 +254,15 @@ void Communicator::rethrow(const PlaitError& e) {
 int Communicator::resolve_algo(Coll c, const std::string& name, size_t bytes) {
   const auto& algos = algorithms_for(c);
   const std::string& want = name == "auto" || name.empty() ? forced_[size_t(c)] : name;
-  if (want.empty()) return auto_select(c, bytes, size_, tp_.staging_bytes(), tp_.can_read_peers(),
-                                           opt_.oversubscribed);
+  if (want.empty())
+    return auto_select(c, bytes, size_, tp_.staging_bytes(), tp_.can_read_peers(),
+                       opt_.oversubscribed);
   for (size_t i = 0; i < algos.size(); ++i) {
     if (want != algos[i]->name) continue;
     if (algos[i]->single_copy && !tp_.can_read_peers() && size_ > 1)
-      fail(ErrorKind::invalid, "rank " + std::to_string(rank_) + ": " + coll_name(c) + " algorithm '" +
-                                   want + "' is not available on this communicator: " +
-                                   tp_.read_unavailable());
+      fail(ErrorKind::invalid,
+           "rank " + std::to_string(rank_) + ": " + coll_name(c) + " algorithm '" + want +
+               "' is not available on this communicator: " + tp_.read_unavailable());
     return int(i);
   }
   std::string names;
@@ -298,8 +302,10 @@ CallArgs Communicator::validate(Coll c, const Buffer& in, const Buffer& out, Red
     if (!b.contiguous) bad() << name << " is not contiguous (pass a C-contiguous array)";
     if (write && !b.writable) bad() << name << " is read-only";
     if (b.dtype != a.dtype)
-      bad() << name << " has dtype " << dtype_name(b.dtype) << " but input has " << dtype_name(a.dtype);
-    if (b.bytes % es) bad() << name << " has " << b.bytes << " bytes, not a whole number of elements";
+      bad() << name << " has dtype " << dtype_name(b.dtype) << " but input has "
+            << dtype_name(a.dtype);
+    if (b.bytes % es)
+      bad() << name << " has " << b.bytes << " bytes, not a whole number of elements";
   };
   auto overlap = [](const Buffer& x, const Buffer& y) {
     auto xs = static_cast<const char*>(x.ptr), ys = static_cast<const char*>(y.ptr);
@@ -320,10 +326,12 @@ CallArgs Communicator::validate(Coll c, const Buffer& in, const Buffer& out, Red
     bad() << "op avg needs a floating-point dtype, got " << dtype_name(a.dtype);
   if (unsigned(op) >= unsigned(RedOp::kCount)) bad() << "unknown reduction op";
   // Never "no deadline" for a value that is no deadline at all: NaN compares false everywhere.
-  if (!(a.timeout_s >= 0)) bad() << bad_seconds("timeout", a.timeout_s, "0 fails at once if a peer is not there");
+  if (!(a.timeout_s >= 0))
+    bad() << bad_seconds("timeout", a.timeout_s, "0 fails at once if a peer is not there");
   const size_t inb = in.present ? in.bytes : 0, outb = out.present ? out.bytes : 0;
   const size_t n = size_t(size_);
-  auto same_or_apart = [&](const Buffer& x, const Buffer& y, const void* allowed, const char* what) {
+  auto same_or_apart = [&](const Buffer& x, const Buffer& y, const void* allowed,
+                           const char* what) {
     if (x.present && y.present && overlap(x, y) && x.ptr != allowed)
       bad() << "input and output overlap (" << what << ")";
   };
@@ -331,32 +339,40 @@ CallArgs Communicator::validate(Coll c, const Buffer& in, const Buffer& out, Red
     case Coll::allreduce:
     case Coll::broadcast:
       if (out.present && outb != inb) bad() << "output has " << outb << " bytes, input " << inb;
-      same_or_apart(in, out, out.ptr == in.ptr && outb == inb ? in.ptr : nullptr, "only out is x is allowed");
+      same_or_apart(in, out, out.ptr == in.ptr && outb == inb ? in.ptr : nullptr,
+                    "only out is x is allowed");
       a.count = int64_t(inb / es);
       break;
     case Coll::reduce:
-      if (is_root && out.present && outb != inb) bad() << "output has " << outb << " bytes, input " << inb;
-      if (is_root) same_or_apart(in, out, out.ptr == in.ptr && outb == inb ? in.ptr : nullptr, "only out is x is allowed");
+      if (is_root && out.present && outb != inb)
+        bad() << "output has " << outb << " bytes, input " << inb;
+      if (is_root)
+        same_or_apart(in, out, out.ptr == in.ptr && outb == inb ? in.ptr : nullptr,
+                      "only out is x is allowed");
       a.count = int64_t(inb / es);
       break;
     case Coll::reduce_scatter:
       if (inb != n * outb)
-        bad() << "input has " << inb << " bytes but must be " << size_ << " x the output's " << outb;
+        bad() << "input has " << inb << " bytes but must be " << size_ << " x the output's "
+              << outb;
       same_or_apart(out, in, static_cast<const char*>(in.ptr) + size_t(rank_) * outb,
                     "in place means output is this rank's block of the input");
       a.count = int64_t(outb / es);
       break;
     case Coll::allgather:
       if (outb != n * inb)
-        bad() << "output has " << outb << " bytes but must be " << size_ << " x the input's " << inb;
+        bad() << "output has " << outb << " bytes but must be " << size_ << " x the input's "
+              << inb;
       same_or_apart(in, out, static_cast<const char*>(out.ptr) + size_t(rank_) * inb,
                     "in place means input is this rank's block of the output");
       a.count = int64_t(inb / es);
       break;
     case Coll::alltoall:
-      if (inb % (n * es)) bad() << "input has " << inb << " bytes, not " << size_ << " equal blocks";
+      if (inb % (n * es))
+        bad() << "input has " << inb << " bytes, not " << size_ << " equal blocks";
       if (outb != inb) bad() << "output has " << outb << " bytes, input " << inb;
-      same_or_apart(in, out, out.ptr == in.ptr && outb == inb ? in.ptr : nullptr, "only out is x is allowed");
+      same_or_apart(in, out, out.ptr == in.ptr && outb == inb ? in.ptr : nullptr,
+                    "only out is x is allowed");
       a.count = int64_t(inb / (n * es));
       break;
     case Coll::send:
@@ -378,9 +394,13 @@ CallArgs Communicator::validate(Coll c, const Buffer& in, const Buffer& out, Red
 
 std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer& out, RedOp op,
                                          int root, int peer, int64_t tag, const std::string& algo,
-                                         std::optional<double> timeout_s, bool async, Task::Done on_done) {
-  if (closed_) throw PlaitError("communicator is finalized; " + std::string(coll_name(c)) + " needs a live one");
-  if (reported_abort_) throw PlaitError("communicator aborted after an earlier error: " + first_error_);
+                                         std::optional<double> timeout_s, bool async,
+                                         Task::Done on_done) {
+  if (closed_)
+    throw PlaitError("communicator is finalized; " + std::string(coll_name(c)) +
+                     " needs a live one");
+  if (reported_abort_)
+    throw PlaitError("communicator aborted after an earlier error: " + first_error_);
   CallArgs a = validate(c, in, out, op, root, peer, tag, algo, timeout_s);
   if (!async) {
     std::unique_lock<std::mutex> ex(exec_mu_, std::try_to_lock);
@@ -471,14 +491,14 @@ void Communicator::run(CallArgs& a) {
     throw;
   } catch (const std::exception& e) {
     recorded(a, rec, seq, algo->name, t0, tp_.take_waited_ns(), false);
-    tp_.fail(ErrorKind::generic, "rank " + std::to_string(rank_) + ": " + tp_.describe_call() +
-                                     " failed: " + e.what());
+    tp_.fail(ErrorKind::generic,
+             "rank " + std::to_string(rank_) + ": " + tp_.describe_call() + " failed: " + e.what());
   }
   recorded(a, rec, seq, algo->name, t0, tp_.take_waited_ns(), true);
 }
 
-void Communicator::recorded(const CallArgs& a, uint64_t rec, uint64_t call, const char* algo, uint64_t t0,
-                            uint64_t wait_ns, bool ok) {
+void Communicator::recorded(const CallArgs& a, uint64_t rec, uint64_t call, const char* algo,
+                            uint64_t t0, uint64_t wait_ns, bool ok) {
   if (!flight_.on() && !trace_) return;
   // A finished call's end time need not be exact unless a trace shows it; a failed one's is.
   const bool exact = trace_ || !ok;
@@ -487,7 +507,10 @@ void Communicator::recorded(const CallArgs& a, uint64_t rec, uint64_t call, cons
   if (trace_) {
     const bool p2p = a.coll == Coll::send || a.coll == Coll::recv;
     const bool rooted = a.coll == Coll::broadcast || a.coll == Coll::reduce;
-    trace_->add(TraceEvent{t0, t1, wait_ns, call, a.count, a.tag, p2p ? a.peer : rooted ? a.root : -1,
+    trace_->add(TraceEvent{t0, t1, wait_ns, call, a.count, a.tag,
+                           p2p      ? a.peer
+                           : rooted ? a.root
+                                    : -1,
                            uint8_t(a.coll), uint8_t(a.dtype), uint8_t(a.op), ok, algo});
   }
 }
@@ -530,9 +553,12 @@ std::vector<std::string> Communicator::peer_states() {
   for (int p = 0; p < size_; ++p) {
     std::string why;
     const uint32_t s = seg_->ctl(p)->state.load(std::memory_order_acquire);
-    if (p == rank_) st[size_t(p)] = "this rank";
-    else if (tp_.peer_gone(p, &why)) st[size_t(p)] = s == kExited ? "exited" : "dead";
-    else st[size_t(p)] = s == kStarting ? "starting" : process_state(seg_->ctl(p)->pid);
+    if (p == rank_)
+      st[size_t(p)] = "this rank";
+    else if (tp_.peer_gone(p, &why))
+      st[size_t(p)] = s == kExited ? "exited" : "dead";
+    else
+      st[size_t(p)] = s == kStarting ? "starting" : process_state(seg_->ctl(p)->pid);
   }
   return st;
 }
@@ -547,8 +573,8 @@ void Communicator::flight_scribble(int r, uint64_t seed) {
 }
 
 std::shared_ptr<const std::string> Communicator::annotate(ErrorKind kind, std::string* msg) {
-  if (!seg_->flight_slots() || (kind != ErrorKind::timeout && kind != ErrorKind::peer_lost &&
-                                kind != ErrorKind::mismatch))
+  if (!seg_->flight_slots() ||
+      (kind != ErrorKind::timeout && kind != ErrorKind::peer_lost && kind != ErrorKind::mismatch))
     return nullptr;
   FlightReport rep = flight_report(*seg_, rank_, label(), *msg, peer_states());
   auto json = std::make_shared<const std::string>(rep.json);
@@ -557,7 +583,8 @@ std::shared_ptr<const std::string> Communicator::annotate(ErrorKind kind, std::s
   const char* dir = getenv("PLAIT_DUMP_ON_ERROR");
   if (dir && *dir) {
     const char* r = getenv("RANK");
-    const std::string path = std::string(dir) + "/flight-rank" + (r && *r ? r : std::to_string(rank_)) + ".json";
+    const std::string path =
+        std::string(dir) + "/flight-rank" + (r && *r ? r : std::to_string(rank_)) + ".json";
     // O_EXCL: the first error of this process wins (a later one is "aborted after an earlier").
     int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
     if (fd >= 0) {

@@ -87,7 +87,9 @@ class Communicator {
   // Whether single-copy algorithms can run here, and if not, why.
   bool single_copy() const { return tp_.can_read_peers(); }
   uint64_t mapped_bytes() const { return tp_.mapped_bytes(); }
-  std::string single_copy_unavailable() const { return single_copy() ? "" : tp_.read_unavailable(); }
+  std::string single_copy_unavailable() const {
+    return single_copy() ? "" : tp_.read_unavailable();
+  }
   int size() const { return size_; }
   bool closed() const { return closed_; }
 
@@ -96,7 +98,8 @@ class Communicator {
   // every rank, as any invalid argument does.
   std::shared_ptr<Task> call(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root,
                              int peer, int64_t tag, const std::string& algo,
-                             std::optional<double> timeout_s, bool async, Task::Done on_done = nullptr);
+                             std::optional<double> timeout_s, bool async,
+                             Task::Done on_done = nullptr);
   // Runs an async task on the calling thread when it is next in line and nothing runs (a caller
   // about to wait on it saves two thread hand-offs). True if the task is finished on return.
   bool run_here(const std::shared_ptr<Task>& t);
@@ -129,7 +132,7 @@ class Communicator {
   // in reports and as the trace's track (the torch backend sets its process group's name).
   void set_label(const std::string& label);
   std::string label() const;
-  std::string flight_json();  // every rank's last calls, as plait.dump writes them
+  std::string flight_json();                   // every rank's last calls, as plait.dump writes them
   void flight_scribble(int r, uint64_t seed);  // test hook: garbage into rank r's ring
 
  private:
@@ -160,7 +163,8 @@ class Communicator {
   void run_p2p(std::vector<P2P>& ops);
   bool p2p_step(P2P& op);
   int take_stashed(P2P& op);
-  int any_source(const CallArgs& a);  // 1 copied from the stash, 0 none there, -1 there but incomplete
+  int any_source(
+      const CallArgs& a);  // 1 copied from the stash, 0 none there, -1 there but incomplete
   bool stash_head(int peer, const std::vector<P2P>& ops);
   void progress_loop();
   void enqueue(const std::shared_ptr<Task>& t);
@@ -189,7 +193,7 @@ class Communicator {
   std::vector<uint64_t> send_chunk_, send_msg_, recv_chunk_, recv_msg_;
   std::vector<std::list<Stash>> stash_;  // per sender, in arrival order
   std::vector<uint8_t> rx_busy_;         // per sender: a message is being copied out
-  uint64_t p2p_idle_ns_ = 0;  // time run_p2p spent waiting, for trace slices
+  uint64_t p2p_idle_ns_ = 0;             // time run_p2p spent waiting, for trace slices
 
   FlightRecorder flight_;
   std::unique_ptr<Trace> trace_;

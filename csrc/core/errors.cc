@@ -11,13 +11,19 @@ template <class E>
 }
 }  // namespace
 
-void throw_error(ErrorKind kind, const std::string& msg, std::shared_ptr<const std::string> flight) {
+void throw_error(ErrorKind kind, const std::string& msg,
+                 std::shared_ptr<const std::string> flight) {
   switch (kind) {
-    case ErrorKind::invalid: raise<InvalidArgument>(msg, std::move(flight));
-    case ErrorKind::mismatch: raise<MismatchError>(msg, std::move(flight));
-    case ErrorKind::timeout: raise<TimeoutError>(msg, std::move(flight));
-    case ErrorKind::peer_lost: raise<PeerLostError>(msg, std::move(flight));
-    default: raise<PlaitError>(msg, std::move(flight));
+    case ErrorKind::invalid:
+      raise<InvalidArgument>(msg, std::move(flight));
+    case ErrorKind::mismatch:
+      raise<MismatchError>(msg, std::move(flight));
+    case ErrorKind::timeout:
+      raise<TimeoutError>(msg, std::move(flight));
+    case ErrorKind::peer_lost:
+      raise<PeerLostError>(msg, std::move(flight));
+    default:
+      raise<PlaitError>(msg, std::move(flight));
   }
 }
 

@@ -89,18 +89,22 @@ std::string check(const RawRecord& r, uint64_t want, int n, uint64_t now, const 
   } else if (r.start_ns == 0 || r.start_ns > now + 1000000000u) {
     why << "start time " << r.start_ns << " ns is not in the past (now " << now << ")";
   } else if (r.state == uint8_t(FlightState::running) ? r.end_ns != 0 : r.end_ns < r.start_ns) {
-    why << "end time " << r.end_ns << " does not fit start " << r.start_ns << " and state " << kStates[r.state];
+    why << "end time " << r.end_ns << " does not fit start " << r.start_ns << " and state "
+        << kStates[r.state];
   }
   if (!why.str().empty()) return why.str();
   const Coll c = Coll(r.coll);
   const bool p2p = c == Coll::send || c == Coll::recv;
   const bool rooted = c == Coll::broadcast || c == Coll::reduce;
   if ((p2p || rooted) ? (r.root < 0 || r.root >= n) : r.root != -1) {
-    why << (p2p ? "peer " : "root ") << r.root << " for " << coll_name(c) << " on " << n << " ranks";
+    why << (p2p ? "peer " : "root ") << r.root << " for " << coll_name(c) << " on " << n
+        << " ranks";
   } else if (!p2p) {
     const auto& algos = algorithms_for(c);
-    if (r.algo >= algos.size()) why << "algorithm index " << unsigned(r.algo) << " for " << coll_name(c);
-    else *algo = algos[r.algo]->name;
+    if (r.algo >= algos.size())
+      why << "algorithm index " << unsigned(r.algo) << " for " << coll_name(c);
+    else
+      *algo = algos[r.algo]->name;
   }
   return why.str();
 }
@@ -130,8 +134,10 @@ RankView read_rank(const Segment& seg, int r, uint64_t now) {
   for (uint64_t i = v.recorded - k; i != v.recorded; ++i) {
     Call c;
     std::string why;
-    if (!read_record(seg.flight_ring(r)[i % slots], &c.r)) why = "was being written (torn)";
-    else why = check(c.r, i, n, now, &c.algo);
+    if (!read_record(seg.flight_ring(r)[i % slots], &c.r))
+      why = "was being written (torn)";
+    else
+      why = check(c.r, i, n, now, &c.algo);
     if (why.empty()) {
       v.calls.push_back(c);
       continue;
@@ -139,17 +145,22 @@ RankView read_rank(const Segment& seg, int r, uint64_t now) {
     ++v.untrusted;
     if (v.problems.size() < 6) v.problems.push_back("record " + std::to_string(i) + " " + why);
   }
-  if (v.untrusted > 6) v.problems.push_back("... " + std::to_string(v.untrusted) + " records not trusted in all");
+  if (v.untrusted > 6)
+    v.problems.push_back("... " + std::to_string(v.untrusted) + " records not trusted in all");
   return v;
 }
 
 void json_str(std::ostream& o, const std::string& s) {
   o << '"';
   for (unsigned char ch : s) {
-    if (ch == '"' || ch == '\\') o << '\\' << ch;
-    else if (ch == '\n') o << "\\n";
-    else if (ch < 0x20 || ch >= 0x7f) o << (ch == '\t' ? "\\t" : "?");
-    else o << ch;
+    if (ch == '"' || ch == '\\')
+      o << '\\' << ch;
+    else if (ch == '\n')
+      o << "\\n";
+    else if (ch < 0x20 || ch >= 0x7f)
+      o << (ch == '\t' ? "\\t" : "?");
+    else
+      o << ch;
   }
   o << '"';
 }
@@ -160,8 +171,8 @@ std::string describe_call(const Call& c) {
   std::ostringstream m;
   m << coll_name(coll) << " #" << r.call;
   if (coll == Coll::send || coll == Coll::recv) {
-    m << (coll == Coll::send ? " to rank " : " from rank ") << r.root << " (" << dtype_name(DType(r.dtype))
-      << ", " << r.count << ", tag " << r.tag << ")";
+    m << (coll == Coll::send ? " to rank " : " from rank ") << r.root << " ("
+      << dtype_name(DType(r.dtype)) << ", " << r.count << ", tag " << r.tag << ")";
   } else if (coll != Coll::barrier) {
     m << " (" << dtype_name(DType(r.dtype)) << ", " << r.count;
     if (r.root >= 0) m << ", root " << r.root;
@@ -173,10 +184,18 @@ std::string describe_call(const Call& c) {
 std::string describe_wait(const Wait& w) {
   std::ostringstream m;
   switch (w.what) {
-    case FlightWait::arrival: m << "for rank " << w.peer << " to arrive"; break;
-    case FlightWait::post: m << "on rank " << w.peer << " step " << w.step; break;
-    case FlightWait::ack: m << "on rank " << w.peer << " to take step " << w.step; break;
-    default: m << "on rank " << w.peer << " chunk " << w.step; break;
+    case FlightWait::arrival:
+      m << "for rank " << w.peer << " to arrive";
+      break;
+    case FlightWait::post:
+      m << "on rank " << w.peer << " step " << w.step;
+      break;
+    case FlightWait::ack:
+      m << "on rank " << w.peer << " to take step " << w.step;
+      break;
+    default:
+      m << "on rank " << w.peer << " chunk " << w.step;
+      break;
   }
   return m.str();
 }
@@ -184,9 +203,12 @@ std::string describe_wait(const Wait& w) {
 // "3.0 s", "12.5 ms", "40 us": ages and durations as people read them.
 std::string seconds(double s) {
   char b[32];
-  if (s >= 0.1) std::snprintf(b, sizeof b, "%.1f s", s);
-  else if (s >= 1e-4) std::snprintf(b, sizeof b, "%.1f ms", s * 1e3);
-  else std::snprintf(b, sizeof b, "%.0f us", s * 1e6);
+  if (s >= 0.1)
+    std::snprintf(b, sizeof b, "%.1f s", s);
+  else if (s >= 1e-4)
+    std::snprintf(b, sizeof b, "%.1f ms", s * 1e3);
+  else
+    std::snprintf(b, sizeof b, "%.0f us", s * 1e6);
   return b;
 }
 
@@ -194,17 +216,20 @@ std::string summary_line(const RankView& v, uint64_t now) {
   std::ostringstream m;
   m << "rank " << v.rank;
   if (v.calls.empty()) {
-    m << (v.untrusted ? " has no trustworthy flight record (" + v.problems.front() + ")" : " has recorded no call");
+    m << (v.untrusted ? " has no trustworthy flight record (" + v.problems.front() + ")"
+                      : " has recorded no call");
   } else {
     const Call& c = v.calls.back();
-    m << " last entered " << describe_call(c) << " at t-" << seconds(double(int64_t(now - c.r.start_ns)) * 1e-9);
+    m << " last entered " << describe_call(c) << " at t-"
+      << seconds(double(int64_t(now - c.r.start_ns)) * 1e-9);
     const std::string dur = seconds(double(c.r.end_ns - c.r.start_ns) * 1e-9);
     if (c.r.state == uint8_t(FlightState::running))
       m << (v.wait.on ? " and is waiting " + describe_wait(v.wait) : " and is still in it");
     else if (c.r.state == uint8_t(FlightState::ok))
       m << " and finished it" << (c.r.exact ? " in " + dur : "");
     else
-      m << " and failed in it after " << dur << (v.wait.on ? ", waiting " + describe_wait(v.wait) : "");
+      m << " and failed in it after " << dur
+        << (v.wait.on ? ", waiting " + describe_wait(v.wait) : "");
     if (v.untrusted) m << " (" << v.untrusted << " records not trusted)";
   }
   m << " [" << v.state << ", pid " << v.pid << "]";
@@ -213,8 +238,8 @@ std::string summary_line(const RankView& v, uint64_t now) {
 
 }  // namespace
 
-FlightReport flight_report(const Segment& seg, int me, const std::string& label, const std::string& error,
-                           const std::vector<std::string>& states) {
+FlightReport flight_report(const Segment& seg, int me, const std::string& label,
+                           const std::string& error, const std::vector<std::string>& states) {
   const uint64_t now = mono_ns();
   const int n = seg.params().size;
   const uint32_t slots = seg.flight_slots();
@@ -224,21 +249,24 @@ FlightReport flight_report(const Segment& seg, int me, const std::string& label,
   json_str(j, label);
   j << ", \"error\": ";
   json_str(j, error);
-  j << ", \"enabled\": " << (slots ? "true" : "false") << ", \"slots\": " << slots << ", \"now_ns\": " << now
-    << ", \"ranks\": [";
-  s << "flight recorder of " << label << " (rank " << me << "'s view; e.flight or plait.dump(comm) has the last "
-    << slots << " calls of each rank):";
+  j << ", \"enabled\": " << (slots ? "true" : "false") << ", \"slots\": " << slots
+    << ", \"now_ns\": " << now << ", \"ranks\": [";
+  s << "flight recorder of " << label << " (rank " << me
+    << "'s view; e.flight or plait.dump(comm) has the last " << slots << " calls of each rank):";
   for (int r = 0; r < n && slots; ++r) {
     RankView v = read_rank(seg, r, now);
     v.pid = seg.ctl(r)->pid;
     v.state = size_t(r) < states.size() ? states[size_t(r)] : "unknown";
-    if (r < 16) s << "\n  " << summary_line(v, now);
-    else if (r == 16) s << "\n  ... " << n - 16 << " more ranks";
+    if (r < 16)
+      s << "\n  " << summary_line(v, now);
+    else if (r == 16)
+      s << "\n  ... " << n - 16 << " more ranks";
     j << (r ? ", " : "") << "{\"rank\": " << r << ", \"pid\": " << v.pid << ", \"state\": ";
     json_str(j, v.state);
     j << ", \"recorded\": " << v.recorded << ", \"waiting\": ";
     if (v.wait.on)
-      j << "{\"peer\": " << v.wait.peer << ", \"what\": \"" << kWaits[int(v.wait.what)] << "\", \"step\": " << v.wait.step << "}";
+      j << "{\"peer\": " << v.wait.peer << ", \"what\": \"" << kWaits[int(v.wait.what)]
+        << "\", \"step\": " << v.wait.step << "}";
     else
       j << "null";
     j << ", \"summary\": ";
@@ -252,14 +280,18 @@ FlightReport flight_report(const Segment& seg, int me, const std::string& label,
     for (size_t i = 0; i < v.calls.size(); ++i) {
       const RawRecord& c = v.calls[i].r;
       const Coll coll = Coll(c.coll);
-      j << (i ? ", " : "") << "{\"index\": " << c.index << ", \"call\": " << c.call << ", \"collective\": \""
-        << coll_name(coll) << "\", \"dtype\": \"" << dtype_name(DType(c.dtype)) << "\", \"count\": " << c.count
-        << ", \"op\": \"" << op_name(RedOp(c.op)) << "\", \"root\": " << c.root << ", \"tag\": " << c.tag
-        << ", \"algorithm\": \"" << v.calls[i].algo << "\", \"transport\": \"" << kTransports[c.transport]
-        << "\", \"state\": \"" << kStates[c.state] << "\", \"start_ns\": " << c.start_ns << ", \"end_ns\": "
-        << c.end_ns << ", \"age_s\": " << double(int64_t(now - c.start_ns)) * 1e-9 << ", \"duration_s\": ";
-      if (c.end_ns) j << double(c.end_ns - c.start_ns) * 1e-9;
-      else j << "null";
+      j << (i ? ", " : "") << "{\"index\": " << c.index << ", \"call\": " << c.call
+        << ", \"collective\": \"" << coll_name(coll) << "\", \"dtype\": \""
+        << dtype_name(DType(c.dtype)) << "\", \"count\": " << c.count << ", \"op\": \""
+        << op_name(RedOp(c.op)) << "\", \"root\": " << c.root << ", \"tag\": " << c.tag
+        << ", \"algorithm\": \"" << v.calls[i].algo << "\", \"transport\": \""
+        << kTransports[c.transport] << "\", \"state\": \"" << kStates[c.state]
+        << "\", \"start_ns\": " << c.start_ns << ", \"end_ns\": " << c.end_ns
+        << ", \"age_s\": " << double(int64_t(now - c.start_ns)) * 1e-9 << ", \"duration_s\": ";
+      if (c.end_ns)
+        j << double(c.end_ns - c.start_ns) * 1e-9;
+      else
+        j << "null";
       j << ", \"end_exact\": " << (c.exact ? "true" : "false");
       j << ", \"text\": ";
       json_str(j, describe_call(v.calls[i]));
@@ -289,13 +321,30 @@ void flight_scribble(const Segment& seg, int r, uint64_t seed) {
   for (uint32_t i = 0; i < slots; ++i) {
     auto* raw = reinterpret_cast<RawRecord*>(seg.flight_ring(r) + i);
     switch (next() % 8) {
-      case 0: raw->coll = uint8_t(Coll::kCount) + uint8_t(next() % 100); break;
-      case 1: raw->dtype = uint8_t(DType::kCount) + uint8_t(next() % 100); break;
-      case 2: raw->root = int32_t(seg.params().size + int(next() % 1000)); raw->coll = uint8_t(Coll::send); break;
-      case 3: raw->ver |= 1; break;
-      case 4: raw->index = next(); break;
-      case 5: raw->start_ns = next() | (uint64_t(1) << 62); break;
-      case 6: raw->algo = 200; raw->coll = uint8_t(Coll::allreduce); raw->root = -1; break;
+      case 0:
+        raw->coll = uint8_t(Coll::kCount) + uint8_t(next() % 100);
+        break;
+      case 1:
+        raw->dtype = uint8_t(DType::kCount) + uint8_t(next() % 100);
+        break;
+      case 2:
+        raw->root = int32_t(seg.params().size + int(next() % 1000));
+        raw->coll = uint8_t(Coll::send);
+        break;
+      case 3:
+        raw->ver |= 1;
+        break;
+      case 4:
+        raw->index = next();
+        break;
+      case 5:
+        raw->start_ns = next() | (uint64_t(1) << 62);
+        break;
+      case 6:
+        raw->algo = 200;
+        raw->coll = uint8_t(Coll::allreduce);
+        raw->root = -1;
+        break;
       default:
         for (size_t b = 0; b < sizeof *raw; b += 8) {
           const uint64_t v = next();

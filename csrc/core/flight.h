@@ -31,7 +31,7 @@ struct alignas(64) FlightRecord {
   std::atomic<uint32_t> ver;  // odd while the owner writes
   uint8_t coll, dtype, op, algo;
   uint8_t transport, state, exact, pad;  // exact: end_ns from the precise clock, not the coarse
-  int32_t root;    // root of broadcast/reduce, peer of send/recv, else -1
+  int32_t root;                          // root of broadcast/reduce, peer of send/recv, else -1
   uint64_t index;  // position in the rank's history: tells a stale or scribbled slot apart
   uint64_t call;   // the collective's call number (#seq), or the send/recv message number
   int64_t count;
@@ -82,9 +82,11 @@ class FlightRecorder {
     r.ver.store(v | 1, std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_release);
     r.coll = uint8_t(a.coll), r.dtype = uint8_t(a.dtype), r.op = uint8_t(a.op), r.algo = algo;
-    r.transport = uint8_t(FlightTransport::shm), r.state = uint8_t(FlightState::running), r.exact = 0;
-    r.root = a.coll == Coll::send || a.coll == Coll::recv ? a.peer
-             : a.coll == Coll::broadcast || a.coll == Coll::reduce ? a.root : -1;
+    r.transport = uint8_t(FlightTransport::shm), r.state = uint8_t(FlightState::running),
+    r.exact = 0;
+    r.root = a.coll == Coll::send || a.coll == Coll::recv          ? a.peer
+             : a.coll == Coll::broadcast || a.coll == Coll::reduce ? a.root
+                                                                   : -1;
     r.index = i, r.call = call, r.count = a.count, r.tag = a.tag;
     r.start_ns = now, r.end_ns = 0;
     r.ver.store((v | 1) + 1, std::memory_order_release);
@@ -106,7 +108,8 @@ class FlightRecorder {
   // The wait helpers say whom they wait for on their slow path only (one store each way).
   void waiting(int peer, FlightWait what, uint64_t step) {
     if (!head_) return;
-    head_->waiting.store(kWaitingBit | uint64_t(what) << 56 | (uint64_t(uint32_t(peer)) & 0xffff) << 40 |
+    head_->waiting.store(kWaitingBit | uint64_t(what) << 56 |
+                             (uint64_t(uint32_t(peer)) & 0xffff) << 40 |
                              (step & ((uint64_t(1) << 40) - 1)),
                          std::memory_order_relaxed);
   }
@@ -127,8 +130,8 @@ struct FlightReport {
   std::string json, summary;
 };
 // states[r]: what the reader knows of rank r's liveness ("alive", "dead", ...).
-FlightReport flight_report(const Segment& seg, int me, const std::string& label, const std::string& error,
-                           const std::vector<std::string>& states);
+FlightReport flight_report(const Segment& seg, int me, const std::string& label,
+                           const std::string& error, const std::vector<std::string>& states);
 // Where the report starts in an exception's message (tests and tools cut the message there).
 constexpr const char* kFlightMarker = "\nflight recorder";
 

@@ -29,7 +29,8 @@ bool Communicator::p2p_step(P2P& op) {
     if (stashed) return stashed > 0;
     if (rx_busy_[size_t(a.peer)]) return false;  // another recv is copying a message out
     const uint64_t head = recv_chunk_[size_t(a.peer)];
-    if (seg_->pair_posted(a.peer, rank_)->v.load(std::memory_order_acquire) < head + 1) return false;
+    if (seg_->pair_posted(a.peer, rank_)->v.load(std::memory_order_acquire) < head + 1)
+      return false;
     if (op.task) {  // async: only the message of its tag
       PairSlotHeader h;
       std::memcpy(&h, seg_->pair_slot(a.peer, rank_, head), sizeof h);
@@ -53,7 +54,8 @@ bool Communicator::p2p_step(P2P& op) {
   const size_t off = size_t(op.done) * slot_bytes;
   const size_t len = nbytes > off ? std::min(slot_bytes, nbytes - off) : 0;
   if (is_send) {
-    if (g >= 2 && seg_->pair_taken(rank_, a.peer)->v.load(std::memory_order_acquire) < g - 1) return false;
+    if (g >= 2 && seg_->pair_taken(rank_, a.peer)->v.load(std::memory_order_acquire) < g - 1)
+      return false;
     char* slot = seg_->pair_slot(rank_, a.peer, g);
     PairSlotHeader h{op.msg, a.tag, nbytes, uint32_t(a.dtype)};
     std::memcpy(slot, &h, sizeof h);
@@ -108,9 +110,10 @@ int Communicator::take_stashed(P2P& op) {
     const size_t nbytes = size_t(a.count) * dtype_size(a.dtype);
     if (it->buf.size() != nbytes || it->a.dtype != a.dtype) {
       std::ostringstream m;
-      m << "mismatched send/recv: rank " << rank_ << " called recv from rank " << a.peer << " (tag=" << a.tag
-        << ", " << nbytes << " bytes, " << dtype_name(a.dtype) << ") but rank " << a.peer << " sent (tag="
-        << it->a.tag << ", " << it->buf.size() << " bytes, " << dtype_name(it->a.dtype) << ")";
+      m << "mismatched send/recv: rank " << rank_ << " called recv from rank " << a.peer
+        << " (tag=" << a.tag << ", " << nbytes << " bytes, " << dtype_name(a.dtype) << ") but rank "
+        << a.peer << " sent (tag=" << it->a.tag << ", " << it->buf.size() << " bytes, "
+        << dtype_name(it->a.dtype) << ")";
       tp_.fail(ErrorKind::mismatch, m.str());
     }
     if (nbytes) std::memcpy(a.out, it->buf.data(), nbytes);
@@ -126,13 +129,14 @@ int Communicator::take_stashed(P2P& op) {
 // the batch wants it (it takes it next round); false if nothing was stashed.
 bool Communicator::stash_head(int peer, const std::vector<P2P>& ops) {
   const uint64_t head = recv_chunk_[size_t(peer)];
-  if (rx_busy_[size_t(peer)] || seg_->pair_posted(peer, rank_)->v.load(std::memory_order_acquire) < head + 1)
+  if (rx_busy_[size_t(peer)] ||
+      seg_->pair_posted(peer, rank_)->v.load(std::memory_order_acquire) < head + 1)
     return false;
   PairSlotHeader h;
   std::memcpy(&h, seg_->pair_slot(peer, rank_, head), sizeof h);
   for (const auto& op : ops)
-    if (op.a->coll == Coll::recv && !op.started && (op.a->peer == peer || op.a->peer == kAnySource) &&
-        op.a->tag == h.tag)
+    if (op.a->coll == Coll::recv && !op.started &&
+        (op.a->peer == peer || op.a->peer == kAnySource) && op.a->tag == h.tag)
       return false;
   const DType dt = h.dtype < uint32_t(DType::kCount) ? DType(h.dtype) : DType::u8;
   Stash& e = stash_[size_t(peer)].emplace_back();
@@ -160,7 +164,8 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
   std::string bad_msg;
   auto finish = [&](P2P& op, ErrorKind kind, const std::string& msg,
                     const std::shared_ptr<const std::string>& flight) {
-    if (op.started) recorded(*op.a, op.rec, op.msg, "", op.t0, p2p_idle_ns_ - op.idle0, kind == ErrorKind::none);
+    if (op.started)
+      recorded(*op.a, op.rec, op.msg, "", op.t0, p2p_idle_ns_ - op.idle0, kind == ErrorKind::none);
     if (!op.task) return;
     pending_.fetch_sub(1, std::memory_order_acq_rel);
     op.task->finish(kind, msg, flight);
@@ -193,9 +198,11 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
       // A head message no async recv of this batch took goes aside; stashed ones keep arriving.
       for (auto& op : ops) {
         // (blocking recvs from one sender keep the strict order; from any sender they match by tag)
-        if (!(op.task || op.a->peer == kAnySource) || op.a->coll != Coll::recv || op.started) continue;
+        if (!(op.task || op.a->peer == kAnySource) || op.a->coll != Coll::recv || op.started)
+          continue;
         for (int p = 0; p < size_; ++p)
-          if ((p == op.a->peer || (op.a->peer == kAnySource && p != rank_)) && stash_head(p, ops)) progressed = true;
+          if ((p == op.a->peer || (op.a->peer == kAnySource && p != rank_)) && stash_head(p, ops))
+            progressed = true;
       }
       for (auto& st : stash_)
         for (auto& e : st)
@@ -204,8 +211,8 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
         if (ops.empty()) break;
       } else {  // absorb send/recv queued behind this batch
         std::lock_guard<std::mutex> lk(q_mu_);
-        while (!queue_.empty() &&
-               (queue_.front()->args.coll == Coll::send || queue_.front()->args.coll == Coll::recv)) {
+        while (!queue_.empty() && (queue_.front()->args.coll == Coll::send ||
+                                   queue_.front()->args.coll == Coll::recv)) {
           auto t = queue_.front();
           queue_.pop_front();
           ops.push_back(P2P{&t->args, t});
@@ -220,7 +227,8 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
         backoff.idle([&](double t) {
           for (auto& op : ops) {
             tp_.set_deadline(op.deadline, op.a, "");
-            if (!unhealthy && op.a->peer != kAnySource && !tp_.healthy(t, op.a->peer, &bad_kind, &bad_msg))
+            if (!unhealthy && op.a->peer != kAnySource &&
+                !tp_.healthy(t, op.a->peer, &bad_kind, &bad_msg))
               unhealthy = true;
           }
         });

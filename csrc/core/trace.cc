@@ -19,7 +19,7 @@ constexpr size_t kFlushEvents = 256;  // as many as a flight ring holds
 struct File {
   std::recursive_mutex mu;  // flush_all holds it across the traces' own flushes
   std::string path;
-  int pid = 0;  // the process the file belongs to (a forked child starts its own)
+  int pid = 0;       // the process the file belongs to (a forked child starts its own)
   bool any = false;  // events written: the next one needs a comma, and the "]" is rewound over
   std::set<Trace*> live;
   int next_tid = 0;
@@ -39,9 +39,12 @@ int world_rank(int fallback) {
 void json_str(std::ostream& o, const std::string& s) {
   o << '"';
   for (unsigned char c : s) {
-    if (c == '"' || c == '\\') o << '\\' << c;
-    else if (c < 0x20 || c >= 0x7f) o << '?';
-    else o << c;
+    if (c == '"' || c == '\\')
+      o << '\\' << c;
+    else if (c < 0x20 || c >= 0x7f)
+      o << '?';
+    else
+      o << c;
   }
   o << '"';
 }
@@ -96,30 +99,36 @@ void Trace::flush() {
     if (!named_) {
       named_ = true;
       sep();
-      o << "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": " << pid << ", \"args\": {\"name\": \"rank "
-        << pid << "\"}}";
+      o << "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": " << pid
+        << ", \"args\": {\"name\": \"rank " << pid << "\"}}";
       sep();
       o << "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": " << pid << ", \"tid\": " << tid_
         << ", \"args\": {\"name\": ";
-      json_str(o, label_ + " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ")");
+      json_str(o,
+               label_ + " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ")");
       o << "}}";
     }
     for (const TraceEvent& e : evs) {
       const Coll c = Coll(e.coll);
       const bool p2p = c == Coll::send || c == Coll::recv;
-      const double dur_us = double(e.end_ns - e.start_ns) * 1e-3, wait_us = double(e.wait_ns) * 1e-3;
+      const double dur_us = double(e.end_ns - e.start_ns) * 1e-3,
+                   wait_us = double(e.wait_ns) * 1e-3;
       sep();
-      o << "{\"name\": \"" << coll_name(c) << "\", \"cat\": \"plait\", \"ph\": \"X\", \"pid\": " << pid
-        << ", \"tid\": " << tid_ << ", \"ts\": " << std::fixed << double(e.start_ns) * 1e-3
-        << ", \"dur\": " << dur_us << std::defaultfloat << ", \"args\": {\"call\": " << e.call
-        << ", \"bytes\": " << uint64_t(e.count) * dtype_size(DType(e.dtype)) << ", \"count\": " << e.count
-        << ", \"dtype\": \"" << dtype_name(DType(e.dtype)) << "\"";
-      if (p2p) o << ", \"peer\": " << e.root << ", \"tag\": " << e.tag;
-      else o << ", \"algorithm\": \"" << e.algo << "\"";
+      o << "{\"name\": \"" << coll_name(c)
+        << "\", \"cat\": \"plait\", \"ph\": \"X\", \"pid\": " << pid << ", \"tid\": " << tid_
+        << ", \"ts\": " << std::fixed << double(e.start_ns) * 1e-3 << ", \"dur\": " << dur_us
+        << std::defaultfloat << ", \"args\": {\"call\": " << e.call
+        << ", \"bytes\": " << uint64_t(e.count) * dtype_size(DType(e.dtype))
+        << ", \"count\": " << e.count << ", \"dtype\": \"" << dtype_name(DType(e.dtype)) << "\"";
+      if (p2p)
+        o << ", \"peer\": " << e.root << ", \"tag\": " << e.tag;
+      else
+        o << ", \"algorithm\": \"" << e.algo << "\"";
       if (c == Coll::allreduce || c == Coll::reduce || c == Coll::reduce_scatter)
         o << ", \"op\": \"" << op_name(RedOp(e.op)) << "\"";
       if (c == Coll::broadcast || c == Coll::reduce) o << ", \"root\": " << e.root;
-      o << ", \"wait_us\": " << wait_us << ", \"data_us\": " << (dur_us > wait_us ? dur_us - wait_us : 0.0)
+      o << ", \"wait_us\": " << wait_us
+        << ", \"data_us\": " << (dur_us > wait_us ? dur_us - wait_us : 0.0)
         << ", \"ok\": " << (e.ok ? "true" : "false") << "}}";
     }
   }
@@ -127,7 +136,8 @@ void Trace::flush() {
   std::lock_guard<std::recursive_mutex> lk(f.mu);
   if (f.pid != getpid()) f.path.clear(), f.any = false, f.pid = getpid();
   if (f.path.empty())
-    f.path = dir_ + "/trace-rank" + std::to_string(world_rank(rank_)) + "-" + std::to_string(getpid()) + ".json";
+    f.path = dir_ + "/trace-rank" + std::to_string(world_rank(rank_)) + "-" +
+             std::to_string(getpid()) + ".json";
   FILE* fp = fopen(f.path.c_str(), f.any ? "r+" : "w");
   if (!fp) return;  // a trace is best effort: no directory, no trace (and no failed calls)
   std::string body = o.str();

@@ -29,28 +29,44 @@ size_t dtype_size(DType t) {
 // The name functions feed error messages, so an out-of-range code yields a marker, not a throw.
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::f16: return "float16";
-    case DType::bf16: return "bfloat16";
-    case DType::f32: return "float32";
-    case DType::f64: return "float64";
-    case DType::i8: return "int8";
-    case DType::u8: return "uint8";
-    case DType::i32: return "int32";
-    case DType::i64: return "int64";
-    case DType::boolean: return "bool";
-    case DType::kCount: break;
+    case DType::f16:
+      return "float16";
+    case DType::bf16:
+      return "bfloat16";
+    case DType::f32:
+      return "float32";
+    case DType::f64:
+      return "float64";
+    case DType::i8:
+      return "int8";
+    case DType::u8:
+      return "uint8";
+    case DType::i32:
+      return "int32";
+    case DType::i64:
+      return "int64";
+    case DType::boolean:
+      return "bool";
+    case DType::kCount:
+      break;
   }
   return "invalid-dtype";
 }
 
 const char* op_name(RedOp op) {
   switch (op) {
-    case RedOp::sum: return "sum";
-    case RedOp::prod: return "prod";
-    case RedOp::min: return "min";
-    case RedOp::max: return "max";
-    case RedOp::avg: return "avg";
-    case RedOp::kCount: break;
+    case RedOp::sum:
+      return "sum";
+    case RedOp::prod:
+      return "prod";
+    case RedOp::min:
+      return "min";
+    case RedOp::max:
+      return "max";
+    case RedOp::avg:
+      return "avg";
+    case RedOp::kCount:
+      break;
   }
   return "invalid-op";
 }

@@ -13,7 +13,8 @@ double watchdog_now_s() {
   return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
 }
 
-Watchdog::Watchdog(Hooks hooks, double poll_interval_s) : h_(std::move(hooks)), interval_(poll_interval_s) {
+Watchdog::Watchdog(Hooks hooks, double poll_interval_s)
+    : h_(std::move(hooks)), interval_(poll_interval_s) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -98,8 +99,11 @@ void Watchdog::loop() {
       const int st = h_.query(c.end);
       if (st == 0) break;
       if (st < 0 && !fired_) {
-        fire(ErrorKind::generic, c.what + ": the GPU reported an error for this call's work (a kernel failed; "
-                                          "the next CUDA call in this process says which)", lock);
+        fire(ErrorKind::generic,
+             c.what +
+                 ": the GPU reported an error for this call's work (a kernel failed; "
+                 "the next CUDA call in this process says which)",
+             lock);
         break;
       }
       free_.push_back(c.start);

@@ -24,9 +24,9 @@ namespace plait {
 
 // Hooks into the CPU communicator of the same ranks.
 struct GpuPeers {
-  std::function<void()> throw_if_aborted;                     // the abort some rank recorded
+  std::function<void()> throw_if_aborted;                   // the abort some rank recorded
   std::function<void(ErrorKind, const std::string&)> fail;  // record one (may throw; ignored)
-  std::function<std::string()> dead_peer;                     // "rank p (pid) died", or ""
+  std::function<std::string()> dead_peer;                   // "rank p (pid) died", or ""
 
   // Why GPU work in flight cannot finish, as the CPU communicator knows it ("" while all is well).
   std::string why_stuck(ErrorKind* kind) const {
@@ -61,9 +61,9 @@ class Watchdog {
  public:
   using Event = void*;
   struct Hooks {
-    std::function<Event()> create;            // a new event (never null)
+    std::function<Event()> create;  // a new event (never null)
     std::function<void(Event)> destroy;
-    std::function<int(Event)> query;          // 1 done, 0 not yet, -1 failed (the GPU error is in poll)
+    std::function<int(Event)> query;  // 1 done, 0 not yet, -1 failed (the GPU error is in poll)
     // Why pending work cannot finish ("" while all is well); sets *kind. Polled while work is in
     // flight and once after it drained (an IPC error word is read after the kernel ran).
     std::function<std::string(ErrorKind*)> poll;

@@ -15,16 +15,21 @@ void pause_briefly(double waited_s) { gpu_pause(waited_s); }
 
 ErrorKind kind_of(nccl::Result r) {
   switch (r) {
-    case nccl::RemoteError: return ErrorKind::peer_lost;
-    case nccl::Timeout: return ErrorKind::timeout;
+    case nccl::RemoteError:
+      return ErrorKind::peer_lost;
+    case nccl::Timeout:
+      return ErrorKind::timeout;
     case nccl::InvalidArgument:
-    case nccl::InvalidUsage: return ErrorKind::invalid;
-    default: return ErrorKind::generic;
+    case nccl::InvalidUsage:
+      return ErrorKind::invalid;
+    default:
+      return ErrorKind::generic;
   }
 }
 
 std::string version_text(int v) {
-  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
+         std::to_string(v % 100);
 }
 
 void cuda_ok(cudaError_t e, const std::string& what) {
@@ -71,15 +76,23 @@ DeviceGuard::~DeviceGuard() {
 
 GpuComm::GpuComm(const NcclApi& api, const nccl::UniqueId& id, int rank, int size, int device,
                  const GpuOptions& opt, GpuPeers peers)
-    : api_(api), rank_(rank), size_(size), device_(device), opt_(opt), peers_(std::move(peers)),
+    : api_(api),
+      rank_(rank),
+      size_(size),
+      device_(device),
+      opt_(opt),
+      peers_(std::move(peers)),
       forced_(size_t(Coll::kCount)) {
-  if (opt_.chunk_bytes < 64) throw InvalidArgument("PLAIT_GPU_CHUNK_BYTES must be >= 64, got " + std::to_string(opt_.chunk_bytes));
+  if (opt_.chunk_bytes < 64)
+    throw InvalidArgument("PLAIT_GPU_CHUNK_BYTES must be >= 64, got " +
+                          std::to_string(opt_.chunk_bytes));
   for (const std::string& item : [&] {
          std::vector<std::string> v;
          size_t at = 0;
          while (at <= opt_.algo_override.size() && !opt_.algo_override.empty()) {
            size_t comma = opt_.algo_override.find(',', at);
-           v.push_back(opt_.algo_override.substr(at, comma == std::string::npos ? std::string::npos : comma - at));
+           v.push_back(opt_.algo_override.substr(
+               at, comma == std::string::npos ? std::string::npos : comma - at));
            if (comma == std::string::npos) break;
            at = comma + 1;
          }
@@ -97,7 +110,7 @@ GpuComm::GpuComm(const NcclApi& api, const nccl::UniqueId& id, int rank, int siz
     cuda_ok(cudaMalloc(reinterpret_cast<void**>(&scratch_), size_t(scratch_bytes_)),
             who() + ": cudaMalloc of " + std::to_string(scratch_bytes_) + " bytes of scratch");
     nccl::Config cfg{sizeof(nccl::Config), nccl::kApiMagic, nccl::kConfigVersion, 0,
-                     nccl::kUndefInt, nccl::kUndefInt, nccl::kUndefInt, nullptr};
+                     nccl::kUndefInt,      nccl::kUndefInt, nccl::kUndefInt,      nullptr};
     deadline_ = now_s() + opt_.timeout_s;
     cur_.coll = Coll::barrier;
     cur_algo_ = "init";
@@ -105,7 +118,9 @@ GpuComm::GpuComm(const NcclApi& api, const nccl::UniqueId& id, int rank, int siz
     check(api_.CommInitRankConfig(&comm_, size_, id, rank_, &cfg), "ncclCommInitRankConfig");
     Watchdog::Hooks h = cuda_event_hooks(device_);
     h.poll = [this](ErrorKind* k) { return watch_poll(k); };
-    h.abort = [this](ErrorKind k, const std::string& m) { abort_async(k, who() + ": " + m + "; NCCL communicator aborted"); };
+    h.abort = [this](ErrorKind k, const std::string& m) {
+      abort_async(k, who() + ": " + m + "; NCCL communicator aborted");
+    };
     wd_ = std::make_unique<Watchdog>(std::move(h), gpu_watchdog_interval_s());
   } catch (...) {
     release();  // no destructor runs for a constructor that throws
@@ -131,7 +146,8 @@ void GpuComm::release() {
 }
 
 std::string GpuComm::who() const {
-  return "rank " + std::to_string(rank_) + " (GPU " + std::to_string(device_) + ", NCCL " + version_text(api_.version) + ")";
+  return "rank " + std::to_string(rank_) + " (GPU " + std::to_string(device_) + ", NCCL " +
+         version_text(api_.version) + ")";
 }
 
 void GpuComm::abort_nccl() {
@@ -176,7 +192,9 @@ std::string GpuComm::watch_poll(ErrorKind* kind) {
   std::unique_lock<std::mutex> lock(call_mu_, std::try_to_lock);
   if (!lock.owns_lock() || !comm_) return "";  // an issuing thread polls NCCL itself
   nccl::Result st = nccl::Success;
-  if (api_.CommGetAsyncError(comm_, &st) != nccl::Success || st == nccl::Success || st == nccl::InProgress) return "";
+  if (api_.CommGetAsyncError(comm_, &st) != nccl::Success || st == nccl::Success ||
+      st == nccl::InProgress)
+    return "";
   const char* last = api_.GetLastError(comm_);
   *kind = kind_of(st);
   return std::string("NCCL reported an error for work in flight: ") + api_.GetErrorString(st) +
@@ -191,12 +209,14 @@ void GpuComm::poll_once(const std::string& what, double deadline) {
     try {
       peers_.throw_if_aborted();
     } catch (const PlaitError& e) {
-      fail(e.kind(), who() + ": " + what + " given up: another rank aborted the communicator: " + e.what());
+      fail(e.kind(),
+           who() + ": " + what + " given up: another rank aborted the communicator: " + e.what());
     }
   }
   if (now_s() > deadline)
-    fail(ErrorKind::timeout, who() + ": " + coll_name(cur_.coll) + " (" + cur_algo_ + ", " + dtype_name(cur_.dtype) +
-                                 ", count " + std::to_string(cur_.count) + "): " + what +
+    fail(ErrorKind::timeout, who() + ": " + coll_name(cur_.coll) + " (" + cur_algo_ + ", " +
+                                 dtype_name(cur_.dtype) + ", count " + std::to_string(cur_.count) +
+                                 "): " + what +
                                  " did not finish before its deadline; NCCL communicator aborted");
 }
 
@@ -216,27 +236,33 @@ void GpuComm::check(nccl::Result r, const std::string& what) {
   if (r == nccl::InProgress) r = settle(what);
   if (r == nccl::Success) return;
   const char* last = comm_ ? api_.GetLastError(comm_) : nullptr;
-  fail(kind_of(r), who() + ": " + coll_name(cur_.coll) + " (" + cur_algo_ + ", " + dtype_name(cur_.dtype) +
-                       ", count " + std::to_string(cur_.count) + "): " + what + " failed: " + api_.GetErrorString(r) +
-                       (last && *last ? std::string(" (") + last + ")" : std::string()) + "; NCCL communicator aborted");
+  fail(kind_of(r), who() + ": " + coll_name(cur_.coll) + " (" + cur_algo_ + ", " +
+                       dtype_name(cur_.dtype) + ", count " + std::to_string(cur_.count) +
+                       "): " + what + " failed: " + api_.GetErrorString(r) +
+                       (last && *last ? std::string(" (") + last + ")" : std::string()) +
+                       "; NCCL communicator aborted");
 }
 
 void GpuComm::group_start() { check(api_.GroupStart(), "ncclGroupStart"); }
 void GpuComm::group_end() { check(api_.GroupEnd(), "ncclGroupEnd"); }
 
 void GpuComm::send(const void* buf, size_t bytes, int peer) {
-  check(api_.Send(buf, bytes, nccl::Uint8, peer, comm_, stream_), "ncclSend of " + std::to_string(bytes) + " bytes to rank " + std::to_string(peer));
+  check(api_.Send(buf, bytes, nccl::Uint8, peer, comm_, stream_),
+        "ncclSend of " + std::to_string(bytes) + " bytes to rank " + std::to_string(peer));
 }
 
 void GpuComm::recv(void* buf, size_t bytes, int peer) {
-  check(api_.Recv(buf, bytes, nccl::Uint8, peer, comm_, stream_), "ncclRecv of " + std::to_string(bytes) + " bytes from rank " + std::to_string(peer));
+  check(api_.Recv(buf, bytes, nccl::Uint8, peer, comm_, stream_),
+        "ncclRecv of " + std::to_string(bytes) + " bytes from rank " + std::to_string(peer));
 }
 
-void GpuComm::all_reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op) {
+void GpuComm::all_reduce(const void* in, void* out, size_t count, nccl::DataType t,
+                         nccl::RedOp op) {
   check(api_.AllReduce(in, out, count, t, op, comm_, stream_), "ncclAllReduce");
 }
 
-void GpuComm::reduce_scatter(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op) {
+void GpuComm::reduce_scatter(const void* in, void* out, size_t count, nccl::DataType t,
+                             nccl::RedOp op) {
   check(api_.ReduceScatter(in, out, count, t, op, comm_, stream_), "ncclReduceScatter");
 }
 
@@ -245,14 +271,18 @@ void GpuComm::all_gather(const void* in, void* out, size_t bytes) {
 }
 
 void GpuComm::broadcast(const void* in, void* out, size_t bytes, int root) {
-  check(api_.Broadcast(in, out, bytes, nccl::Uint8, root, comm_, stream_), "ncclBroadcast from rank " + std::to_string(root));
+  check(api_.Broadcast(in, out, bytes, nccl::Uint8, root, comm_, stream_),
+        "ncclBroadcast from rank " + std::to_string(root));
 }
 
-void GpuComm::reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op, int root) {
-  check(api_.Reduce(in, out, count, t, op, root, comm_, stream_), "ncclReduce to rank " + std::to_string(root));
+void GpuComm::reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op,
+                     int root) {
+  check(api_.Reduce(in, out, count, t, op, root, comm_, stream_),
+        "ncclReduce to rank " + std::to_string(root));
 }
 
-const char* resolve_gpu_algo(Coll c, const std::string& algo, const std::vector<std::string>& forced,
+const char* resolve_gpu_algo(Coll c, const std::string& algo,
+                             const std::vector<std::string>& forced,
                              const std::string& override_text, int rank) {
   const std::string& want = algo == "auto" || algo.empty() ? forced[size_t(c)] : algo;
   std::string names;
@@ -264,10 +294,12 @@ const char* resolve_gpu_algo(Coll c, const std::string& algo, const std::vector<
     names += std::string(names.empty() ? "" : ", ") + a.name;
   }
   // PLAIT_GPU_ALGO=ring forces ring where there is one; collectives without it keep auto.
-  const bool blanket = (algo == "auto" || algo.empty()) && override_text.find('=') == std::string::npos;
+  const bool blanket =
+      (algo == "auto" || algo.empty()) && override_text.find('=') == std::string::npos;
   if (first && (want.empty() || blanket)) return first->name;
-  throw InvalidArgument("rank " + std::to_string(rank) + ": " + coll_name(c) + ": no GPU algorithm '" + want +
-                        "' (" + (names.empty() ? "this collective has no GPU path yet" : names) + ")");
+  throw InvalidArgument("rank " + std::to_string(rank) + ": " + coll_name(c) +
+                        ": no GPU algorithm '" + want + "' (" +
+                        (names.empty() ? "this collective has no GPU path yet" : names) + ")");
 }
 
 const char* resolve_ipc_algo(Coll c, const std::string& algo, int rank) {
@@ -275,17 +307,20 @@ const char* resolve_ipc_algo(Coll c, const std::string& algo, int rank) {
   const char* found = nullptr;
   for (const IpcAlgorithm& a : ipc_algorithm_table()) {
     if (a.coll != c) continue;
-    if (!found && (algo.empty() || algo == "auto" || algo == a.name)) found = a.name;  // auto: the first
+    if (!found && (algo.empty() || algo == "auto" || algo == a.name))
+      found = a.name;  // auto: the first
     names += std::string(names.empty() ? "" : ", ") + a.name;
   }
   if (names.empty())
-    throw InvalidArgument("rank " + std::to_string(rank) + ": " + coll_name(c) +
-                          " of GPU arrays has no path over the CUDA IPC transport (ranks sharing a GPU) in this "
-                          "version: it runs over NCCL, with one GPU per rank; IPC has allreduce, reduce_scatter "
-                          "and allgather");
+    throw InvalidArgument(
+        "rank " + std::to_string(rank) + ": " + coll_name(c) +
+        " of GPU arrays has no path over the CUDA IPC transport (ranks sharing a GPU) in this "
+        "version: it runs over NCCL, with one GPU per rank; IPC has allreduce, reduce_scatter "
+        "and allgather");
   if (!found)
-    throw InvalidArgument("rank " + std::to_string(rank) + ": " + coll_name(c) + ": no algorithm '" + algo +
-                          "' over the CUDA IPC transport (" + names + "; the others run over NCCL, with one GPU per rank)");
+    throw InvalidArgument("rank " + std::to_string(rank) + ": " + coll_name(c) +
+                          ": no algorithm '" + algo + "' over the CUDA IPC transport (" + names +
+                          "; the others run over NCCL, with one GPU per rank)");
   return found;
 }
 
@@ -294,10 +329,11 @@ void refuse_capture(cudaStream_t stream, const std::string& who, Coll c) {
   const cudaError_t e = cudaStreamIsCapturing(stream, &st);
   if (e == cudaSuccess && st == cudaStreamCaptureStatusNone) return;
   if (e != cudaSuccess) cudaGetLastError();
-  throw InvalidArgument(who + ": " + coll_name(c) + ": the stream is being captured into a CUDA graph (" +
-                        (e != cudaSuccess ? cudaGetErrorString(e) : "cudaStreamIsCapturing") +
-                        "): plait's GPU collectives cannot be captured (torch.cuda.graph, torch.compile "
-                        "mode=\"reduce-overhead\"); issue them outside the capture");
+  throw InvalidArgument(
+      who + ": " + coll_name(c) + ": the stream is being captured into a CUDA graph (" +
+      (e != cudaSuccess ? cudaGetErrorString(e) : "cudaStreamIsCapturing") +
+      "): plait's GPU collectives cannot be captured (torch.cuda.graph, torch.compile "
+      "mode=\"reduce-overhead\"); issue them outside the capture");
 }
 
 Watchdog::Hooks cuda_event_hooks(int device) {
@@ -320,36 +356,47 @@ Watchdog::Hooks cuda_event_hooks(int device) {
   return h;
 }
 
-void validate_gpu_call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int root, int peer, int rank_,
-                       int size_, int device_) {
-  const std::string head = "rank " + std::to_string(rank_) + ": " + coll_name(c) + " on GPU " + std::to_string(device_);
+void validate_gpu_call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int root,
+                       int peer, int rank_, int size_, int device_) {
+  const std::string head =
+      "rank " + std::to_string(rank_) + ": " + coll_name(c) + " on GPU " + std::to_string(device_);
   const bool p2p = c == Coll::send || c == Coll::recv;
   if ((c == Coll::broadcast || c == Coll::reduce) && (root < 0 || root >= size_))
-    throw InvalidArgument(head + ": root " + std::to_string(root) + " is outside a world of " + std::to_string(size_));
-  if (p2p && (peer < 0 || peer >= size_ || peer == rank_))
-    throw InvalidArgument(head + ": peer " + std::to_string(peer) + " is not another rank of a world of " +
+    throw InvalidArgument(head + ": root " + std::to_string(root) + " is outside a world of " +
                           std::to_string(size_));
-  const bool need_in = c != Coll::recv, need_out = c != Coll::send && !(c == Coll::reduce && rank_ != root);
+  if (p2p && (peer < 0 || peer >= size_ || peer == rank_))
+    throw InvalidArgument(head + ": peer " + std::to_string(peer) +
+                          " is not another rank of a world of " + std::to_string(size_));
+  const bool need_in = c != Coll::recv,
+             need_out = c != Coll::send && !(c == Coll::reduce && rank_ != root);
   if ((need_in && !in.present) || (need_out && !out.present))
-    throw InvalidArgument(head + ": needs " + (need_in && need_out ? "an input and an output" : need_in ? "an input" : "an output"));
+    throw InvalidArgument(head + ": needs " +
+                          (need_in && need_out ? "an input and an output"
+                           : need_in           ? "an input"
+                                               : "an output"));
   const GpuBuffer& any = in.present ? in : out;
   const size_t es = dtype_size(any.dtype);
-  const std::string what = " (" + std::string(dtype_name(any.dtype)) + ", input " + std::to_string(in.bytes / es) +
-                           " elements, output " + std::to_string(out.bytes / es) + ")";
+  const std::string what = " (" + std::string(dtype_name(any.dtype)) + ", input " +
+                           std::to_string(in.bytes / es) + " elements, output " +
+                           std::to_string(out.bytes / es) + ")";
   if (in.present && out.present && in.dtype != out.dtype)
-    throw InvalidArgument(head + ": input is " + dtype_name(in.dtype) + ", output " + dtype_name(out.dtype));
+    throw InvalidArgument(head + ": input is " + dtype_name(in.dtype) + ", output " +
+                          dtype_name(out.dtype));
   if ((in.present && in.device != device_) || (out.present && out.device != device_))
-    throw InvalidArgument(head + ": input on GPU " + std::to_string(in.device) + ", output on GPU " +
-                          std::to_string(out.device) + "; this communicator's GPU work runs on GPU " + std::to_string(device_));
+    throw InvalidArgument(head + ": input on GPU " + std::to_string(in.device) +
+                          ", output on GPU " + std::to_string(out.device) +
+                          "; this communicator's GPU work runs on GPU " + std::to_string(device_));
   if (op == RedOp::avg && !is_float(any.dtype))
     throw InvalidArgument(head + ": avg needs a floating-point dtype" + what);
-  if (p2p) return;  // one buffer: the peer's must match it (NCCL cannot check; a mismatch ends at the deadline)
+  if (p2p)
+    return;  // one buffer: the peer's must match it (NCCL cannot check; a mismatch ends at the
+             // deadline)
   if (c == Coll::reduce && !out.present) return;
   const size_t n = size_t(size_);
   const bool ok = c == Coll::reduce_scatter ? in.bytes == n * out.bytes
                   : c == Coll::allgather    ? out.bytes == n * in.bytes
                   : c == Coll::alltoall     ? in.bytes == out.bytes && in.bytes % (n * es) == 0
-                                            : in.bytes == out.bytes;  // allreduce, broadcast, reduce
+                                        : in.bytes == out.bytes;  // allreduce, broadcast, reduce
   if (!ok)
     throw InvalidArgument(head + ": sizes do not fit a world of " + std::to_string(size_) + what);
   // In place is out == in (allreduce, broadcast, reduce), out = this rank's block of in
@@ -362,11 +409,13 @@ void validate_gpu_call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp 
                         : c == Coll::alltoall     ? false
                                                   : ib == ob;
   if (overlap && !in_place)
-    throw InvalidArgument(head + ": input and output overlap" +
-                          (c == Coll::alltoall ? " (alltoall cannot run in place)" : " other than in place") + what);
+    throw InvalidArgument(
+        head + ": input and output overlap" +
+        (c == Coll::alltoall ? " (alltoall cannot run in place)" : " other than in place") + what);
 }
 
-CallArgs gpu_call_args(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int root, int peer) {
+CallArgs gpu_call_args(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int root,
+                       int peer) {
   CallArgs a;
   a.coll = c;
   a.dtype = in.present ? in.dtype : out.dtype;
@@ -380,8 +429,9 @@ CallArgs gpu_call_args(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp 
   return a;
 }
 
-void GpuComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, const std::string& algo,
-                   cudaStream_t stream, double timeout_s, int root, int peer) {
+void GpuComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op,
+                   const std::string& algo, cudaStream_t stream, double timeout_s, int root,
+                   int peer) {
   std::lock_guard<std::mutex> call_lock(call_mu_);
   throw_if_failed();
   if (peers_.throw_if_aborted) peers_.throw_if_aborted();
@@ -411,15 +461,18 @@ void GpuComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
   // Calls on different streams still run in issue order: NCCL requires it, and they share scratch.
   cuda_ok(cudaStreamWaitEvent(stream, last_, 0), who() + ": cudaStreamWaitEvent");
   const size_t es = dtype_size(cur_.dtype);
-  GpuCtx ctx{*this, cur_, stream, es, rank_, size_, std::max<int64_t>(1, opt_.chunk_bytes / int64_t(es)), scratch_};
+  GpuCtx ctx{
+      *this,   cur_, stream, es, rank_, size_, std::max<int64_t>(1, opt_.chunk_bytes / int64_t(es)),
+      scratch_};
   try {
     Watchdog::Event start = wd_->acquire(), end = wd_->acquire();
     cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(start), stream), who() + ": cudaEventRecord");
     alg->run(ctx);
     cuda_ok(cudaEventRecord(last_, stream), who() + ": cudaEventRecord");
     cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(end), stream), who() + ": cudaEventRecord");
-    wd_->track(start, end, cur_.timeout_s, std::string(coll_name(c)) + " (" + cur_algo_ + ", " + dtype_name(cur_.dtype) +
-                                               ", count " + std::to_string(cur_.count) + ")");
+    wd_->track(start, end, cur_.timeout_s,
+               std::string(coll_name(c)) + " (" + cur_algo_ + ", " + dtype_name(cur_.dtype) +
+                   ", count " + std::to_string(cur_.count) + ")");
     throw_if_failed();  // the watchdog fired while this thread held the communicator
   } catch (const PlaitError& e) {
     if (!failed_) fail(e.kind(), e.what());
@@ -437,7 +490,8 @@ void GpuComm::finalize() {
   for (;;) {
     const cudaError_t e = cudaEventQuery(last_);
     if (e == cudaSuccess) break;
-    if (e != cudaErrorNotReady) fail(ErrorKind::generic, who() + ": finalize: " + cudaGetErrorString(e));
+    if (e != cudaErrorNotReady)
+      fail(ErrorKind::generic, who() + ": finalize: " + cudaGetErrorString(e));
     check(settle("finalize"), "finalize");
     poll_once("finalize");
     pause_briefly(now_s() - t0);
@@ -465,7 +519,8 @@ void GpuComm::poll_pending(double deadline) {
   throw_error(kind, why);
 }
 
-GpuEvent::GpuEvent(std::shared_ptr<GpuWork> comm, cudaStream_t s, double timeout_s) : comm_(std::move(comm)) {
+GpuEvent::GpuEvent(std::shared_ptr<GpuWork> comm, cudaStream_t s, double timeout_s)
+    : comm_(std::move(comm)) {
   DeviceGuard g(comm_->device());
   cuda_ok(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming), "cudaEventCreate");
   cuda_ok(cudaEventRecord(ev_, s), "cudaEventRecord");
@@ -498,7 +553,8 @@ bool GpuEvent::wait(double timeout_s) {
       comm_->check_done();
       return true;
     }
-    if (e != cudaErrorNotReady) throw PlaitError(std::string("GPU work failed: ") + cudaGetErrorString(e));
+    if (e != cudaErrorNotReady)
+      throw PlaitError(std::string("GPU work failed: ") + cudaGetErrorString(e));
     comm_->poll_pending(deadline_);
     if (now_s() > give_up) return false;
     pause_briefly(now_s() - t0);

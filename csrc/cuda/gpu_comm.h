@@ -13,8 +13,8 @@
 
 #include <atomic>
 #include <functional>
-#include <mutex>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "algo/gpu_algo.h"
@@ -77,19 +77,21 @@ void refuse_capture(cudaStream_t stream, const std::string& who, Coll c);
 // The watchdog hooks for CUDA events on `device`.
 Watchdog::Hooks cuda_event_hooks(int device);
 // The name `algo` ("auto", "", or a name) resolves to for collective c; throws InvalidArgument.
-const char* resolve_gpu_algo(Coll c, const std::string& algo, const std::vector<std::string>& forced,
+const char* resolve_gpu_algo(Coll c, const std::string& algo,
+                             const std::vector<std::string>& forced,
                              const std::string& override_text, int rank);
 const char* resolve_ipc_algo(Coll c, const std::string& algo, int rank);
 
 // The checks every GPU call makes (sizes, dtype, devices, overlap, root, peer); throws
 // InvalidArgument. reduce takes no output on a non-root, send none, recv no input (present false).
-void validate_gpu_call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int root, int peer, int rank,
-                       int size, int device);
+void validate_gpu_call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int root,
+                       int peer, int rank, int size, int device);
 // The call as the algorithms see it (count: elements of the whole vector, as on the CPU path).
-CallArgs gpu_call_args(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int root, int peer);
+CallArgs gpu_call_args(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, int root,
+                       int peer);
 double gpu_now_s();
 double gpu_watchdog_interval_s();  // how often a watchdog polls while calls are in flight
-void gpu_pause(double waited_s);  // spin, then yield, then 100 us naps
+void gpu_pause(double waited_s);   // spin, then yield, then 100 us naps
 
 // The caller's current device is restored after plait's work (torch and cupy keep their own).
 struct DeviceGuard {
@@ -128,11 +130,14 @@ class GpuComm final : public GpuOps, public GpuWork {
   void group_end() override;
   void send(const void* buf, size_t bytes, int peer) override;
   void recv(void* buf, size_t bytes, int peer) override;
-  void all_reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op) override;
-  void reduce_scatter(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op) override;
+  void all_reduce(const void* in, void* out, size_t count, nccl::DataType t,
+                  nccl::RedOp op) override;
+  void reduce_scatter(const void* in, void* out, size_t count, nccl::DataType t,
+                      nccl::RedOp op) override;
   void all_gather(const void* in, void* out, size_t bytes) override;
   void broadcast(const void* in, void* out, size_t bytes, int root) override;
-  void reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op, int root) override;
+  void reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op,
+              int root) override;
 
  private:
   void check(nccl::Result r, const std::string& what);
@@ -143,7 +148,7 @@ class GpuComm final : public GpuOps, public GpuWork {
   [[noreturn]] void fail(ErrorKind kind, const std::string& msg);  // the issuing thread (call_mu_)
   void record(ErrorKind kind, const std::string& msg);  // first error, for every rank; no throw
   void abort_async(ErrorKind kind, const std::string& msg);  // any other thread; no throw
-  void abort_nccl();  // call_mu_ held
+  void abort_nccl();                                         // call_mu_ held
   void throw_if_failed();  // call_mu_ held: aborts NCCL if another thread could not
   std::string watch_poll(ErrorKind* kind);  // the watchdog's poll hook
   std::string who() const;
@@ -157,12 +162,12 @@ class GpuComm final : public GpuOps, public GpuWork {
   char* scratch_ = nullptr;
   int64_t scratch_bytes_ = 0;
   cudaEvent_t last_ = nullptr;  // recorded after every call: the next call's stream waits for it
-  std::mutex call_mu_;   // the issuing thread; comm_ is used only under it
-  std::mutex abort_mu_;  // first_error_
+  std::mutex call_mu_;          // the issuing thread; comm_ is used only under it
+  std::mutex abort_mu_;         // first_error_
   std::atomic<bool> failed_{false};
   std::string first_error_;
   ErrorKind first_kind_ = ErrorKind::generic;  // raised again by every later call
-  std::unique_ptr<Watchdog> wd_;  // last member but the call state: stopped first
+  std::unique_ptr<Watchdog> wd_;               // last member but the call state: stopped first
   // The call in progress (for messages and deadlines).
   CallArgs cur_;
   const char* cur_algo_ = "";

@@ -42,11 +42,16 @@ __global__ void wait_kernel(uint64_t** flags, int which, int self, int only, int
   for (;;) {
     const uint64_t v = load_acquire(f);
     int why = IpcTransport::ok;
-    if (v & IpcTransport::kPoison) why = IpcTransport::peer_gave_up;
-    else if (v >= epoch) return;
-    else if (words[0] != 0) why = IpcTransport::aborted;
-    else if (global_ns() - start > timeout_ns) why = IpcTransport::timed_out;
-    else if (*skip != 0) return;  // another thread of this kernel gave up and said why
+    if (v & IpcTransport::kPoison)
+      why = IpcTransport::peer_gave_up;
+    else if (v >= epoch)
+      return;
+    else if (words[0] != 0)
+      why = IpcTransport::aborted;
+    else if (global_ns() - start > timeout_ns)
+      why = IpcTransport::timed_out;
+    else if (*skip != 0)
+      return;  // another thread of this kernel gave up and said why
     if (why != IpcTransport::ok) {
       if (words[1] == IpcTransport::ok) words[1] = why;
       *skip = 1;
@@ -58,31 +63,41 @@ __global__ void wait_kernel(uint64_t** flags, int which, int self, int only, int
 }
 
 void cuda_check(cudaError_t e, const std::string& what) {
-  if (e != cudaSuccess) throw PlaitError("CUDA IPC transport: " + what + ": " + cudaGetErrorString(e));
+  if (e != cudaSuccess)
+    throw PlaitError("CUDA IPC transport: " + what + ": " + cudaGetErrorString(e));
 }
 
 }  // namespace
 
 IpcTransport::IpcTransport(int rank, int size, int device, size_t staging_bytes)
-    : rank_(rank), size_(size), device_(device), staging_bytes_(staging_bytes / 256 * 256), base_(size_t(size), nullptr) {
+    : rank_(rank),
+      size_(size),
+      device_(device),
+      staging_bytes_(staging_bytes / 256 * 256),
+      base_(size_t(size), nullptr) {
   char* mine = nullptr;
   cuda_check(cudaMalloc(reinterpret_cast<void**>(&mine), kFlagBytes + staging_bytes_),
-     "cudaMalloc of " + std::to_string(kFlagBytes + staging_bytes_) + " bytes");
+             "cudaMalloc of " + std::to_string(kFlagBytes + staging_bytes_) + " bytes");
   base_[size_t(rank)] = mine;
   cuda_check(cudaMemset(mine, 0, kFlagBytes), "cudaMemset");
-  cuda_check(cudaHostAlloc(const_cast<int**>(&host_words_), 2 * sizeof(int), cudaHostAllocMapped), "cudaHostAlloc");
+  cuda_check(cudaHostAlloc(const_cast<int**>(&host_words_), 2 * sizeof(int), cudaHostAllocMapped),
+             "cudaHostAlloc");
   host_words_[0] = host_words_[1] = 0;
-  cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_words_), const_cast<int*>(host_words_), 0),
-     "cudaHostGetDevicePointer");
-  cuda_check(cudaMalloc(reinterpret_cast<void**>(&flag_ptrs_), sizeof(uint64_t*) * size_t(size)), "cudaMalloc");
+  cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_words_),
+                                      const_cast<int*>(host_words_), 0),
+             "cudaHostGetDevicePointer");
+  cuda_check(cudaMalloc(reinterpret_cast<void**>(&flag_ptrs_), sizeof(uint64_t*) * size_t(size)),
+             "cudaMalloc");
   cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
 IpcTransport::~IpcTransport() {
   for (int r = 0; r < size_; ++r) {
     if (!base_[size_t(r)]) continue;
-    if (r == rank_) cudaFree(base_[size_t(r)]);
-    else cudaIpcCloseMemHandle(base_[size_t(r)]);
+    if (r == rank_)
+      cudaFree(base_[size_t(r)]);
+    else
+      cudaIpcCloseMemHandle(base_[size_t(r)]);
   }
   if (flag_ptrs_) cudaFree(flag_ptrs_);
   if (host_words_) cudaFreeHost(const_cast<int*>(host_words_));
@@ -95,21 +110,26 @@ std::string IpcTransport::handle() const {
 }
 
 void IpcTransport::open(const std::vector<std::string>& handles) {
-  if (handles.size() != size_t(size_)) throw InvalidArgument("CUDA IPC transport: one handle per rank is needed");
+  if (handles.size() != size_t(size_))
+    throw InvalidArgument("CUDA IPC transport: one handle per rank is needed");
   std::vector<uint64_t*> flags(static_cast<size_t>(size_));
   for (int r = 0; r < size_; ++r) {
     if (r != rank_) {
       cudaIpcMemHandle_t h;
-      if (handles[size_t(r)].size() != sizeof h) throw InvalidArgument("CUDA IPC transport: bad handle from rank " + std::to_string(r));
+      if (handles[size_t(r)].size() != sizeof h)
+        throw InvalidArgument("CUDA IPC transport: bad handle from rank " + std::to_string(r));
       std::memcpy(&h, handles[size_t(r)].data(), sizeof h);
       void* p = nullptr;
       cuda_check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
-         "rank " + std::to_string(rank_) + " mapping rank " + std::to_string(r) + "'s memory (cudaIpcOpenMemHandle)");
+                 "rank " + std::to_string(rank_) + " mapping rank " + std::to_string(r) +
+                     "'s memory (cudaIpcOpenMemHandle)");
       base_[size_t(r)] = static_cast<char*>(p);
     }
     flags[size_t(r)] = reinterpret_cast<uint64_t*>(base_[size_t(r)]);
   }
-  cuda_check(cudaMemcpy(flag_ptrs_, flags.data(), sizeof(uint64_t*) * flags.size(), cudaMemcpyHostToDevice), "cudaMemcpy");
+  cuda_check(cudaMemcpy(flag_ptrs_, flags.data(), sizeof(uint64_t*) * flags.size(),
+                        cudaMemcpyHostToDevice),
+             "cudaMemcpy");
 }
 
 void IpcTransport::post(int which, uint64_t epoch, cudaStream_t s) {
@@ -120,8 +140,9 @@ void IpcTransport::post(int which, uint64_t epoch, cudaStream_t s) {
 
 void IpcTransport::wait(int which, uint64_t epoch, uint64_t timeout_ns, cudaStream_t s, int peer) {
   const int threads = (size_ + 31) / 32 * 32;
-  wait_kernel<<<1, threads, 0, s>>>(flag_ptrs_, which, rank_, peer, size_, epoch, timeout_ns, dev_words_,
-                                    const_cast<volatile int*>(reinterpret_cast<const volatile int*>(skip_word())));
+  wait_kernel<<<1, threads, 0, s>>>(
+      flag_ptrs_, which, rank_, peer, size_, epoch, timeout_ns, dev_words_,
+      const_cast<volatile int*>(reinterpret_cast<const volatile int*>(skip_word())));
   cuda_check(cudaGetLastError(), "wait kernel launch");
 }
 

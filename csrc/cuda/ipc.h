@@ -25,7 +25,9 @@ class IpcTransport {
   static constexpr int kDone = 1;  // flag: I finished reading everyone's staging of epoch e
   enum Error : int { ok = 0, aborted = 1, timed_out = 2, peer_gave_up = 3 };
   static constexpr uint64_t kPoison = uint64_t(1) << 63;  // a flag value: "I gave up"
-  static uint64_t clamp_timeout_ns(double seconds) { return gpu_timeout_ns(seconds); }  // algo/gpu_plan.h
+  static uint64_t clamp_timeout_ns(double seconds) {
+    return gpu_timeout_ns(seconds);
+  }  // algo/gpu_plan.h
 
   IpcTransport(int rank, int size, int device, size_t staging_bytes);
   ~IpcTransport();
@@ -47,20 +49,22 @@ class IpcTransport {
   void post(int which, uint64_t epoch, cudaStream_t s);
   void wait(int which, uint64_t epoch, uint64_t timeout_ns, cudaStream_t s, int peer = -1);
 
-  void abort();      // makes every waiting kernel of this rank give up
+  void abort();       // makes every waiting kernel of this rank give up
   int error() const;  // what a kernel reported (Error), valid once the stream has run
   // Device word: non-zero once a wait of this rank gave up; guards this rank's later kernels.
-  const int* skip_word() const { return reinterpret_cast<const int*>(base_[size_t(rank_)] + kSkipOffset); }
+  const int* skip_word() const {
+    return reinterpret_cast<const int*>(base_[size_t(rank_)] + kSkipOffset);
+  }
 
  private:
   static constexpr size_t kFlagBytes = 256;
   static constexpr size_t kSkipOffset = 64;  // in this rank's flag area; peers never read it
   int rank_, size_, device_;
   size_t staging_bytes_;
-  std::vector<char*> base_;              // every rank's region as mapped here
-  uint64_t** flag_ptrs_ = nullptr;       // device array: each rank's flag words
-  volatile int* host_words_ = nullptr;   // [0] abort, [1] error (mapped host memory)
-  int* dev_words_ = nullptr;             // the same words as the device sees them
+  std::vector<char*> base_;             // every rank's region as mapped here
+  uint64_t** flag_ptrs_ = nullptr;      // device array: each rank's flag words
+  volatile int* host_words_ = nullptr;  // [0] abort, [1] error (mapped host memory)
+  int* dev_words_ = nullptr;            // the same words as the device sees them
 };
 
 }  // namespace plait

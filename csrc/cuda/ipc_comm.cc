@@ -16,9 +16,12 @@ constexpr double kTeardownWaitS = 5;
 
 }  // namespace
 
-IpcComm::IpcComm(int rank, int size, int device, size_t staging_bytes, const GpuOptions& opt, GpuPeers peers)
+IpcComm::IpcComm(int rank, int size, int device, size_t staging_bytes, const GpuOptions& opt,
+                 GpuPeers peers)
     : rank_(rank), size_(size), device_(device), opt_(opt), peers_(std::move(peers)) {
-  if (staging_bytes < 4096) throw InvalidArgument("PLAIT_GPU_IPC_BYTES must be >= 4096, got " + std::to_string(staging_bytes));
+  if (staging_bytes < 4096)
+    throw InvalidArgument("PLAIT_GPU_IPC_BYTES must be >= 4096, got " +
+                          std::to_string(staging_bytes));
   DeviceGuard g(device_);
   tp_ = std::make_unique<IpcTransport>(rank, size, device, staging_bytes);
   cuda_ok(cudaEventCreateWithFlags(&last_, cudaEventDisableTiming), who() + ": cudaEventCreate");
@@ -31,7 +34,9 @@ IpcComm::IpcComm(int rank, int size, int device, size_t staging_bytes, const Gpu
     }
     return peers_.why_stuck(k);
   };
-  h.abort = [this](ErrorKind k, const std::string& m) { record(k, who() + ": " + m + "; communicator aborted"); };
+  h.abort = [this](ErrorKind k, const std::string& m) {
+    record(k, who() + ": " + m + "; communicator aborted");
+  };
   wd_ = std::make_unique<Watchdog>(std::move(h), gpu_watchdog_interval_s());
 }
 
@@ -42,9 +47,11 @@ IpcComm::~IpcComm() {
     // Nobody finalized: peers may still read this rank's staging of the last epoch. Wait a
     // little for them (kernels give up on their own deadline) before freeing it under them.
     const double t0 = gpu_now_s();
-    while (cudaEventQuery(last_) == cudaErrorNotReady && gpu_now_s() - t0 < kTeardownWaitS) gpu_pause(gpu_now_s() - t0);
+    while (cudaEventQuery(last_) == cudaErrorNotReady && gpu_now_s() - t0 < kTeardownWaitS)
+      gpu_pause(gpu_now_s() - t0);
     cudaStream_t s = nullptr;
-    if (cudaEventQuery(last_) == cudaSuccess && cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess) {
+    if (cudaEventQuery(last_) == cudaSuccess &&
+        cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess) {
       tp_->wait(IpcTransport::kDone, epoch_, IpcTransport::clamp_timeout_ns(kTeardownWaitS), s);
       cudaStreamSynchronize(s);
       cudaStreamDestroy(s);
@@ -60,7 +67,8 @@ IpcComm::~IpcComm() {
 
 std::string IpcComm::who() {
   std::lock_guard<std::mutex> lock(mu_);
-  return "rank " + std::to_string(rank_) + " (GPU " + std::to_string(device_) + ", CUDA IPC): " + cur_;
+  return "rank " + std::to_string(rank_) + " (GPU " + std::to_string(device_) +
+         ", CUDA IPC): " + cur_;
 }
 
 void IpcComm::open(const std::vector<std::string>& handles) {
@@ -95,12 +103,15 @@ void IpcComm::fail(ErrorKind kind, const std::string& msg) {
 
 std::string IpcComm::kernel_error() {
   switch (tp_->error()) {
-    case IpcTransport::ok: return "";
+    case IpcTransport::ok:
+      return "";
     case IpcTransport::timed_out:
       return "a peer did not reach the same step within the deadline (the waiting kernel gave up)";
     case IpcTransport::peer_gave_up:
-      return "a peer gave up on this call (its flag carries the poison: it timed out or was aborted)";
-    default: return "the GPU work was aborted";
+      return "a peer gave up on this call (its flag carries the poison: it timed out or was "
+             "aborted)";
+    default:
+      return "the GPU work was aborted";
   }
 }
 
@@ -116,12 +127,14 @@ void IpcComm::poll_pending(double deadline) {
   throw_if_failed();
   ErrorKind kind = ErrorKind::generic;
   std::string why = peers_.why_stuck(&kind);
-  if (why.empty() && gpu_now_s() > deadline) kind = ErrorKind::timeout, why = "did not finish within its deadline";
+  if (why.empty() && gpu_now_s() > deadline)
+    kind = ErrorKind::timeout, why = "did not finish within its deadline";
   if (!why.empty()) fail(kind, who() + ": " + why + "; communicator aborted");
 }
 
-void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, const std::string& algo,
-                   cudaStream_t stream, double timeout_s, int root, int peer) {
+void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op,
+                   const std::string& algo, cudaStream_t stream, double timeout_s, int root,
+                   int peer) {
   std::lock_guard<std::mutex> call_lock(call_mu_);
   throw_if_failed();
   if (peers_.throw_if_aborted) peers_.throw_if_aborted();
@@ -137,15 +150,17 @@ void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
     fail(ErrorKind::invalid, e.what());
   }
   try {
-    refuse_capture(stream, "rank " + std::to_string(rank_) + " (GPU " + std::to_string(device_) + ", CUDA IPC)", c);
+    refuse_capture(
+        stream,
+        "rank " + std::to_string(rank_) + " (GPU " + std::to_string(device_) + ", CUDA IPC)", c);
   } catch (const InvalidArgument& e) {
     record(ErrorKind::invalid, e.what());  // peers learn of it; nothing was enqueued
     throw;
   }
   CallArgs a = gpu_call_args(c, in, out, op, root, peer);
   a.timeout_s = timeout_s >= 0 ? timeout_s : opt_.timeout_s;  // 0 is a deadline that has passed
-  const std::string what =
-      std::string(coll_name(c)) + " (" + alg->name + ", " + dtype_name(a.dtype) + ", count " + std::to_string(a.count) + ")";
+  const std::string what = std::string(coll_name(c)) + " (" + alg->name + ", " +
+                           dtype_name(a.dtype) + ", count " + std::to_string(a.count) + ")";
   {
     std::lock_guard<std::mutex> lock(mu_);
     cur_ = what;
@@ -154,7 +169,8 @@ void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, 
     Watchdog::Event start = wd_->acquire(), end = wd_->acquire();
     cuda_ok(cudaStreamWaitEvent(stream, last_, 0), who() + ": cudaStreamWaitEvent");
     cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(start), stream), who() + ": cudaEventRecord");
-    IpcCtx ctx{*tp_, a, stream, dtype_size(a.dtype), rank_, size_, epoch_, IpcTransport::clamp_timeout_ns(a.timeout_s)};
+    IpcCtx ctx{*tp_,  a,     stream, dtype_size(a.dtype),
+               rank_, size_, epoch_, IpcTransport::clamp_timeout_ns(a.timeout_s)};
     alg->run(ctx);
     cuda_ok(cudaEventRecord(last_, stream), who() + ": cudaEventRecord");
     cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(end), stream), who() + ": cudaEventRecord");
@@ -177,7 +193,8 @@ void IpcComm::finalize() {
   cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), who() + ": cudaStreamCreate");
   cuda_ok(cudaStreamWaitEvent(s, last_, 0), who() + ": cudaStreamWaitEvent");
   // Peers may still be reading this rank's staging of the last epoch: free it only after.
-  if (epoch_ > 0) tp_->wait(IpcTransport::kDone, epoch_, IpcTransport::clamp_timeout_ns(opt_.timeout_s), s);
+  if (epoch_ > 0)
+    tp_->wait(IpcTransport::kDone, epoch_, IpcTransport::clamp_timeout_ns(opt_.timeout_s), s);
   cuda_ok(cudaEventRecord(last_, s), who() + ": cudaEventRecord");
   const double deadline = gpu_now_s() + opt_.timeout_s, t0 = gpu_now_s();
   while (cudaEventQuery(last_) == cudaErrorNotReady) {

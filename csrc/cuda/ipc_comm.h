@@ -20,13 +20,15 @@ namespace plait {
 
 class IpcComm final : public GpuWork {
  public:
-  IpcComm(int rank, int size, int device, size_t staging_bytes, const GpuOptions& opt, GpuPeers peers);
+  IpcComm(int rank, int size, int device, size_t staging_bytes, const GpuOptions& opt,
+          GpuPeers peers);
   ~IpcComm() override;
 
   std::string handle() const { return tp_->handle(); }
   void open(const std::vector<std::string>& handles);
   void call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op, const std::string& algo,
-            cudaStream_t stream, double timeout_s, int root = 0, int peer = -1);  // timeout_s < 0: default
+            cudaStream_t stream, double timeout_s, int root = 0,
+            int peer = -1);  // timeout_s < 0: default
   // Waits (deadline) until every peer has read this rank's staging for the last time.
   void finalize();
 
@@ -34,11 +36,14 @@ class IpcComm final : public GpuWork {
   double default_timeout() const override { return opt_.timeout_s; }
   void poll_pending(double deadline) override;
   void check_done() override;
-  const char* resolve(Coll c, const std::string& algo) const { return resolve_ipc_algo(c, algo, rank_); }
+  const char* resolve(Coll c, const std::string& algo) const {
+    return resolve_ipc_algo(c, algo, rank_);
+  }
 
  private:
   [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
-  void record(ErrorKind kind, const std::string& msg);  // any thread: abort word, first error, peers
+  void record(ErrorKind kind,
+              const std::string& msg);  // any thread: abort word, first error, peers
   std::string kernel_error();  // what a kernel that gave up reported, as a message ("" if none)
   void throw_if_failed();
   std::string who();  // rank, GPU and the call in progress

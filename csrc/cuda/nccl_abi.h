@@ -16,12 +16,27 @@ struct UniqueId {
 };
 
 enum Result : int {
-  Success = 0, UnhandledCudaError = 1, SystemError = 2, InternalError = 3, InvalidArgument = 4,
-  InvalidUsage = 5, RemoteError = 6, InProgress = 7, Timeout = 8
+  Success = 0,
+  UnhandledCudaError = 1,
+  SystemError = 2,
+  InternalError = 3,
+  InvalidArgument = 4,
+  InvalidUsage = 5,
+  RemoteError = 6,
+  InProgress = 7,
+  Timeout = 8
 };
 enum DataType : int {
-  Int8 = 0, Uint8 = 1, Int32 = 2, Uint32 = 3, Int64 = 4, Uint64 = 5, Float16 = 6, Float32 = 7,
-  Float64 = 8, Bfloat16 = 9
+  Int8 = 0,
+  Uint8 = 1,
+  Int32 = 2,
+  Uint32 = 3,
+  Int64 = 4,
+  Uint64 = 5,
+  Float16 = 6,
+  Float32 = 7,
+  Float64 = 8,
+  Bfloat16 = 9
 };
 enum RedOp : int { Sum = 0, Prod = 1, Max = 2, Min = 3, Avg = 4 };
 

@@ -16,7 +16,8 @@ std::unique_ptr<NcclApi> g_api;
 template <class F>
 void resolve(void* lib, const char* name, F** fn, const std::string& path) {
   *fn = reinterpret_cast<F*>(dlsym(lib, name));
-  if (!*fn) throw PlaitError("NCCL at '" + path + "' lacks " + name + " (plait needs NCCL >= 2.14)");
+  if (!*fn)
+    throw PlaitError("NCCL at '" + path + "' lacks " + name + " (plait needs NCCL >= 2.14)");
 }
 
 }  // namespace
@@ -52,8 +53,11 @@ const NcclApi& nccl_load(const std::string& path) {
   resolve(lib, "ncclGroupStart", &api->GroupStart, name);
   resolve(lib, "ncclGroupEnd", &api->GroupEnd, name);
   int v = 0;
-  if (api->GetVersion(&v) != nccl::Success) throw PlaitError("ncclGetVersion failed for '" + name + "'");
-  if (v < 21400) throw PlaitError("NCCL at '" + name + "' is version " + std::to_string(v) + "; plait needs >= 2.14");
+  if (api->GetVersion(&v) != nccl::Success)
+    throw PlaitError("ncclGetVersion failed for '" + name + "'");
+  if (v < 21400)
+    throw PlaitError("NCCL at '" + name + "' is version " + std::to_string(v) +
+                     "; plait needs >= 2.14");
   api->version = v;
   api->path = name;
   g_api = std::move(api);  // the library stays loaded for the life of the process

@@ -17,11 +17,15 @@ struct NcclApi {
   nccl::Result (*CommGetAsyncError)(nccl::Comm, nccl::Result*);
   const char* (*GetErrorString)(nccl::Result);
   const char* (*GetLastError)(nccl::Comm);
-  nccl::Result (*AllReduce)(const void*, void*, size_t, nccl::DataType, nccl::RedOp, nccl::Comm, cudaStream_t);
-  nccl::Result (*ReduceScatter)(const void*, void*, size_t, nccl::DataType, nccl::RedOp, nccl::Comm, cudaStream_t);
+  nccl::Result (*AllReduce)(const void*, void*, size_t, nccl::DataType, nccl::RedOp, nccl::Comm,
+                            cudaStream_t);
+  nccl::Result (*ReduceScatter)(const void*, void*, size_t, nccl::DataType, nccl::RedOp, nccl::Comm,
+                                cudaStream_t);
   nccl::Result (*AllGather)(const void*, void*, size_t, nccl::DataType, nccl::Comm, cudaStream_t);
-  nccl::Result (*Broadcast)(const void*, void*, size_t, nccl::DataType, int, nccl::Comm, cudaStream_t);
-  nccl::Result (*Reduce)(const void*, void*, size_t, nccl::DataType, nccl::RedOp, int, nccl::Comm, cudaStream_t);
+  nccl::Result (*Broadcast)(const void*, void*, size_t, nccl::DataType, int, nccl::Comm,
+                            cudaStream_t);
+  nccl::Result (*Reduce)(const void*, void*, size_t, nccl::DataType, nccl::RedOp, int, nccl::Comm,
+                         cudaStream_t);
   nccl::Result (*Send)(const void*, size_t, nccl::DataType, int, nccl::Comm, cudaStream_t);
   nccl::Result (*Recv)(void*, size_t, nccl::DataType, int, nccl::Comm, cudaStream_t);
   nccl::Result (*GroupStart)();

@@ -9,11 +9,11 @@ namespace plait {
 
 // dst[i] = srcs[0][i] op srcs[1][i] op ... op srcs[nsrc-1][i], combined strictly left to right so
 // that every rank that reduces the same operands in the same order gets bitwise the same result.
-// nsrc >= 1 (nsrc == 1 is a copy). dst may be exactly any source (never a partial overlap). Half types
-// (f16, bf16) accumulate in float32 and round once per call.
-// op == avg reduces as sum; when avg_divisor > 0 the result is divided by it before it is stored
-// (the final step of an average). For every other op avg_divisor is ignored.
-// bool: sum and max are logical or, prod and min logical and. Integer sums wrap (two's complement).
+// nsrc >= 1 (nsrc == 1 is a copy). dst may be exactly any source (never a partial overlap). Half
+// types (f16, bf16) accumulate in float32 and round once per call. op == avg reduces as sum; when
+// avg_divisor > 0 the result is divided by it before it is stored (the final step of an average).
+// For every other op avg_divisor is ignored. bool: sum and max are logical or, prod and min logical
+// and. Integer sums wrap (two's complement).
 //
 // Partials: multi-hop algorithms (ring, tree) pass intermediate results between ranks, and for
 // the half types those travel as float32 ("partials", partial_size() bytes an element) so that

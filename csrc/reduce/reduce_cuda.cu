@@ -17,44 +17,86 @@
 namespace plait {
 namespace {
 
-template <class T> struct Acc { using type = T; };
-template <> struct Acc<__half> { using type = float; };
-template <> struct Acc<__nv_bfloat16> { using type = float; };
+template <class T>
+struct Acc {
+  using type = T;
+};
+template <>
+struct Acc<__half> {
+  using type = float;
+};
+template <>
+struct Acc<__nv_bfloat16> {
+  using type = float;
+};
 
-template <class T> __device__ __forceinline__ typename Acc<T>::type widen(T x) { return x; }
-template <> __device__ __forceinline__ float widen<__half>(__half x) { return __half2float(x); }
-template <> __device__ __forceinline__ float widen<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <class T> __device__ __forceinline__ T narrow(typename Acc<T>::type x) { return x; }
-template <> __device__ __forceinline__ __half narrow<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <class T>
+__device__ __forceinline__ typename Acc<T>::type widen(T x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ float widen<__half>(__half x) {
+  return __half2float(x);
+}
+template <>
+__device__ __forceinline__ float widen<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <class T>
+__device__ __forceinline__ T narrow(typename Acc<T>::type x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half narrow<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
 // Integer arithmetic in the unsigned type of the same width, so overflow wraps as numpy's does.
 template <class A>
-using Wrap = typename std::conditional<std::is_integral<A>::value, std::make_unsigned<A>, std::common_type<A>>::type::type;
+using Wrap = typename std::conditional<std::is_integral<A>::value, std::make_unsigned<A>,
+                                       std::common_type<A>>::type::type;
 
 struct Sum {
-  template <class A> __device__ static A f(A a, A b) { return A(Wrap<A>(a) + Wrap<A>(b)); }
+  template <class A>
+  __device__ static A f(A a, A b) {
+    return A(Wrap<A>(a) + Wrap<A>(b));
+  }
 };
 struct Prod {
-  template <class A> __device__ static A f(A a, A b) { return A(Wrap<A>(a) * Wrap<A>(b)); }
+  template <class A>
+  __device__ static A f(A a, A b) {
+    return A(Wrap<A>(a) * Wrap<A>(b));
+  }
 };
 struct Min {
-  template <class A> __device__ static A f(A a, A b) {
+  template <class A>
+  __device__ static A f(A a, A b) {
     const A m = a < b ? a : b;
     return a != a ? a : m;  // NaN in a or b propagates, as on the CPU
   }
 };
 struct Max {
-  template <class A> __device__ static A f(A a, A b) {
+  template <class A>
+  __device__ static A f(A a, A b) {
     const A m = a > b ? a : b;
     return a != a ? a : m;
   }
 };
 struct Or {
-  template <class A> __device__ static A f(A a, A b) { return A((a != 0) | (b != 0)); }
+  template <class A>
+  __device__ static A f(A a, A b) {
+    return A((a != 0) | (b != 0));
+  }
 };
 struct And {
-  template <class A> __device__ static A f(A a, A b) { return A((a != 0) & (b != 0)); }
+  template <class A>
+  __device__ static A f(A a, A b) {
+    return A((a != 0) & (b != 0));
+  }
 };
 
 __device__ __forceinline__ bool skipped(const int* skip) {
@@ -72,19 +114,35 @@ __device__ __forceinline__ T apply(T x, T y, AvgScale s) {
   return narrow<T>(Op::f(u, v));
 }
 
-template <int B> struct Word;
-template <> struct Word<16> { using type = uint4; };
-template <> struct Word<8> { using type = uint2; };
-template <> struct Word<4> { using type = uint32_t; };
-template <> struct Word<2> { using type = uint16_t; };
-template <> struct Word<1> { using type = uint8_t; };
+template <int B>
+struct Word;
+template <>
+struct Word<16> {
+  using type = uint4;
+};
+template <>
+struct Word<8> {
+  using type = uint2;
+};
+template <>
+struct Word<4> {
+  using type = uint32_t;
+};
+template <>
+struct Word<2> {
+  using type = uint16_t;
+};
+template <>
+struct Word<1> {
+  using type = uint8_t;
+};
 
 // Elements [0, head) one by one (dst is B-aligned after them, and so are a and b), then nvec
 // vectors of B bytes, then the tail one by one. dst is not __restrict__: in place (dst == a) is
 // used on purpose, and the non-coherent load path that a false promise allows is not wanted.
 template <class T, class Op, int B>
-__global__ void reduce_kernel(T* dst, const T* a, const T* b, int64_t head, int64_t nvec, int64_t n, AvgScale s,
-                              const int* skip) {
+__global__ void reduce_kernel(T* dst, const T* a, const T* b, int64_t head, int64_t nvec, int64_t n,
+                              AvgScale s, const int* skip) {
   if (skipped(skip)) return;
   constexpr int V = B / int(sizeof(T));
   using W = typename Word<B>::type;
@@ -102,7 +160,8 @@ __global__ void reduce_kernel(T* dst, const T* a, const T* b, int64_t head, int6
     for (int k = 0; k < V; ++k) z[k] = apply<T, Op>(x[k], y[k], s);
     dv[v] = *reinterpret_cast<const W*>(z);
   }
-  for (int64_t i = head + nvec * V + first; i < n; i += stride) dst[i] = apply<T, Op>(a[i], b[i], s);
+  for (int64_t i = head + nvec * V + first; i < n; i += stride)
+    dst[i] = apply<T, Op>(a[i], b[i], s);
 }
 
 template <class T>
@@ -115,14 +174,15 @@ __global__ void divide_kernel(T* dst, const T* src, int64_t n, int divisor, cons
 }
 
 template <int B>
-__global__ void copy_kernel(char* dst, size_t dpitch, const char* src, size_t spitch, int64_t per_row, int64_t total,
-                            const int* skip) {
+__global__ void copy_kernel(char* dst, size_t dpitch, const char* src, size_t spitch,
+                            int64_t per_row, int64_t total, const int* skip) {
   using W = typename Word<B>::type;
   if (skipped(skip)) return;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
     const int64_t r = per_row == total ? 0 : i / per_row, k = i - r * per_row;
-    reinterpret_cast<W*>(dst + size_t(r) * dpitch)[k] = reinterpret_cast<const W*>(src + size_t(r) * spitch)[k];
+    reinterpret_cast<W*>(dst + size_t(r) * dpitch)[k] =
+        reinterpret_cast<const W*>(src + size_t(r) * spitch)[k];
   }
 }
 
@@ -137,33 +197,38 @@ unsigned blocks_for(int64_t work) {
 void check_launch(const char* what, DType dtype, size_t count) {
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
-    throw PlaitError(std::string(what) + " kernel launch failed (dtype " + dtype_name(dtype) + ", count " +
-                     std::to_string(count) + "): " + cudaGetErrorString(e));
+    throw PlaitError(std::string(what) + " kernel launch failed (dtype " + dtype_name(dtype) +
+                     ", count " + std::to_string(count) + "): " + cudaGetErrorString(e));
 }
 
 // Vectors of B bytes when dst, a and b are equally misaligned modulo B (a scalar head brings all
 // three to alignment at once); false when they are not.
 template <class T, class Op, int B>
-bool launch_vec(T* dst, const T* a, const T* b, int64_t n, AvgScale sc, const int* skip, cudaStream_t s) {
+bool launch_vec(T* dst, const T* a, const T* b, int64_t n, AvgScale sc, const int* skip,
+                cudaStream_t s) {
   if constexpr (B <= int(sizeof(T))) {
     return false;
   } else {
     const uintptr_t d = uintptr_t(dst);
-    if (d % sizeof(T) != 0 || (d - uintptr_t(a)) % B != 0 || (d - uintptr_t(b)) % B != 0) return false;
+    if (d % sizeof(T) != 0 || (d - uintptr_t(a)) % B != 0 || (d - uintptr_t(b)) % B != 0)
+      return false;
     constexpr int V = B / int(sizeof(T));
     const int64_t head = std::min<int64_t>(n, int64_t((B - d % B) % B / sizeof(T)));
     const int64_t nvec = (n - head) / V;
-    reduce_kernel<T, Op, B><<<blocks_for(nvec + (n - nvec * V)), kThreads, 0, s>>>(dst, a, b, head, nvec, n, sc, skip);
+    reduce_kernel<T, Op, B>
+        <<<blocks_for(nvec + (n - nvec * V)), kThreads, 0, s>>>(dst, a, b, head, nvec, n, sc, skip);
     return true;
   }
 }
 
 template <class T, class Op>
-void launch(void* dst, const void* a, const void* b, size_t count, AvgScale sc, const int* skip, cudaStream_t s) {
+void launch(void* dst, const void* a, const void* b, size_t count, AvgScale sc, const int* skip,
+            cudaStream_t s) {
   T* d = static_cast<T*>(dst);
   const T *x = static_cast<const T*>(a), *y = static_cast<const T*>(b);
   const int64_t n = int64_t(count);
-  if (launch_vec<T, Op, 16>(d, x, y, n, sc, skip, s) || launch_vec<T, Op, 8>(d, x, y, n, sc, skip, s) ||
+  if (launch_vec<T, Op, 16>(d, x, y, n, sc, skip, s) ||
+      launch_vec<T, Op, 8>(d, x, y, n, sc, skip, s) ||
       launch_vec<T, Op, 4>(d, x, y, n, sc, skip, s))
     return;
   // Misaligned against each other by less than 4 bytes: element by element (all of it "head").
@@ -171,60 +236,102 @@ void launch(void* dst, const void* a, const void* b, size_t count, AvgScale sc, 
 }
 
 template <class T>
-void by_op(RedOp op, void* dst, const void* a, const void* b, size_t n, AvgScale d, const int* k, cudaStream_t s) {
+void by_op(RedOp op, void* dst, const void* a, const void* b, size_t n, AvgScale d, const int* k,
+           cudaStream_t s) {
   switch (op) {
     case RedOp::sum:
-    case RedOp::avg: return launch<T, Sum>(dst, a, b, n, d, k, s);
-    case RedOp::prod: return launch<T, Prod>(dst, a, b, n, d, k, s);
-    case RedOp::min: return launch<T, Min>(dst, a, b, n, d, k, s);
-    case RedOp::max: return launch<T, Max>(dst, a, b, n, d, k, s);
-    case RedOp::kCount: break;
+    case RedOp::avg:
+      return launch<T, Sum>(dst, a, b, n, d, k, s);
+    case RedOp::prod:
+      return launch<T, Prod>(dst, a, b, n, d, k, s);
+    case RedOp::min:
+      return launch<T, Min>(dst, a, b, n, d, k, s);
+    case RedOp::max:
+      return launch<T, Max>(dst, a, b, n, d, k, s);
+    case RedOp::kCount:
+      break;
   }
   throw InvalidArgument("reduce_cuda: bad op code " + std::to_string(int(op)));
 }
 
 }  // namespace
 
-void reduce_cuda(DType dtype, RedOp op, void* dst, const void* a, const void* b, size_t count, AvgScale scale,
-                 const int* skip, cudaStream_t s) {
+void reduce_cuda(DType dtype, RedOp op, void* dst, const void* a, const void* b, size_t count,
+                 AvgScale scale, const int* skip, cudaStream_t s) {
   if (count == 0) return;
   if (op == RedOp::avg && !is_float(dtype))
-    throw InvalidArgument(std::string("reduce_cuda: avg needs a floating-point dtype, got ") + dtype_name(dtype));
+    throw InvalidArgument(std::string("reduce_cuda: avg needs a floating-point dtype, got ") +
+                          dtype_name(dtype));
   const AvgScale d = op == RedOp::avg && scale.divisor > 0 ? scale : AvgScale{};
   switch (dtype) {
-    case DType::f16: by_op<__half>(op, dst, a, b, count, d, skip, s); break;
-    case DType::bf16: by_op<__nv_bfloat16>(op, dst, a, b, count, d, skip, s); break;
-    case DType::f32: by_op<float>(op, dst, a, b, count, d, skip, s); break;
-    case DType::f64: by_op<double>(op, dst, a, b, count, d, skip, s); break;
-    case DType::i8: by_op<int8_t>(op, dst, a, b, count, d, skip, s); break;
-    case DType::u8: by_op<uint8_t>(op, dst, a, b, count, d, skip, s); break;
-    case DType::i32: by_op<int32_t>(op, dst, a, b, count, d, skip, s); break;
-    case DType::i64: by_op<int64_t>(op, dst, a, b, count, d, skip, s); break;
-    case DType::boolean:
-      if (op == RedOp::sum || op == RedOp::max) launch<uint8_t, Or>(dst, a, b, count, AvgScale{}, skip, s);
-      else launch<uint8_t, And>(dst, a, b, count, AvgScale{}, skip, s);
+    case DType::f16:
+      by_op<__half>(op, dst, a, b, count, d, skip, s);
       break;
-    case DType::kCount: throw InvalidArgument("reduce_cuda: bad dtype code");
+    case DType::bf16:
+      by_op<__nv_bfloat16>(op, dst, a, b, count, d, skip, s);
+      break;
+    case DType::f32:
+      by_op<float>(op, dst, a, b, count, d, skip, s);
+      break;
+    case DType::f64:
+      by_op<double>(op, dst, a, b, count, d, skip, s);
+      break;
+    case DType::i8:
+      by_op<int8_t>(op, dst, a, b, count, d, skip, s);
+      break;
+    case DType::u8:
+      by_op<uint8_t>(op, dst, a, b, count, d, skip, s);
+      break;
+    case DType::i32:
+      by_op<int32_t>(op, dst, a, b, count, d, skip, s);
+      break;
+    case DType::i64:
+      by_op<int64_t>(op, dst, a, b, count, d, skip, s);
+      break;
+    case DType::boolean:
+      if (op == RedOp::sum || op == RedOp::max)
+        launch<uint8_t, Or>(dst, a, b, count, AvgScale{}, skip, s);
+      else
+        launch<uint8_t, And>(dst, a, b, count, AvgScale{}, skip, s);
+      break;
+    case DType::kCount:
+      throw InvalidArgument("reduce_cuda: bad dtype code");
   }
   check_launch("reduce", dtype, count);
 }
 
-void divide_cuda(DType dtype, void* dst, const void* src, size_t count, int divisor, const int* skip, cudaStream_t s) {
+void divide_cuda(DType dtype, void* dst, const void* src, size_t count, int divisor,
+                 const int* skip, cudaStream_t s) {
   if (count == 0) return;
   const int64_t n = int64_t(count);
   const unsigned g = blocks_for(n);
   switch (dtype) {
-    case DType::f16: divide_kernel<__half><<<g, kThreads, 0, s>>>(static_cast<__half*>(dst), static_cast<const __half*>(src), n, divisor, skip); break;
-    case DType::bf16: divide_kernel<__nv_bfloat16><<<g, kThreads, 0, s>>>(static_cast<__nv_bfloat16*>(dst), static_cast<const __nv_bfloat16*>(src), n, divisor, skip); break;
-    case DType::f32: divide_kernel<float><<<g, kThreads, 0, s>>>(static_cast<float*>(dst), static_cast<const float*>(src), n, divisor, skip); break;
-    case DType::f64: divide_kernel<double><<<g, kThreads, 0, s>>>(static_cast<double*>(dst), static_cast<const double*>(src), n, divisor, skip); break;
-    default: throw InvalidArgument(std::string("divide_cuda: needs a floating-point dtype, got ") + dtype_name(dtype));
+    case DType::f16:
+      divide_kernel<__half><<<g, kThreads, 0, s>>>(
+          static_cast<__half*>(dst), static_cast<const __half*>(src), n, divisor, skip);
+      break;
+    case DType::bf16:
+      divide_kernel<__nv_bfloat16><<<g, kThreads, 0, s>>>(static_cast<__nv_bfloat16*>(dst),
+                                                          static_cast<const __nv_bfloat16*>(src), n,
+                                                          divisor, skip);
+      break;
+    case DType::f32:
+      divide_kernel<float><<<g, kThreads, 0, s>>>(static_cast<float*>(dst),
+                                                  static_cast<const float*>(src), n, divisor, skip);
+      break;
+    case DType::f64:
+      divide_kernel<double><<<g, kThreads, 0, s>>>(
+          static_cast<double*>(dst), static_cast<const double*>(src), n, divisor, skip);
+      break;
+    default:
+      throw InvalidArgument(std::string("divide_cuda: needs a floating-point dtype, got ") +
+                            dtype_name(dtype));
   }
   check_launch("divide", dtype, count);
 }
 
-void copy_cuda(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t rows, const int* skip,
-               cudaStream_t s) {
+void copy_cuda(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t rows,
+               const int* skip, cudaStream_t s) {
   if (width == 0 || rows == 0) return;
   if (rows == 1) dpitch = spitch = width;
   // The widest word that every address, pitch and the row width are a multiple of.
@@ -235,11 +342,21 @@ void copy_cuda(void* dst, size_t dpitch, const void* src, size_t spitch, size_t 
   const char* x = static_cast<const char*>(src);
   const unsigned g = blocks_for(total);
   switch (B) {
-    case 16: copy_kernel<16><<<g, kThreads, 0, s>>>(d, dpitch, x, spitch, per_row, total, skip); break;
-    case 8: copy_kernel<8><<<g, kThreads, 0, s>>>(d, dpitch, x, spitch, per_row, total, skip); break;
-    case 4: copy_kernel<4><<<g, kThreads, 0, s>>>(d, dpitch, x, spitch, per_row, total, skip); break;
-    case 2: copy_kernel<2><<<g, kThreads, 0, s>>>(d, dpitch, x, spitch, per_row, total, skip); break;
-    default: copy_kernel<1><<<g, kThreads, 0, s>>>(d, dpitch, x, spitch, per_row, total, skip); break;
+    case 16:
+      copy_kernel<16><<<g, kThreads, 0, s>>>(d, dpitch, x, spitch, per_row, total, skip);
+      break;
+    case 8:
+      copy_kernel<8><<<g, kThreads, 0, s>>>(d, dpitch, x, spitch, per_row, total, skip);
+      break;
+    case 4:
+      copy_kernel<4><<<g, kThreads, 0, s>>>(d, dpitch, x, spitch, per_row, total, skip);
+      break;
+    case 2:
+      copy_kernel<2><<<g, kThreads, 0, s>>>(d, dpitch, x, spitch, per_row, total, skip);
+      break;
+    default:
+      copy_kernel<1><<<g, kThreads, 0, s>>>(d, dpitch, x, spitch, per_row, total, skip);
+      break;
   }
   check_launch("copy", DType::u8, width * rows);
 }

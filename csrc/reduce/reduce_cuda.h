@@ -24,16 +24,16 @@ struct AvgScale {
 // dst, a and b share their alignment modulo the vector size, after a scalar head up to it.
 // skip (device memory, may be null): when non-zero the kernel does nothing (an IPC wait of this
 // call gave up). Throws PlaitError when the launch fails.
-void reduce_cuda(DType dtype, RedOp op, void* dst, const void* a, const void* b, size_t count, AvgScale scale,
-                 const int* skip, cudaStream_t stream);
+void reduce_cuda(DType dtype, RedOp op, void* dst, const void* a, const void* b, size_t count,
+                 AvgScale scale, const int* skip, cudaStream_t stream);
 
 // dst[i] = src[i] / divisor (avg's scaled load, or a world of one): float dtypes only.
-void divide_cuda(DType dtype, void* dst, const void* src, size_t count, int divisor, const int* skip,
-                 cudaStream_t stream);
+void divide_cuda(DType dtype, void* dst, const void* src, size_t count, int divisor,
+                 const int* skip, cudaStream_t stream);
 
 // `rows` rows of `width` bytes, from src (rows `spitch` apart) to dst (`dpitch` apart), by a
 // kernel (no pitch limit, unlike cudaMemcpy2DAsync's 2^31) that does nothing when *skip is set.
-void copy_cuda(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t rows, const int* skip,
-               cudaStream_t stream);
+void copy_cuda(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t rows,
+               const int* skip, cudaStream_t stream);
 
 }  // namespace plait

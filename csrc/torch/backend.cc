@@ -14,17 +14,24 @@ thread_local const Backend* tl_completing = nullptr;  // the backend whose compl
 
 const char* kind_name(uint32_t kind) {
   switch (kind) {
-    case PLAIT_E_INVALID: return "InvalidArgument";
-    case PLAIT_E_MISMATCH: return "MismatchError";
-    case PLAIT_E_TIMEOUT: return "TimeoutError";
-    case PLAIT_E_PEER_LOST: return "PeerLostError";
-    case kUnsupported: return "UnsupportedError";
-    default: return "PlaitError";
+    case PLAIT_E_INVALID:
+      return "InvalidArgument";
+    case PLAIT_E_MISMATCH:
+      return "MismatchError";
+    case PLAIT_E_TIMEOUT:
+      return "TimeoutError";
+    case PLAIT_E_PEER_LOST:
+      return "PeerLostError";
+    case kUnsupported:
+      return "UnsupportedError";
+    default:
+      return "PlaitError";
   }
 }
 }  // namespace
 
-Backend::Backend(const plait_capi* api, void* comm, void* owner, int rank, int size, double timeout_s)
+Backend::Backend(const plait_capi* api, void* comm, void* owner, int rank, int size,
+                 double timeout_s)
     : c10d::Backend(rank, size), api_(api), comm_(comm), owner_(owner), timeout_s_(timeout_s) {
   Py_XINCREF(static_cast<PyObject*>(owner_));
 }
@@ -62,13 +69,14 @@ void Backend::shutdown() {
 Error Backend::error(uint32_t kind, const std::string& where, const std::string& msg) const {
   std::string text = where + ": " + kind_name(kind) + ": ";
   // torch's convention (gloo's, NCCL's): a timeout's text says " Timed out ".
-  if (kind == PLAIT_E_TIMEOUT && msg.find("Timed out") == std::string::npos) text += "Timed out (timeout): ";
+  if (kind == PLAIT_E_TIMEOUT && msg.find("Timed out") == std::string::npos)
+    text += "Timed out (timeout): ";
   return Error(kind, text + msg);
 }
 
 std::string Backend::label(const std::string& what) const {
-  return "plait " + what + " on group '" + getGroupUid() + "' (rank " + std::to_string(getRank()) + " of " +
-         std::to_string(getSize()) + ")";
+  return "plait " + what + " on group '" + getGroupUid() + "' (rank " + std::to_string(getRank()) +
+         " of " + std::to_string(getSize()) + ")";
 }
 
 std::shared_ptr<Op> Backend::begin(const std::string& what, Tensors value, bool sync,
@@ -107,27 +115,31 @@ void Backend::unsupported(const Op& op, const std::string& msg) const {
   throw error(kUnsupported, op.where(), msg);
 }
 
-c10::intrusive_ptr<c10d::Backend> Backend::split(const c10::intrusive_ptr<c10d::Store>& store,
-                                                 const std::vector<int>& ranks,
-                                                 const c10::intrusive_ptr<c10d::Backend::Options>& opts) {
+c10::intrusive_ptr<c10d::Backend> Backend::split(
+    const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+    const c10::intrusive_ptr<c10d::Backend::Options>& opts) {
   auto me = std::find(ranks.begin(), ranks.end(), getRank());
   if (me == ranks.end()) return nullptr;  // only the new group's members rendezvous
-  const double secs = opts && opts->timeout.count() > 0 ? double(opts->timeout.count()) / 1000.0 : timeout_s_;
+  const double secs =
+      opts && opts->timeout.count() > 0 ? double(opts->timeout.count()) / 1000.0 : timeout_s_;
   const std::string name = opts ? opts->group_name : std::string();
   // A new communicator rendezvouses through the store in plait.init (Python): once per split.
   pybind11::gil_scoped_acquire gil;
-  pybind11::object made = pybind11::module_::import("plait.torch._native")
-                              .attr("split")(store, int(me - ranks.begin()), int(ranks.size()), secs, name);
+  pybind11::object made =
+      pybind11::module_::import("plait.torch._native")
+          .attr("split")(store, int(me - ranks.begin()), int(ranks.size()), secs, name);
   return made.cast<c10::intrusive_ptr<c10d::Backend>>();
 }
 
 at::Tensor Backend::allocateTensor(long size, at::TensorOptions options) {
-  const size_t bytes = size_t(std::max<long>(size, 0)) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  const size_t bytes = size_t(std::max<long>(size, 0)) *
+                       c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
   uint64_t id = 0;
   void* p = api_->shared_alloc(std::max<size_t>(bytes, 1), &id);
   if (!p) return at::empty({size}, options.device(at::kCPU));  // out of shared memory: private
   const plait_capi* api = api_;
-  return at::from_blob(p, {size}, [api, id](void*) { api->shared_free(id); }, options.device(at::kCPU));
+  return at::from_blob(
+      p, {size}, [api, id](void*) { api->shared_free(id); }, options.device(at::kCPU));
 }
 
 bool Backend::on_completion_thread() const { return tl_completing == this; }
@@ -163,14 +175,16 @@ namespace py = pybind11;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module_::import("torch.distributed");
   m.attr("CAPI_VERSION") = PLAIT_CAPI_VERSION;
-  m.def("create", [](py::capsule api, py::capsule comm, py::object owner, int rank, int size, double timeout_s) {
-        auto* table = static_cast<const plait_capi*>(api.get_pointer());
-        if (std::string(api.name()) != PLAIT_CAPI_CAPSULE || table->version != PLAIT_CAPI_VERSION)
-          throw std::runtime_error("plait._C's C API does not match this build of the torch backend");
-        if (std::string(comm.name()) != PLAIT_COMM_CAPSULE) throw std::runtime_error("not a plait communicator");
-        return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<plait_torch::Backend>(
-            table, comm.get_pointer(), owner.ptr(), rank, size, timeout_s));
-      });
+  m.def("create", [](py::capsule api, py::capsule comm, py::object owner, int rank, int size,
+                     double timeout_s) {
+    auto* table = static_cast<const plait_capi*>(api.get_pointer());
+    if (std::string(api.name()) != PLAIT_CAPI_CAPSULE || table->version != PLAIT_CAPI_VERSION)
+      throw std::runtime_error("plait._C's C API does not match this build of the torch backend");
+    if (std::string(comm.name()) != PLAIT_COMM_CAPSULE)
+      throw std::runtime_error("not a plait communicator");
+    return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<plait_torch::Backend>(
+        table, comm.get_pointer(), owner.ptr(), rank, size, timeout_s));
+  });
   // plait's error kinds onto plait.torch's classes (each a DistBackendError and plait's class).
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -178,12 +192,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     } catch (const plait_torch::Error& e) {
       const char* cls = "PlaitBackendError";
       switch (e.kind()) {
-        case PLAIT_E_INVALID: cls = "PlaitInvalidArgument"; break;
-        case PLAIT_E_MISMATCH: cls = "PlaitMismatchError"; break;
-        case PLAIT_E_TIMEOUT: cls = "PlaitTimeoutError"; break;
-        case PLAIT_E_PEER_LOST: cls = "PlaitPeerLostError"; break;
-        case plait_torch::kUnsupported: cls = "PlaitUnsupportedError"; break;
-        default: break;
+        case PLAIT_E_INVALID:
+          cls = "PlaitInvalidArgument";
+          break;
+        case PLAIT_E_MISMATCH:
+          cls = "PlaitMismatchError";
+          break;
+        case PLAIT_E_TIMEOUT:
+          cls = "PlaitTimeoutError";
+          break;
+        case PLAIT_E_PEER_LOST:
+          cls = "PlaitPeerLostError";
+          break;
+        case plait_torch::kUnsupported:
+          cls = "PlaitUnsupportedError";
+          break;
+        default:
+          break;
       }
       py::object errors = py::module_::import("plait.torch._errors");
       PyErr_SetString(errors.attr(cls).ptr(), e.what_without_backtrace());

@@ -68,9 +68,9 @@ class Op {
   void release(uint32_t kind, const char* msg) { finish_call(kind, msg); }
   void follow(std::shared_ptr<Op> op) { followers_.push_back(std::move(op)); }
 
-  bool sync = false;         // the caller waits right away: plait calls run inline
+  bool sync = false;              // the caller waits right away: plait calls run inline
   bool waiter_completes = false;  // launch() waits for the calls and completes the op itself
-  double timeout_s = 0;          // per-call deadline (0: the communicator's)
+  double timeout_s = 0;           // per-call deadline (0: the communicator's)
 
  private:
   void finish_call(uint32_t kind, const char* msg);
@@ -79,7 +79,7 @@ class Op {
   std::string what_;
   std::vector<at::Tensor> value_, keep_;
   std::vector<std::function<void()>> after_;
-  std::vector<void*> tasks_;  // plait task handles of async calls, in issue order
+  std::vector<void*> tasks_;                    // plait task handles of async calls, in issue order
   std::vector<std::shared_ptr<Op>> followers_;  // ops released when this one completes
   std::shared_ptr<Op>* self_ = nullptr;
   std::atomic<int> outstanding_{1};  // async calls in flight, +1 until launch()
@@ -147,14 +147,20 @@ class Backend : public c10d::Backend {
   WorkPtr allreduce_coalesced(Tensors& ts, const c10d::AllreduceCoalescedOptions& o) override;
   WorkPtr reduce(Tensors& ts, const c10d::ReduceOptions& o) override;
   WorkPtr allgather(TensorLists& outs, Tensors& ins, const c10d::AllgatherOptions& o) override;
-  WorkPtr _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override;
-  WorkPtr allgather_coalesced(TensorLists& outs, Tensors& ins, const c10d::AllgatherOptions& o) override;
-  WorkPtr allgather_into_tensor_coalesced(Tensors& outs, Tensors& ins, const c10d::AllgatherOptions& o) override;
+  WorkPtr _allgather_base(at::Tensor& out, at::Tensor& in,
+                          const c10d::AllgatherOptions& o) override;
+  WorkPtr allgather_coalesced(TensorLists& outs, Tensors& ins,
+                              const c10d::AllgatherOptions& o) override;
+  WorkPtr allgather_into_tensor_coalesced(Tensors& outs, Tensors& ins,
+                                          const c10d::AllgatherOptions& o) override;
   WorkPtr gather(TensorLists& outs, Tensors& ins, const c10d::GatherOptions& o) override;
   WorkPtr scatter(Tensors& outs, TensorLists& ins, const c10d::ScatterOptions& o) override;
-  WorkPtr reduce_scatter(Tensors& outs, TensorLists& ins, const c10d::ReduceScatterOptions& o) override;
-  WorkPtr _reduce_scatter_base(at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) override;
-  WorkPtr reduce_scatter_tensor_coalesced(Tensors& outs, Tensors& ins, const c10d::ReduceScatterOptions& o) override;
+  WorkPtr reduce_scatter(Tensors& outs, TensorLists& ins,
+                         const c10d::ReduceScatterOptions& o) override;
+  WorkPtr _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                               const c10d::ReduceScatterOptions& o) override;
+  WorkPtr reduce_scatter_tensor_coalesced(Tensors& outs, Tensors& ins,
+                                          const c10d::ReduceScatterOptions& o) override;
   WorkPtr alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
                         std::vector<int64_t>& in_splits, const c10d::AllToAllOptions& o) override;
   WorkPtr alltoall(Tensors& outs, Tensors& ins, const c10d::AllToAllOptions& o) override;
@@ -162,9 +168,9 @@ class Backend : public c10d::Backend {
   WorkPtr recv(Tensors& ts, int src, int tag) override;
   WorkPtr recvAnysource(Tensors& ts, int tag) override;
   WorkPtr barrier(const c10d::BarrierOptions& o) override;
-  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
-                                          const std::vector<int>& ranks,
-                                          const c10::intrusive_ptr<c10d::Backend::Options>& opts) override;
+  c10::intrusive_ptr<c10d::Backend> split(
+      const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+      const c10::intrusive_ptr<c10d::Backend::Options>& opts) override;
 
   // For Op.
   const plait_capi* api() const { return api_; }
@@ -179,13 +185,15 @@ class Backend : public c10d::Backend {
   // Starts one torch call. sync: the caller waits at once (asyncOp false); timeout: the
   // options' (unset: the group's).
   std::shared_ptr<Op> begin(const std::string& what, Tensors value, bool sync,
-                            std::chrono::milliseconds timeout = c10d::kUnsetTimeout, bool fusable = false);
+                            std::chrono::milliseconds timeout = c10d::kUnsetTimeout,
+                            bool fusable = false);
   [[noreturn]] void fail(const std::string& msg);  // aborts every rank; InvalidArgument here
   [[noreturn]] void unsupported(const Op& op, const std::string& msg) const;
   struct Red;
   Red red_of(const c10d::ReduceOp& r, const Op& op) const;
   void reduce_into(Op& op, at::Tensor x, at::Tensor y, const Red& red, int root, bool scatter);
-  void reduce_by_gather(Op& op, const at::Tensor& x, at::Tensor y, const Red& red, int root, bool scatter);
+  void reduce_by_gather(Op& op, const at::Tensor& x, at::Tensor y, const Red& red, int root,
+                        bool scatter);
   void reduce_scatter_one(Op& op, at::Tensor out, const at::Tensor& in, const Red& red);
   void allgather_one(Op& op, at::Tensor out, const at::Tensor& in);
   void broadcast_one(Op& op, at::Tensor t, int root);

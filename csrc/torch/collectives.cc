@@ -18,23 +18,35 @@ constexpr int64_t kTag = 0x706C616974000000LL;
 
 int dtype_code(at::ScalarType s) {
   switch (s) {
-    case at::kHalf: return PLAIT_F16;
-    case at::kBFloat16: return PLAIT_BF16;
-    case at::kFloat: return PLAIT_F32;
-    case at::kDouble: return PLAIT_F64;
-    case at::kChar: return PLAIT_I8;
-    case at::kByte: return PLAIT_U8;
-    case at::kInt: return PLAIT_I32;
-    case at::kLong: return PLAIT_I64;
-    case at::kBool: return PLAIT_BOOL;
-    default: return -1;
+    case at::kHalf:
+      return PLAIT_F16;
+    case at::kBFloat16:
+      return PLAIT_BF16;
+    case at::kFloat:
+      return PLAIT_F32;
+    case at::kDouble:
+      return PLAIT_F64;
+    case at::kChar:
+      return PLAIT_I8;
+    case at::kByte:
+      return PLAIT_U8;
+    case at::kInt:
+      return PLAIT_I32;
+    case at::kLong:
+      return PLAIT_I64;
+    case at::kBool:
+      return PLAIT_BOOL;
+    default:
+      return -1;
   }
 }
 
 plait_buffer typed(const at::Tensor& t) {
   return plait_buffer{t.data_ptr(), t.nbytes(), uint8_t(dtype_code(t.scalar_type())), 1, 1};
 }
-plait_buffer bytes(const at::Tensor& t) { return plait_buffer{t.data_ptr(), t.nbytes(), PLAIT_U8, 1, 1}; }
+plait_buffer bytes(const at::Tensor& t) {
+  return plait_buffer{t.data_ptr(), t.nbytes(), PLAIT_U8, 1, 1};
+}
 
 at::Tensor raw(const at::Tensor& t) {
   auto flat = t.detach().reshape(-1);
@@ -89,16 +101,26 @@ void write_bytes(const at::Tensor& dst, const at::Tensor& data) {
 
 const char* op_name(RT k) {
   switch (k) {
-    case RT::SUM: return "SUM";
-    case RT::AVG: return "AVG";
-    case RT::PRODUCT: return "PRODUCT";
-    case RT::MIN: return "MIN";
-    case RT::MAX: return "MAX";
-    case RT::BAND: return "BAND";
-    case RT::BOR: return "BOR";
-    case RT::BXOR: return "BXOR";
-    case RT::PREMUL_SUM: return "PREMUL_SUM";
-    default: return "UNUSED";
+    case RT::SUM:
+      return "SUM";
+    case RT::AVG:
+      return "AVG";
+    case RT::PRODUCT:
+      return "PRODUCT";
+    case RT::MIN:
+      return "MIN";
+    case RT::MAX:
+      return "MAX";
+    case RT::BAND:
+      return "BAND";
+    case RT::BOR:
+      return "BOR";
+    case RT::BXOR:
+      return "BXOR";
+    case RT::PREMUL_SUM:
+      return "PREMUL_SUM";
+    default:
+      return "UNUSED";
   }
 }
 
@@ -164,17 +186,22 @@ at::Tensor Backend::sink(Op& op, const at::Tensor& t) {
   return tmp;
 }
 
-void Backend::reduce_into(Op& op, at::Tensor x, at::Tensor y, const Red& red, int root, bool scatter) {
+void Backend::reduce_into(Op& op, at::Tensor x, at::Tensor y, const Red& red, int root,
+                          bool scatter) {
   if (!x.is_cpu() || !y.is_cpu())
-    unsupported(op, "tensor on " + x.device().str() + "; the native plait backend takes CPU tensors "
-                    "(PLAIT_TORCH_NATIVE=0 selects the Python backend, which has plait's GPU path)");
+    unsupported(
+        op, "tensor on " + x.device().str() +
+                "; the native plait backend takes CPU tensors "
+                "(PLAIT_TORCH_NATIVE=0 selects the Python backend, which has plait's GPU path)");
   const int me = getRank();
   if (root >= 0 && me != root) y = at::empty_like(x);  // non-roots' tensors are left alone
   if (red.gathers()) return reduce_by_gather(op, x, y, red, root, scatter);
   const RT kind = red.kind;
   const bool additive = kind == RT::SUM || kind == RT::AVG || kind == RT::PREMUL_SUM;
   if (x.is_complex() || y.is_complex()) {
-    if (!additive) unsupported(op, std::string(op_name(kind)) + " on complex tensors (c10d allows SUM, AVG, PREMUL_SUM)");
+    if (!additive)
+      unsupported(op, std::string(op_name(kind)) +
+                          " on complex tensors (c10d allows SUM, AVG, PREMUL_SUM)");
     x = at::view_as_real(x.resolve_conj());
     y = at::view_as_real(y);
   }
@@ -188,13 +215,15 @@ void Backend::reduce_into(Op& op, at::Tensor x, at::Tensor y, const Red& red, in
     } else if (wire == at::kUInt64 && (kind == RT::SUM || kind == RT::PRODUCT)) {
       wire = at::kLong, reinterp = true;
     } else {
-      unsupported(op, std::string(op_name(kind)) + " on " + std::string(c10::toString(x.scalar_type())) + " tensors");
+      unsupported(op, std::string(op_name(kind)) + " on " +
+                          std::string(c10::toString(x.scalar_type())) + " tensors");
     }
   }
   at::Tensor src = x;
   bool fresh = false;
   if (kind == RT::PREMUL_SUM) {
-    src = (red.tfactor.defined() ? at::mul(src, red.tfactor) : at::mul(src, red.factor)).to(x.scalar_type());
+    src = (red.tfactor.defined() ? at::mul(src, red.tfactor) : at::mul(src, red.factor))
+              .to(x.scalar_type());
     fresh = true;
   }
   if (widen) {
@@ -218,8 +247,11 @@ void Backend::reduce_into(Op& op, at::Tensor x, at::Tensor y, const Red& red, in
   } else {
     dst = reinterp ? y.view(wire) : y;
   }
-  uint8_t name = kind == RT::PRODUCT ? PLAIT_PROD : kind == RT::MIN ? PLAIT_MIN : kind == RT::MAX ? PLAIT_MAX
-               : kind == RT::AVG ? PLAIT_AVG : PLAIT_SUM;
+  uint8_t name = kind == RT::PRODUCT ? PLAIT_PROD
+                 : kind == RT::MIN   ? PLAIT_MIN
+                 : kind == RT::MAX   ? PLAIT_MAX
+                 : kind == RT::AVG   ? PLAIT_AVG
+                                     : PLAIT_SUM;
   if (kind == RT::AVG && !at::isFloatingType(wire)) {
     if (wire == at::kBool) unsupported(op, "AVG on bool tensors");
     name = PLAIT_SUM;
@@ -227,7 +259,8 @@ void Backend::reduce_into(Op& op, at::Tensor x, at::Tensor y, const Red& red, in
     post.insert(post.begin(), [dst, n]() mutable { dst.div_(n, "trunc"); });
   }
   const bool inplace_ok = scatter && is_block(dst, src, me);
-  if (!fresh && !dst.is_same(src) && overlaps(src, dst) && !(same_bytes(src, dst) || inplace_ok)) src = src.clone();
+  if (!fresh && !dst.is_same(src) && overlaps(src, dst) && !(same_bytes(src, dst) || inplace_ok))
+    src = src.clone();
   for (auto& f : post) op.after(std::move(f));
   op.keep(src);
   op.keep(dst);
@@ -241,9 +274,11 @@ void Backend::reduce_into(Op& op, at::Tensor x, at::Tensor y, const Red& red, in
   }
 }
 
-void Backend::reduce_by_gather(Op& op, const at::Tensor& x, at::Tensor y, const Red& red, int root, bool scatter) {
+void Backend::reduce_by_gather(Op& op, const at::Tensor& x, at::Tensor y, const Red& red, int root,
+                               bool scatter) {
   if (x.is_floating_point() || x.is_complex())
-    unsupported(op, std::string(op_name(red.kind)) + " on " + std::string(c10::toString(x.scalar_type())) + " tensors");
+    unsupported(op, std::string(op_name(red.kind)) + " on " +
+                        std::string(c10::toString(x.scalar_type())) + " tensors");
   at::Tensor src = source(x);
   std::vector<int64_t> shape{getSize()};
   for (auto d : src.sizes()) shape.push_back(d);
@@ -256,9 +291,12 @@ void Backend::reduce_by_gather(Op& op, const at::Tensor& x, at::Tensor y, const 
   op.after([=]() mutable {
     at::Tensor r = stack[0].clone();
     for (int64_t i = 1; i < stack.size(0); ++i) {
-      if (kind == RT::BAND) r.bitwise_and_(stack[i]);
-      else if (kind == RT::BOR) r.bitwise_or_(stack[i]);
-      else r.bitwise_xor_(stack[i]);
+      if (kind == RT::BAND)
+        r.bitwise_and_(stack[i]);
+      else if (kind == RT::BOR)
+        r.bitwise_or_(stack[i]);
+      else
+        r.bitwise_xor_(stack[i]);
     }
     if (scatter) {
       const int64_t m = y.numel();
@@ -272,14 +310,21 @@ void Backend::reduce_by_gather(Op& op, const at::Tensor& x, at::Tensor y, const 
 static int fusable_op(const Backend::Tensors& ts, const c10d::ReduceOp& r) {
   if (ts.size() != 1) return -1;
   const at::Tensor& t = ts[0];
-  if (!t.is_cpu() || !t.is_contiguous() || t.is_conj() || dtype_code(t.scalar_type()) < 0) return -1;
+  if (!t.is_cpu() || !t.is_contiguous() || t.is_conj() || dtype_code(t.scalar_type()) < 0)
+    return -1;
   switch (r.op_) {
-    case RT::SUM: return PLAIT_SUM;
-    case RT::PRODUCT: return PLAIT_PROD;
-    case RT::MIN: return PLAIT_MIN;
-    case RT::MAX: return PLAIT_MAX;
-    case RT::AVG: return at::isFloatingType(t.scalar_type()) ? PLAIT_AVG : -1;
-    default: return -1;
+    case RT::SUM:
+      return PLAIT_SUM;
+    case RT::PRODUCT:
+      return PLAIT_PROD;
+    case RT::MIN:
+      return PLAIT_MIN;
+    case RT::MAX:
+      return PLAIT_MAX;
+    case RT::AVG:
+      return at::isFloatingType(t.scalar_type()) ? PLAIT_AVG : -1;
+    default:
+      return -1;
   }
 }
 
@@ -293,7 +338,8 @@ void Backend::flush() {
     outs.push_back(t);
   }
   at::Tensor flat = at::cat(parts);
-  auto fused = std::make_shared<Op>(this, "allreduce (" + std::to_string(batch.size()) + " coalesced)", Tensors{});
+  auto fused = std::make_shared<Op>(
+      this, "allreduce (" + std::to_string(batch.size()) + " coalesced)", Tensors{});
   fused->weak = fused;
   fused->timeout_s = batch.front().first->timeout_s;
   for (auto& b : batch) fused->follow(b.first);
@@ -319,18 +365,22 @@ void Backend::flush() {
 // (padded to the largest count), then summed locally (coalesce) into the input tensor.
 Backend::WorkPtr Backend::allreduce_sparse_coo(Tensors& ts, const c10d::AllreduceOptions& o) {
   auto op = begin("allreduce (sparse)", ts, !o.asyncOp, o.timeout);
-  if (ts.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
-  if (o.reduceOp.op_ != RT::SUM) unsupported(*op, std::string(op_name(o.reduceOp.op_)) + " on sparse tensors (SUM only, as gloo)");
+  if (ts.size() != 1)
+    unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
+  if (o.reduceOp.op_ != RT::SUM)
+    unsupported(*op,
+                std::string(op_name(o.reduceOp.op_)) + " on sparse tensors (SUM only, as gloo)");
   at::Tensor t = ts[0];
-  if (!t.is_cpu() || t.layout() != at::kSparse) unsupported(*op, "sparse tensors other than CPU COO");
+  if (!t.is_cpu() || t.layout() != at::kSparse)
+    unsupported(*op, "sparse tensors other than CPU COO");
   const at::Tensor in = t.coalesce();
   const int n = getSize();
   // The counts first, inline: the gathers' sizes depend on them.
   at::Tensor counts = at::empty({n}, at::kLong), mine = at::full({1}, in._nnz(), at::kLong);
   plait_buffer a = typed(mine), b = typed(counts);
   char err[1024];
-  if (uint32_t kind = api_->call(comm_, PLAIT_ALLGATHER, &a, &b, PLAIT_SUM, 0, -1, 0, "auto", op->timeout_s,
-                                 nullptr, nullptr, nullptr, err, sizeof err))
+  if (uint32_t kind = api_->call(comm_, PLAIT_ALLGATHER, &a, &b, PLAIT_SUM, 0, -1, 0, "auto",
+                                 op->timeout_s, nullptr, nullptr, nullptr, err, sizeof err))
     throw error(kind, op->where(), err);
   const int64_t most = counts.max().item<int64_t>();
   auto pad = [&](const at::Tensor& x, int64_t dim) {  // x with dim grown to `most`, contiguous
@@ -382,7 +432,8 @@ Backend::WorkPtr Backend::allreduce(Tensors& ts, const c10d::AllreduceOptions& o
   return op->launch();
 }
 
-Backend::WorkPtr Backend::allreduce_coalesced(Tensors& ts, const c10d::AllreduceCoalescedOptions& o) {
+Backend::WorkPtr Backend::allreduce_coalesced(Tensors& ts,
+                                              const c10d::AllreduceCoalescedOptions& o) {
   // One plait call over a flat copy when plait reduces every tensor as it is, in one dtype.
   int fop = -1;
   for (const auto& t : ts) {
@@ -410,7 +461,8 @@ Backend::WorkPtr Backend::allreduce_coalesced(Tensors& ts, const c10d::Allreduce
 
 Backend::WorkPtr Backend::reduce(Tensors& ts, const c10d::ReduceOptions& o) {
   auto op = begin("reduce", ts, !o.asyncOp, o.timeout);
-  if (ts.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
+  if (ts.size() != 1)
+    unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
   reduce_into(*op, ts[0], ts[0], red_of(o.reduceOp, *op), int(o.rootRank), false);
   return op->launch();
 }
@@ -418,8 +470,8 @@ Backend::WorkPtr Backend::reduce(Tensors& ts, const c10d::ReduceOptions& o) {
 void Backend::reduce_scatter_one(Op& op, at::Tensor out, const at::Tensor& in, const Red& red) {
   if (in.numel() != out.numel() * getSize())
     fail("reduce_scatter: input has " + std::to_string(in.numel()) + " elements, output " +
-         std::to_string(out.numel()) + "; the input needs group size (" + std::to_string(getSize()) +
-         ") x output elements");
+         std::to_string(out.numel()) + "; the input needs group size (" +
+         std::to_string(getSize()) + ") x output elements");
   at::Tensor x = source(in).reshape(-1);
   if (out.is_contiguous()) return reduce_into(op, x, out.reshape(-1), red, -1, true);
   at::Tensor tmp = at::empty({out.numel()}, out.options());
@@ -427,27 +479,33 @@ void Backend::reduce_scatter_one(Op& op, at::Tensor out, const at::Tensor& in, c
   op.after([out, tmp]() mutable { out.copy_(tmp.view(out.sizes())); });
 }
 
-Backend::WorkPtr Backend::_reduce_scatter_base(at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) {
+Backend::WorkPtr Backend::_reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                                               const c10d::ReduceScatterOptions& o) {
   auto op = begin("reduce_scatter_single", {out}, !o.asyncOp, o.timeout);
   reduce_scatter_one(*op, out, in, red_of(o.reduceOp, *op));
   return op->launch();
 }
 
-Backend::WorkPtr Backend::reduce_scatter_tensor_coalesced(Tensors& outs, Tensors& ins, const c10d::ReduceScatterOptions& o) {
+Backend::WorkPtr Backend::reduce_scatter_tensor_coalesced(Tensors& outs, Tensors& ins,
+                                                          const c10d::ReduceScatterOptions& o) {
   auto op = begin("reduce_scatter_single_coalesced", outs, !o.asyncOp, o.timeout);
   const Red red = red_of(o.reduceOp, *op);
-  for (size_t i = 0; i < outs.size() && i < ins.size(); ++i) reduce_scatter_one(*op, outs[i], ins[i], red);
+  for (size_t i = 0; i < outs.size() && i < ins.size(); ++i)
+    reduce_scatter_one(*op, outs[i], ins[i], red);
   return op->launch();
 }
 
-Backend::WorkPtr Backend::reduce_scatter(Tensors& outs, TensorLists& ins_lists, const c10d::ReduceScatterOptions& o) {
+Backend::WorkPtr Backend::reduce_scatter(Tensors& outs, TensorLists& ins_lists,
+                                         const c10d::ReduceScatterOptions& o) {
   auto op = begin("reduce_scatter", outs, !o.asyncOp, o.timeout);
-  if (outs.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(outs.size()) + ")");
+  if (outs.size() != 1)
+    unsupported(*op, "one tensor per process (got " + std::to_string(outs.size()) + ")");
   at::Tensor out = outs[0];
   const auto& ins = ins_lists.at(0);
   const Red red = red_of(o.reduceOp, *op);
   if (int(ins.size()) != getSize())
-    fail("reduce_scatter: " + std::to_string(ins.size()) + " inputs for a group of " + std::to_string(getSize()));
+    fail("reduce_scatter: " + std::to_string(ins.size()) + " inputs for a group of " +
+         std::to_string(getSize()));
   bool even = true;
   for (const auto& t : ins) even = even && t.numel() == out.numel();
   if (even) {
@@ -465,7 +523,8 @@ Backend::WorkPtr Backend::reduce_scatter(Tensors& outs, TensorLists& ins_lists, 
 }
 
 void Backend::broadcast_one(Op& op, at::Tensor t, int root) {
-  if (!t.is_cpu()) unsupported(op, "tensor on " + t.device().str() + " (the native backend takes CPU tensors)");
+  if (!t.is_cpu())
+    unsupported(op, "tensor on " + t.device().str() + " (the native backend takes CPU tensors)");
   at::Tensor buf = source(t);
   if (!buf.is_same(t) && getRank() != root) op.after([t, buf]() mutable { t.copy_(buf); });
   op.keep(buf);
@@ -475,17 +534,19 @@ void Backend::broadcast_one(Op& op, at::Tensor t, int root) {
 
 Backend::WorkPtr Backend::broadcast(Tensors& ts, const c10d::BroadcastOptions& o) {
   auto op = begin("broadcast", ts, !o.asyncOp, o.timeout);
-  if (ts.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
+  if (ts.size() != 1)
+    unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
   broadcast_one(*op, ts[0], int(o.rootRank));
   return op->launch();
 }
 
 void Backend::allgather_one(Op& op, at::Tensor out, const at::Tensor& in) {
-  if (!in.is_cpu() || !out.is_cpu()) unsupported(op, "tensor on " + in.device().str() + " (the native backend takes CPU tensors)");
+  if (!in.is_cpu() || !out.is_cpu())
+    unsupported(op, "tensor on " + in.device().str() + " (the native backend takes CPU tensors)");
   if (out.numel() != in.numel() * getSize())
     fail("all_gather: output has " + std::to_string(out.numel()) + " elements, input " +
-         std::to_string(in.numel()) + "; the output needs group size (" + std::to_string(getSize()) +
-         ") x input elements");
+         std::to_string(in.numel()) + "; the output needs group size (" +
+         std::to_string(getSize()) + ") x input elements");
   at::Tensor dst = sink(op, out);
   bool fresh = false;
   at::Tensor src = source(in, &fresh);
@@ -496,19 +557,22 @@ void Backend::allgather_one(Op& op, at::Tensor out, const at::Tensor& in) {
   op.issue(PLAIT_ALLGATHER, &a, &b, PLAIT_SUM, 0, -1, 0);
 }
 
-Backend::WorkPtr Backend::_allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) {
+Backend::WorkPtr Backend::_allgather_base(at::Tensor& out, at::Tensor& in,
+                                          const c10d::AllgatherOptions& o) {
   auto op = begin("all_gather_single", {out}, !o.asyncOp, o.timeout);
   allgather_one(*op, out, in);
   return op->launch();
 }
 
-Backend::WorkPtr Backend::allgather_into_tensor_coalesced(Tensors& outs, Tensors& ins, const c10d::AllgatherOptions& o) {
+Backend::WorkPtr Backend::allgather_into_tensor_coalesced(Tensors& outs, Tensors& ins,
+                                                          const c10d::AllgatherOptions& o) {
   auto op = begin("all_gather_single_coalesced", outs, !o.asyncOp, o.timeout);
   for (size_t i = 0; i < outs.size() && i < ins.size(); ++i) allgather_one(*op, outs[i], ins[i]);
   return op->launch();
 }
 
-Backend::WorkPtr Backend::allgather(TensorLists& outs_lists, Tensors& ins, const c10d::AllgatherOptions& o) {
+Backend::WorkPtr Backend::allgather(TensorLists& outs_lists, Tensors& ins,
+                                    const c10d::AllgatherOptions& o) {
   std::vector<at::Tensor> value;
   for (auto& l : outs_lists) value.insert(value.end(), l.begin(), l.end());
   auto op = begin("allgather", value, !o.asyncOp, o.timeout);
@@ -516,9 +580,13 @@ Backend::WorkPtr Backend::allgather(TensorLists& outs_lists, Tensors& ins, const
   at::Tensor x = ins[0];
   auto outs = outs_lists[0];
   const int n = getSize(), me = getRank();
-  if (int(outs.size()) != n) fail("all_gather: " + std::to_string(outs.size()) + " outputs for a group of " + std::to_string(n));
+  if (int(outs.size()) != n)
+    fail("all_gather: " + std::to_string(outs.size()) + " outputs for a group of " +
+         std::to_string(n));
   bool even = true, same_dtype = true;
-  for (const auto& t : outs) even = even && t.numel() == x.numel(), same_dtype = same_dtype && t.scalar_type() == x.scalar_type();
+  for (const auto& t : outs)
+    even = even && t.numel() == x.numel(),
+    same_dtype = same_dtype && t.scalar_type() == x.scalar_type();
   if (even) {
     at::Tensor flat = same_dtype ? flat_view(outs) : at::Tensor();
     if (!flat.defined()) {
@@ -526,7 +594,8 @@ Backend::WorkPtr Backend::allgather(TensorLists& outs_lists, Tensors& ins, const
       for (auto d : x.sizes()) shape.push_back(d);
       flat = at::empty(shape, x.options());
       op->after([flat, outs]() mutable {
-        for (size_t r = 0; r < outs.size(); ++r) write_bytes(outs[r], raw(flat[int64_t(r)].contiguous()));
+        for (size_t r = 0; r < outs.size(); ++r)
+          write_bytes(outs[r], raw(flat[int64_t(r)].contiguous()));
       });
     }
     allgather_one(*op, flat, x);
@@ -547,7 +616,8 @@ Backend::WorkPtr Backend::allgather(TensorLists& outs_lists, Tensors& ins, const
   return op->launch();
 }
 
-Backend::WorkPtr Backend::allgather_coalesced(TensorLists& outs_lists, Tensors& ins, const c10d::AllgatherOptions& o) {
+Backend::WorkPtr Backend::allgather_coalesced(TensorLists& outs_lists, Tensors& ins,
+                                              const c10d::AllgatherOptions& o) {
   std::vector<at::Tensor> value;
   for (auto& l : outs_lists) value.insert(value.end(), l.begin(), l.end());
   auto op = begin("allgather_coalesced", value, !o.asyncOp, o.timeout);
@@ -591,18 +661,22 @@ void Backend::exchange(Op& op, const Tensors& srcs, const Tensors& dsts) {
   op.after_first([a, b]() { raw(b).copy_(raw(a)); });
 }
 
-Backend::WorkPtr Backend::alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
-                                        std::vector<int64_t>& in_splits, const c10d::AllToAllOptions& o) {
+Backend::WorkPtr Backend::alltoall_base(at::Tensor& out, at::Tensor& in,
+                                        std::vector<int64_t>& out_splits,
+                                        std::vector<int64_t>& in_splits,
+                                        const c10d::AllToAllOptions& o) {
   const int n = getSize();
   auto out_rows = splits(out, out_splits, n), in_rows = splits(in, in_splits, n);
   bool even = !out_rows.empty() && out_rows == in_rows;
   for (auto r : out_rows) even = even && r == out_rows[0];
   auto op = begin("all_to_all_single", {out}, even && !o.asyncOp, o.timeout);
   if (out_rows.empty() || in_rows.empty())
-    fail("all_to_all_single: " + std::to_string(nrows(out)) + " output rows split " + join(out_splits) + ", " +
-         std::to_string(nrows(in)) + " input rows split " + join(in_splits) + ": not " + std::to_string(n) +
+    fail("all_to_all_single: " + std::to_string(nrows(out)) + " output rows split " +
+         join(out_splits) + ", " + std::to_string(nrows(in)) + " input rows split " +
+         join(in_splits) + ": not " + std::to_string(n) +
          " splits covering the rows (or, without splits, rows that divide evenly)");
-  if (!in.is_cpu() || !out.is_cpu()) unsupported(*op, "tensor on " + in.device().str() + " (the native backend takes CPU tensors)");
+  if (!in.is_cpu() || !out.is_cpu())
+    unsupported(*op, "tensor on " + in.device().str() + " (the native backend takes CPU tensors)");
   at::Tensor dst = sink(*op, out);
   bool fresh = false;
   at::Tensor src = source(in, &fresh);
@@ -625,8 +699,8 @@ Backend::WorkPtr Backend::alltoall(Tensors& outs, Tensors& ins, const c10d::AllT
   for (const auto& t : ins) even = even && t.nbytes() == ins.at(0).nbytes();
   auto op = begin("alltoall", outs, even && !o.asyncOp, o.timeout);
   if (int(outs.size()) != n || int(ins.size()) != n)
-    fail("all_to_all: " + std::to_string(ins.size()) + " inputs and " + std::to_string(outs.size()) +
-         " outputs for a group of " + std::to_string(n));
+    fail("all_to_all: " + std::to_string(ins.size()) + " inputs and " +
+         std::to_string(outs.size()) + " outputs for a group of " + std::to_string(n));
   if (even) {
     std::vector<at::Tensor> parts;
     for (const auto& t : ins) parts.push_back(raw(source(t)));
@@ -636,7 +710,8 @@ Backend::WorkPtr Backend::alltoall(Tensors& outs, Tensors& ins, const c10d::AllT
     op->issue(PLAIT_ALLTOALL, &a, &b, PLAIT_SUM, 0, -1, 0);
     const int64_t nb = flat.numel() / n;
     op->after([outs, flat, nb]() {
-      for (size_t j = 0; j < outs.size(); ++j) write_bytes(outs[j], flat.narrow(0, int64_t(j) * nb, nb));
+      for (size_t j = 0; j < outs.size(); ++j)
+        write_bytes(outs[j], flat.narrow(0, int64_t(j) * nb, nb));
     });
   } else {
     std::vector<at::Tensor> dsts, srcs;
@@ -655,11 +730,14 @@ Backend::WorkPtr Backend::alltoall(Tensors& outs, Tensors& ins, const c10d::AllT
   return op->launch();
 }
 
-Backend::WorkPtr Backend::gather(TensorLists& outs_lists, Tensors& ins, const c10d::GatherOptions& o) {
+Backend::WorkPtr Backend::gather(TensorLists& outs_lists, Tensors& ins,
+                                 const c10d::GatherOptions& o) {
   const int root = int(o.rootRank), me = getRank();
-  std::vector<at::Tensor> outs = me == root && !outs_lists.empty() ? outs_lists[0] : std::vector<at::Tensor>{};
+  std::vector<at::Tensor> outs =
+      me == root && !outs_lists.empty() ? outs_lists[0] : std::vector<at::Tensor>{};
   auto op = begin("gather", outs, false, o.timeout);
-  if (ins.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(ins.size()) + ")");
+  if (ins.size() != 1)
+    unsupported(*op, "one tensor per process (got " + std::to_string(ins.size()) + ")");
   bool fresh = false;
   at::Tensor src = source(ins[0], &fresh);
   op->keep(src);
@@ -668,7 +746,9 @@ Backend::WorkPtr Backend::gather(TensorLists& outs_lists, Tensors& ins, const c1
     op->issue(PLAIT_SEND, &s, nullptr, PLAIT_SUM, 0, root, kTag);
     return op->launch();
   }
-  if (int(outs.size()) != getSize()) fail("gather: " + std::to_string(outs.size()) + " outputs for a group of " + std::to_string(getSize()));
+  if (int(outs.size()) != getSize())
+    fail("gather: " + std::to_string(outs.size()) + " outputs for a group of " +
+         std::to_string(getSize()));
   for (const auto& t : outs)
     if (!fresh && t.is_contiguous() && overlaps(src, t)) {
       src = src.clone();
@@ -687,10 +767,12 @@ Backend::WorkPtr Backend::gather(TensorLists& outs_lists, Tensors& ins, const c1
   return op->launch();
 }
 
-Backend::WorkPtr Backend::scatter(Tensors& outs, TensorLists& ins_lists, const c10d::ScatterOptions& o) {
+Backend::WorkPtr Backend::scatter(Tensors& outs, TensorLists& ins_lists,
+                                  const c10d::ScatterOptions& o) {
   const int root = int(o.rootRank), me = getRank();
   auto op = begin("scatter", outs, false, o.timeout);
-  if (outs.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(outs.size()) + ")");
+  if (outs.size() != 1)
+    unsupported(*op, "one tensor per process (got " + std::to_string(outs.size()) + ")");
   at::Tensor out = outs[0];
   if (me != root) {
     at::Tensor d = sink(*op, out);
@@ -700,7 +782,9 @@ Backend::WorkPtr Backend::scatter(Tensors& outs, TensorLists& ins_lists, const c
     return op->launch();
   }
   const auto& ins = ins_lists.at(0);
-  if (int(ins.size()) != getSize()) fail("scatter: " + std::to_string(ins.size()) + " inputs for a group of " + std::to_string(getSize()));
+  if (int(ins.size()) != getSize())
+    fail("scatter: " + std::to_string(ins.size()) + " inputs for a group of " +
+         std::to_string(getSize()));
   for (int r = 0; r < getSize(); ++r) {
     if (r == me) continue;
     at::Tensor s = source(ins[size_t(r)]);
@@ -715,8 +799,11 @@ Backend::WorkPtr Backend::scatter(Tensors& outs, TensorLists& ins_lists, const c
 
 Backend::WorkPtr Backend::send(Tensors& ts, int dst, int tag) {
   auto op = begin("send to rank " + std::to_string(dst), ts, false);
-  if (ts.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
-  if (!ts[0].is_cpu()) unsupported(*op, "tensor on " + ts[0].device().str() + " (the native backend takes CPU tensors)");
+  if (ts.size() != 1)
+    unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
+  if (!ts[0].is_cpu())
+    unsupported(*op,
+                "tensor on " + ts[0].device().str() + " (the native backend takes CPU tensors)");
   at::Tensor s = source(ts[0]);
   op->keep(s);
   plait_buffer b = bytes(s);
@@ -726,8 +813,11 @@ Backend::WorkPtr Backend::send(Tensors& ts, int dst, int tag) {
 
 Backend::WorkPtr Backend::recv(Tensors& ts, int src, int tag) {
   auto op = begin("recv from rank " + std::to_string(src), ts, false);
-  if (ts.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
-  if (!ts[0].is_cpu()) unsupported(*op, "tensor on " + ts[0].device().str() + " (the native backend takes CPU tensors)");
+  if (ts.size() != 1)
+    unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
+  if (!ts[0].is_cpu())
+    unsupported(*op,
+                "tensor on " + ts[0].device().str() + " (the native backend takes CPU tensors)");
   at::Tensor d = sink(*op, ts[0]);
   op->keep(d);
   plait_buffer b = bytes(d);
@@ -737,8 +827,11 @@ Backend::WorkPtr Backend::recv(Tensors& ts, int src, int tag) {
 
 Backend::WorkPtr Backend::recvAnysource(Tensors& ts, int tag) {
   auto op = begin("recv from any source", ts, false);
-  if (ts.size() != 1) unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
-  if (!ts[0].is_cpu()) unsupported(*op, "tensor on " + ts[0].device().str() + " (the native backend takes CPU tensors)");
+  if (ts.size() != 1)
+    unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
+  if (!ts[0].is_cpu())
+    unsupported(*op,
+                "tensor on " + ts[0].device().str() + " (the native backend takes CPU tensors)");
   at::Tensor d = sink(*op, ts[0]);
   op->keep(d);
   plait_buffer b = bytes(d);

@@ -2,9 +2,9 @@
 // tensor-parallel inference loops under torch.compile (one opaque graph node each; the Meta
 // kernels give their shapes when tracing). The group is named as c10d's functional collectives
 // name it (pg.group_name); its CPU backend runs the call inline, with no Python.
+#include <torch/library.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/library.h>
 
 namespace {
 

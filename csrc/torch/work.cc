@@ -8,7 +8,8 @@ namespace plait_torch {
 thread_local bool tl_running_here = false;  // this thread runs a task through task_run
 
 Error::Error(uint32_t kind, const std::string& msg)
-    : c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, uint32_t(__LINE__)}, msg), kind_(kind) {}
+    : c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, uint32_t(__LINE__)}, msg),
+      kind_(kind) {}
 
 namespace {
 c10::intrusive_ptr<c10::ivalue::Future> new_future() {
@@ -44,8 +45,8 @@ void Op::issue(uint8_t coll, const plait_buffer* in, const plait_buffer* out, ui
   const bool p2p = coll == PLAIT_SEND || coll == PLAIT_RECV;
   uint32_t kind;
   if (sync && !p2p) {
-    kind = b_->api()->call(b_->comm(), coll, in, out, op, root, peer, tag, "auto", timeout_s, nullptr,
-                           nullptr, nullptr, err, sizeof err);
+    kind = b_->api()->call(b_->comm(), coll, in, out, op, root, peer, tag, "auto", timeout_s,
+                           nullptr, nullptr, nullptr, err, sizeof err);
   } else {
     auto* ctx = new std::shared_ptr<Op>(weak.lock());
     outstanding_.fetch_add(1, std::memory_order_acq_rel);
@@ -143,7 +144,8 @@ bool Op::wait(std::chrono::milliseconds timeout) {
     if (timeout.count() <= 0) {
       cv_.wait(lk, pred);
     } else if (!cv_.wait_for(lk, timeout, pred)) {
-      throw Error(kTimeout, where() + ": Work.wait Timed out after " + std::to_string(timeout.count()) +
+      throw Error(kTimeout, where() + ": Work.wait Timed out after " +
+                                std::to_string(timeout.count()) +
                                 " ms (timeout; the call goes on)");
     }
   }
@@ -162,7 +164,8 @@ std::vector<at::Tensor> Work::result() {
 
 bool Work::wait(std::chrono::milliseconds timeout) { return op_->wait(timeout); }
 
-GroupWork::GroupWork(std::vector<std::shared_ptr<Op>> ops) : c10d::Work(-1, c10d::OpType::COALESCED), ops_(std::move(ops)) {
+GroupWork::GroupWork(std::vector<std::shared_ptr<Op>> ops)
+    : c10d::Work(-1, c10d::OpType::COALESCED), ops_(std::move(ops)) {
   // plait runs the ops in issue order: the last one's future stands for the group.
   if (!ops_.empty()) {
     fut_ = ops_.back()->future();

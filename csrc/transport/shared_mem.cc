@@ -195,7 +195,9 @@ void stream_copy(void* dst, const void* src, size_t n) {
   // Non-temporal stores need an aligned destination: the head goes through memcpy.
   const size_t head = std::min(n, size_t(-reinterpret_cast<uintptr_t>(d) & 63));
   if (n - head >= 4096) {
-    static const int isa = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+    static const int isa = __builtin_cpu_supports("avx512f") ? 2
+                           : __builtin_cpu_supports("avx2")  ? 1
+                                                             : 0;
     if (isa) {
       std::memcpy(d, s, head);
       (isa == 2 ? stream_avx512 : stream_avx2)(d + head, s + head, n - head);

@@ -57,9 +57,7 @@ Segment::Segment(const Params& p, char* base, size_t bytes) : p_(p), base_(base)
   gpu_off_ = flight_off_ + flight_bytes(int(n), p.flight_slots);
 }
 
-Segment::~Segment() {
-  munmap(base_, bytes_);
-}
+Segment::~Segment() { munmap(base_, bytes_); }
 
 char* Segment::pair_slot(int src, int dst, uint64_t slot) const {
   size_t per_slot = kPairHeader + p_.pair_slot_bytes;
@@ -68,8 +66,8 @@ char* Segment::pair_slot(int src, int dst, uint64_t slot) const {
 }
 
 std::unique_ptr<Segment> Segment::create(const Params& p) {
-  if (p.size < 1 || p.staging_bytes % kPage || p.staging_bytes < 2 * kPage || p.pair_slot_bytes % 64 ||
-      p.flight_slots > kMaxFlightSlots)
+  if (p.size < 1 || p.staging_bytes % kPage || p.staging_bytes < 2 * kPage ||
+      p.pair_slot_bytes % 64 || p.flight_slots > kMaxFlightSlots)
     throw InvalidArgument("bad segment parameters for " + p.name);
   const size_t bytes = bytes_needed(p.size, p.staging_bytes, p.pair_slot_bytes, p.flight_slots);
   struct statvfs vfs;
@@ -119,7 +117,8 @@ std::unique_ptr<Segment> Segment::create(const Params& p) {
 }
 
 std::unique_ptr<Segment> Segment::open(const Params& p) {
-  if (p.flight_slots > kMaxFlightSlots) throw InvalidArgument("bad segment parameters for " + p.name);
+  if (p.flight_slots > kMaxFlightSlots)
+    throw InvalidArgument("bad segment parameters for " + p.name);
   const size_t bytes = bytes_needed(p.size, p.staging_bytes, p.pair_slot_bytes, p.flight_slots);
   int fd = shm_open(p.name.c_str(), O_RDWR, 0);
   if (fd < 0) throw PlaitError("cannot open shared memory " + p.name + ": " + errno_text(errno));
@@ -132,7 +131,8 @@ std::unique_ptr<Segment> Segment::open(const Params& p) {
   } else if ((st.st_mode & 0077) != 0) {
     refuse = "its mode lets other users in";
   } else if (size_t(st.st_size) != bytes) {
-    refuse = "its size is " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(bytes);
+    refuse =
+        "its size is " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(bytes);
   }
   if (!refuse.empty()) {
     close(fd);
@@ -141,10 +141,12 @@ std::unique_ptr<Segment> Segment::open(const Params& p) {
   void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   int e = errno;
   close(fd);
-  if (base == MAP_FAILED) throw PlaitError("cannot map shared memory " + p.name + ": " + errno_text(e));
+  if (base == MAP_FAILED)
+    throw PlaitError("cannot map shared memory " + p.name + ": " + errno_text(e));
   std::unique_ptr<Segment> seg(new Segment(p, static_cast<char*>(base), bytes));
   SegHeader* h = seg->header();
-  uint64_t magic = reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->load(std::memory_order_acquire);
+  uint64_t magic =
+      reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->load(std::memory_order_acquire);
   if (magic != kMagic || h->version != kVersion || h->size != uint32_t(p.size) ||
       h->token[0] != p.token[0] || h->token[1] != p.token[1] ||
       h->staging_bytes != p.staging_bytes || h->pair_slot_bytes != p.pair_slot_bytes ||
@@ -200,7 +202,8 @@ void ShmTransport::meet(int peer) {
   arrive();
   auto& arrival = seg_.ctl(peer)->post0[seq_ & 1].v;
   if (arrival.load(std::memory_order_acquire) < epoch_)
-    slow_wait([&] { return arrival.load(std::memory_order_acquire) >= epoch_; }, peer, FlightWait::arrival, 0);
+    slow_wait([&] { return arrival.load(std::memory_order_acquire) >= epoch_; }, peer,
+              FlightWait::arrival, 0);
   verify(peer);
 }
 
@@ -210,7 +213,8 @@ void ShmTransport::wait_post(int peer, int ch, int64_t step) {
   const uint64_t target = epoch_ + uint64_t(step);
   auto& c = post_ctr(peer, ch);
   if (c.load(std::memory_order_acquire) < target)
-    slow_wait([&] { return c.load(std::memory_order_acquire) >= target; }, peer, FlightWait::post, uint64_t(step));
+    slow_wait([&] { return c.load(std::memory_order_acquire) >= target; }, peer, FlightWait::post,
+              uint64_t(step));
 }
 
 void ShmTransport::wait_ack(int peer, int ch, int64_t step) {
@@ -220,10 +224,12 @@ void ShmTransport::wait_ack(int peer, int ch, int64_t step) {
   const uint64_t target = epoch_ + uint64_t(step);
   auto& c = seg_.ctl(peer)->ack[ch];
   if (c.load(std::memory_order_acquire) < target)
-    slow_wait([&] { return c.load(std::memory_order_acquire) >= target; }, peer, FlightWait::ack, uint64_t(step));
+    slow_wait([&] { return c.load(std::memory_order_acquire) >= target; }, peer, FlightWait::ack,
+              uint64_t(step));
 }
 
-void ShmTransport::begin(const CallArgs& a, const char* algo_name, uint64_t seq, uint8_t algo_idx, double now) {
+void ShmTransport::begin(const CallArgs& a, const char* algo_name, uint64_t seq, uint8_t algo_idx,
+                         double now) {
   call_ = &a;
   algo_name_ = algo_name;
   seq_ = seq;
@@ -267,7 +273,8 @@ std::string describe(uint64_t seq, Coll c, DType dt, int64_t count, RedOp op, in
   m << coll_name(c) << " #" << seq;
   if (c == Coll::barrier) return m.str();
   m << " (" << dtype_name(dt) << ", count=" << count;
-  if (c == Coll::allreduce || c == Coll::reduce_scatter || c == Coll::reduce) m << ", op=" << op_name(op);
+  if (c == Coll::allreduce || c == Coll::reduce_scatter || c == Coll::reduce)
+    m << ", op=" << op_name(op);
   if (c == Coll::broadcast || c == Coll::reduce) m << ", root=" << root;
   if (algo && *algo) m << ", algorithm=" << algo;
   m << ")";
@@ -284,7 +291,8 @@ std::string ShmTransport::describe_call() const {
       << ", count=" << call_->count << ")";
     return m.str();
   }
-  return describe(seq_, call_->coll, call_->dtype, call_->count, call_->op, call_->root, algo_name_);
+  return describe(seq_, call_->coll, call_->dtype, call_->count, call_->op, call_->root,
+                  algo_name_);
 }
 
 void ShmTransport::verify(int peer) {
@@ -347,14 +355,16 @@ void ShmTransport::throw_if_aborted() {
     sched_yield();
     k = h->abort_kind.load(std::memory_order_acquire);
   }
-  if (k == kWriting) throw PlaitError("communicator aborted by a rank that died while reporting why");
+  if (k == kWriting)
+    throw PlaitError("communicator aborted by a rank that died while reporting why");
   char buf[sizeof h->abort_msg + 1];
   std::memcpy(buf, h->abort_msg, sizeof h->abort_msg);
   buf[sizeof h->abort_msg] = 0;
   // The text comes from shared memory that any rank may have scribbled over: plait writes only
   // ASCII there, so anything else becomes '?' (Python would fail to decode it as UTF-8).
   for (char* c = buf; *c; ++c)
-    if ((*c < 0x20 && *c != '\n' && *c != '\t') || *c == 0x7f || (unsigned char)*c >= 0x80) *c = '?';
+    if ((*c < 0x20 && *c != '\n' && *c != '\t') || *c == 0x7f || (unsigned char)*c >= 0x80)
+      *c = '?';
   ErrorKind kind = k <= uint32_t(ErrorKind::peer_lost) ? ErrorKind(k) : ErrorKind::generic;
   throw_error(kind, buf);
 }
@@ -436,13 +446,13 @@ std::string ShmTransport::deadline_message(int peer) {
     std::ostringstream late;
     for (int p = 0; p < size_; ++p) {
       uint64_t s = seg_.ctl(p)->cur_seq.load(std::memory_order_relaxed);
-      if (p != rank_ && s < seq_) late << (late.tellp() > 0 ? ", " : "") << p << " (at call #" << s << ")";
+      if (p != rank_ && s < seq_)
+        late << (late.tellp() > 0 ? ", " : "") << p << " (at call #" << s << ")";
     }
     if (late.tellp() > 0) m << "; ranks that have not arrived: " << late.str();
   }
   return m.str();
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // Single copy between address spaces: process_vm_readv (Linux cross-memory attach). The kernel
@@ -470,7 +480,8 @@ void ShmTransport::probe_peers(bool allow) {
         << ") with process_vm_readv/writev: " << (n < 0 ? errno_text(errno) : "short read");
       why = m.str();
     } else if (got != probe_value(seg_.header(), p)) {
-      why = "rank " + std::to_string(rank_) + " read an unexpected probe word from rank " + std::to_string(p);
+      why = "rank " + std::to_string(rank_) + " read an unexpected probe word from rank " +
+            std::to_string(p);
     }
   }
   no_read_why_ = why;
@@ -492,7 +503,8 @@ void ShmTransport::agree_on_reads(double deadline) {
     }
     if (flag.load(std::memory_order_acquire) != 1) {
       all = false;
-      if (no_read_why_.empty()) no_read_why_ = "rank " + std::to_string(p) + " cannot read its peers";
+      if (no_read_why_.empty())
+        no_read_why_ = "rank " + std::to_string(p) + " cannot read its peers";
     }
   }
   can_read_ = all;
@@ -558,7 +570,8 @@ void ShmTransport::copy_peer(bool write, int p, char* local, char* remote, size_
     iovec l{local, want};
     iovec r{remote, want};
     const pid_t pid = pid_t(peer_pid_[size_t(p)]);
-    const ssize_t n = write ? process_vm_writev(pid, &l, 1, &r, 1, 0) : process_vm_readv(pid, &l, 1, &r, 1, 0);
+    const ssize_t n =
+        write ? process_vm_writev(pid, &l, 1, &r, 1, 0) : process_vm_readv(pid, &l, 1, &r, 1, 0);
     if (n <= 0) {
       const int e = n < 0 ? errno : EIO;
       std::string why;

@@ -35,7 +35,8 @@ static_assert(sizeof(Fingerprint) == 24, "fingerprint must stay on the post line
 
 // What ranks must agree on for one GPU call (its work is enqueued on a stream, not run through
 // this segment): each rank publishes its calls in its own ring of kGpuPrints slots, slot
-// seq % kGpuPrints, and compares with what peers published for the same call number (core/call_check.h).
+// seq % kGpuPrints, and compares with what peers published for the same call number
+// (core/call_check.h).
 struct GpuPrint {
   std::atomic<uint64_t> seq;  // 0 while the slot is being written, else the call it holds
   int64_t count;
@@ -64,18 +65,18 @@ struct alignas(64) PostLine {
 static_assert(sizeof(PostLine) == 64, "a post line is one cache line");
 
 struct RankCtl {
-  PostLine post0[2];                        // at [seq & 1]
+  PostLine post0[2];  // at [seq & 1]
   alignas(64) std::atomic<uint64_t> post1;
   alignas(64) std::atomic<uint64_t> ack[2];
-  alignas(64) std::atomic<uint64_t> done;   // last call this rank completed
-  std::atomic<uint64_t> cur_seq;            // call this rank is in (for timeout reports)
+  alignas(64) std::atomic<uint64_t> done;  // last call this rank completed
+  std::atomic<uint64_t> cur_seq;           // call this rank is in (for timeout reports)
   std::atomic<uint32_t> state;
   int32_t pid;
-  std::atomic<uint32_t> can_read;           // 0 probing, 1 this rank can read every peer, 2 not
-  uint64_t probe_addr;                      // an address in this process holding a known word
-  alignas(64) uint64_t addr[2][2];          // {in, out} exposed by call seq, at [seq & 1]
-  RegionRef reg[2][2];                      // the plait shared buffers holding them, if any
-  alignas(64) pthread_mutex_t alive;        // robust; held by the rank's progress thread
+  std::atomic<uint32_t> can_read;     // 0 probing, 1 this rank can read every peer, 2 not
+  uint64_t probe_addr;                // an address in this process holding a known word
+  alignas(64) uint64_t addr[2][2];    // {in, out} exposed by call seq, at [seq & 1]
+  RegionRef reg[2][2];                // the plait shared buffers holding them, if any
+  alignas(64) pthread_mutex_t alive;  // robust; held by the rank's progress thread
 };
 
 struct SegHeader {
@@ -91,7 +92,7 @@ struct SegHeader {
 };
 
 struct PairSlotHeader {
-  uint64_t msg;     // per-pair message number
+  uint64_t msg;  // per-pair message number
   int64_t tag;
   uint64_t nbytes;  // whole message
   uint32_t dtype;
@@ -105,7 +106,7 @@ class Segment {
     size_t staging_bytes = 0;    // per rank
     size_t pair_slot_bytes = 0;  // per send/recv slot
     uint64_t token[2] = {0, 0};
-    uint32_t flight_slots = 0;   // flight records per rank (0: no recorder)
+    uint32_t flight_slots = 0;  // flight records per rank (0: no recorder)
   };
   static std::unique_ptr<Segment> create(const Params& p);
   static std::unique_ptr<Segment> open(const Params& p);
@@ -123,9 +124,12 @@ class Segment {
   char* pair_slot(int src, int dst, uint64_t slot) const;  // header followed by data
   uint32_t flight_slots() const { return p_.flight_slots; }
   FlightHead* flight_head(int r) const {
-    return reinterpret_cast<FlightHead*>(base_ + flight_off_ + size_t(r) * (size_t(p_.flight_slots) + 1) * 64);
+    return reinterpret_cast<FlightHead*>(base_ + flight_off_ +
+                                         size_t(r) * (size_t(p_.flight_slots) + 1) * 64);
   }
-  FlightRecord* flight_ring(int r) const { return reinterpret_cast<FlightRecord*>(flight_head(r) + 1); }
+  FlightRecord* flight_ring(int r) const {
+    return reinterpret_cast<FlightRecord*>(flight_head(r) + 1);
+  }
   GpuPrint* gpu_prints(int r) const {
     return reinterpret_cast<GpuPrint*>(base_ + gpu_off_) + size_t(r) * kGpuPrints;
   }
@@ -160,7 +164,8 @@ class ShmTransport final : public Transport {
   // Collective calls: begin() waits until the previous-but-one call is finished everywhere,
   // publishes the fingerprint and arrives; end() verifies the left neighbour and marks done.
   // now: the caller's clock reading (seconds), 0 to read it here.
-  void begin(const CallArgs& a, const char* algo_name, uint64_t seq, uint8_t algo_idx, double now = 0);
+  void begin(const CallArgs& a, const char* algo_name, uint64_t seq, uint8_t algo_idx,
+             double now = 0);
   void end();
   // Runs `ready` until it returns true, with backoff, deadline and liveness of `peers` (-1: none).
   template <class Ready>
