@@ -5,6 +5,7 @@ PLAIT_FLIGHT=0 against one made with it on, in the same job, timed in interleave
 
 Prints the median per-call time of each and their difference (bench/RESULTS.md).
 """
+
 import os
 import statistics
 import sys
@@ -36,10 +37,12 @@ def main():
     assert out.tolist() == [off.size] * 2
     if off.rank == 0:
         m = {k: statistics.median(v) for k, v in times.items()}
-        print(f"8-byte allreduce, {off.size} ranks, {rounds} rounds x {calls} calls: "
-              f"PLAIT_FLIGHT=0 {m['off']:.0f} ns/call, on {m['on']:.0f} ns/call, "
-              f"difference {m['on'] - m['off']:+.0f} ns (per-round on-off: "
-              f"{', '.join(f'{a - b:+.0f}' for a, b in zip(times['on'], times['off']))})")
+        print(
+            f"8-byte allreduce, {off.size} ranks, {rounds} rounds x {calls} calls: "
+            f"PLAIT_FLIGHT=0 {m['off']:.0f} ns/call, on {m['on']:.0f} ns/call, "
+            f"difference {m['on'] - m['off']:+.0f} ns (per-round on-off: "
+            f"{', '.join(f'{a - b:+.0f}' for a, b in zip(times['on'], times['off']))})"
+        )
     off.finalize()
     on.finalize()
 

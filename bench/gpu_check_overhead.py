@@ -8,6 +8,7 @@ blocks in one job: the host allreduce of the call's fingerprint every GPU call u
 
 Prints the median per-call time of each (bench/RESULTS.md).
 """
+
 import statistics
 import sys
 import time
@@ -18,8 +19,14 @@ from plait import _C, _cuda, _gpu
 
 class _FakeArray:
     def __init__(self, ptr):
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (2,), "typestr": "<f4",
-                                         "strides": None, "version": 3, "stream": None}
+        self.__cuda_array_interface__ = {
+            "data": (ptr, False),
+            "shape": (2,),
+            "typestr": "<f4",
+            "strides": None,
+            "version": 3,
+            "stream": None,
+        }
 
 
 class _NoGpu:
@@ -56,10 +63,12 @@ def main():
             times[name].append((time.perf_counter() - t0) / calls * 1e6)
     if comm.rank == 0:
         m = {k: statistics.median(v) for k, v in times.items()}
-        print(f"GPU-path call with a stand-in GPU communicator, {comm.size} ranks, {rounds} rounds x "
-              f"{calls} calls: host-allreduce check {m['allreduce']:.2f} us/call, segment check "
-              f"{m['segment']:.2f} us/call, no check {m['none']:.2f} us/call: the checks cost "
-              f"{m['allreduce'] - m['none']:.2f} and {m['segment'] - m['none']:.2f} us")
+        print(
+            f"GPU-path call with a stand-in GPU communicator, {comm.size} ranks, {rounds} rounds x "
+            f"{calls} calls: host-allreduce check {m['allreduce']:.2f} us/call, segment check "
+            f"{m['segment']:.2f} us/call, no check {m['none']:.2f} us/call: the checks cost "
+            f"{m['allreduce'] - m['none']:.2f} and {m['segment'] - m['none']:.2f} us"
+        )
     comm.finalize()
 
 

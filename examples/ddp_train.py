@@ -8,6 +8,7 @@ Prints the loss per epoch and the time spent in communication: the wall time of 
 all-reduces, from the moment a bucket is handed to the backend until its result is ready
 (measured by a comm hook, so it includes time that overlaps the backward pass).
 """
+
 import argparse
 import os
 import time
@@ -29,6 +30,7 @@ def timed_allreduce(stats, bucket):
         stats["comm_s"] += time.perf_counter() - start
         stats["calls"] += 1
         return f.value()[0]
+
     return fut.then(done)
 
 
@@ -50,9 +52,13 @@ def main():
     dist.init_process_group(args.backend)  # env://: torchrun and plait-run both set it up
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # same initial weights everywhere (DDP broadcasts rank 0's anyway)
-    model = torch.nn.Sequential(torch.nn.Linear(32, args.hidden), torch.nn.ReLU(),
-                                torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
-                                torch.nn.Linear(args.hidden, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, args.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(args.hidden, args.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(args.hidden, 1),
+    )
     ddp = DDP(model)
     stats = {"comm_s": 0.0, "calls": 0}
     ddp.register_comm_hook(stats, timed_allreduce)
@@ -74,10 +80,13 @@ def main():
         elapsed = time.perf_counter() - t0
         dist.all_reduce(total)  # the loss over every rank's samples
         if rank == 0:
-            print(f"epoch {epoch}: loss {total[0] / total[1]:.5f}  time {elapsed:.2f} s  "
-                  f"communication {stats['comm_s']:.3f} s in {stats['calls']} all-reduces "
-                  f"({1e6 * stats['comm_s'] / max(stats['calls'], 1):.0f} us each)  "
-                  f"[{args.backend}, {world} ranks]", flush=True)
+            print(
+                f"epoch {epoch}: loss {total[0] / total[1]:.5f}  time {elapsed:.2f} s  "
+                f"communication {stats['comm_s']:.3f} s in {stats['calls']} all-reduces "
+                f"({1e6 * stats['comm_s'] / max(stats['calls'], 1):.0f} us each)  "
+                f"[{args.backend}, {world} ranks]",
+                flush=True,
+            )
     dist.destroy_process_group()
 
 

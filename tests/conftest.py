@@ -6,6 +6,7 @@ SIGKILLs every rank still running and fails naming them. Every run, passing or f
 the children reaped, plait._shm.sweep_stale() and a check that no shared-memory segment made by
 this run is left behind.
 """
+
 import glob
 import multiprocessing as mp
 import os
@@ -52,8 +53,14 @@ def _child(fn, rank, n, addr, args, env, conn):
     try:
         conn.send(msg)
     except Exception as e:  # noqa: BLE001 - e.g. an unpicklable return value
-        conn.send(("err", type(e).__name__, "could not send the result: %s" % e,
-                   "".join(traceback.format_exception(e))))
+        conn.send(
+            (
+                "err",
+                type(e).__name__,
+                "could not send the result: %s" % e,
+                "".join(traceback.format_exception(e)),
+            )
+        )
     conn.close()
     # A default communicator the function left open is closed as a normal exit would close it.
     plait = sys.modules.get("plait")
@@ -97,8 +104,12 @@ def run_ranks(fn, n, timeout=60, args=(), env=None, *, may_die=(), start_method=
         addr = (server.host, server.port)
         for rank in range(n):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child, args=(fn, rank, n, addr, tuple(args), env, writer),
-                               name="plait-rank%d" % rank, daemon=True)
+            proc = ctx.Process(
+                target=_child,
+                args=(fn, rank, n, addr, tuple(args), env, writer),
+                name="plait-rank%d" % rank,
+                daemon=True,
+            )
             proc.start()
             writer.close()
             procs.append(proc)
@@ -129,12 +140,12 @@ def run_ranks(fn, n, timeout=60, args=(), env=None, *, may_die=(), start_method=
 
     unfinished = sorted(pending.values())
     if unfinished:
-        problems.append("timed out after %.0f s: rank(s) %s had not finished (SIGKILLed)"
-                        % (timeout, unfinished))
+        problems.append(
+            "timed out after %.0f s: rank(s) %s had not finished (SIGKILLed)" % (timeout, unfinished)
+        )
     exited_late = sorted(set(stuck) - set(unfinished))
     if exited_late:
-        problems.append("rank(s) %s answered but did not exit before the deadline (SIGKILLed)"
-                        % exited_late)
+        problems.append("rank(s) %s answered but did not exit before the deadline (SIGKILLed)" % exited_late)
     results = [None] * n
     for rank in range(n):
         if rank not in answers:
@@ -142,8 +153,9 @@ def run_ranks(fn, n, timeout=60, args=(), env=None, *, may_die=(), start_method=
         msg = answers[rank]
         if msg is None:
             if rank not in may_die:
-                problems.append("rank %d died without answering: %s"
-                                % (rank, _describe_exit(procs[rank].exitcode)))
+                problems.append(
+                    "rank %d died without answering: %s" % (rank, _describe_exit(procs[rank].exitcode))
+                )
         elif msg[0] == "ok":
             results[rank] = msg[1]
         else:
@@ -163,9 +175,11 @@ def run_ranks(fn, n, timeout=60, args=(), env=None, *, may_die=(), start_method=
     if left:
         problems.append("segments still in /dev/shm after sweep_stale(): %s" % left)
     if problems:
-        pytest.fail("run_ranks(%s, n=%d) after %.1f s:\n%s"
-                    % (getattr(fn, "__name__", fn), n, time.monotonic() - start,
-                       "\n\n".join(problems)), pytrace=False)
+        pytest.fail(
+            "run_ranks(%s, n=%d) after %.1f s:\n%s"
+            % (getattr(fn, "__name__", fn), n, time.monotonic() - start, "\n\n".join(problems)),
+            pytrace=False,
+        )
     return results
 
 
@@ -180,8 +194,7 @@ def _no_shm_left_at_end():
     """At the end of the session /dev/shm holds no plait- segment made by this session (this
     process or a rank it forked). Other users' live segments are none of our business."""
     yield
-    left = sorted(s for s in glob.glob(SHM_GLOB)
-                  if _creator(os.path.basename(s)) in _SESSION_PIDS)
+    left = sorted(s for s in glob.glob(SHM_GLOB) if _creator(os.path.basename(s)) in _SESSION_PIDS)
     assert not left, "plait segments left in /dev/shm at the end of the session: %s" % left
 
 
@@ -192,6 +205,7 @@ def torch_impl(request, monkeypatch):
     if request.param == "native":
         monkeypatch.delenv("PLAIT_TORCH_NATIVE", raising=False)
         import plait.torch
+
         if not plait.torch.native():
             pytest.skip("the native torch backend did not build here (see plait.torch's note on stderr)")
         monkeypatch.setenv("PLAIT_TORCH_NATIVE", "1")

@@ -4,6 +4,7 @@ Run inside each rank (run_ranks, or a script under mpirun); raises AssertionErro
 collective, dtype, op, count and mode on the first wrong element; returns the number of checks.
 Data are small integers from a closed formula, so every result is exact in every dtype.
 """
+
 import numpy as np
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"]
@@ -13,6 +14,7 @@ OPS = ["sum", "prod", "min", "max", "avg"]
 def np_dtype(name):
     if name == "bfloat16":
         import ml_dtypes
+
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 
@@ -40,8 +42,10 @@ def _same(got, want, what):
     got, want = np.asarray(got).reshape(-1), np.asarray(want).reshape(-1)
     if got.dtype != want.dtype or got.shape != want.shape or got.tobytes() != want.tobytes():
         bad = np.nonzero(got != want)[0][:5] if got.shape == want.shape else "shape"
-        raise AssertionError(f"{what}: got {got[:8]} ({got.dtype}, {got.shape}), want {want[:8]} "
-                             f"({want.dtype}, {want.shape}); first bad {bad}")
+        raise AssertionError(
+            f"{what}: got {got[:8]} ({got.dtype}, {got.shape}), want {want[:8]} "
+            f"({want.dtype}, {want.shape}); first bad {bad}"
+        )
 
 
 def ops_of(dtype):
@@ -61,11 +65,11 @@ def reductions(comm, count, dtypes=DTYPES, ops=None):
             comm.allreduce(y, out=y, op=op)
             _same(y, want, f"allreduce in place {tag}")
             full = expected(size, count * size, dt, op)
-            mine = full[rank * count:(rank + 1) * count]
+            mine = full[rank * count : (rank + 1) * count]
             x = data(rank, count * size, dt)
             _same(comm.reduce_scatter(x, op=op), mine, f"reduce_scatter {tag}")
-            comm.reduce_scatter(x, out=x[rank * count:(rank + 1) * count], op=op)
-            _same(x[rank * count:(rank + 1) * count], mine, f"reduce_scatter in place {tag}")
+            comm.reduce_scatter(x, out=x[rank * count : (rank + 1) * count], op=op)
+            _same(x[rank * count : (rank + 1) * count], mine, f"reduce_scatter in place {tag}")
             root = size - 1
             got = comm.reduce(data(rank, count, dt), root=root, op=op)
             if rank == root:

@@ -1,5 +1,6 @@
 """The public Python API carries type hints that resolve (typing.get_type_hints), so editors and
 type checkers see the same contract docs/api.md states."""
+
 import inspect
 import typing
 
@@ -7,11 +8,40 @@ import pytest
 
 import plait
 
-FUNCTIONS = ["init", "finalize", "get_default", "is_initialized", "algorithms", "build_info",
-             "cuda_available", "dump", "allreduce", "reduce_scatter", "allgather", "broadcast",
-             "reduce", "alltoall", "send", "recv", "barrier", "split"]
-METHODS = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "send",
-           "recv", "barrier", "split", "fail", "finalize"]
+FUNCTIONS = [
+    "init",
+    "finalize",
+    "get_default",
+    "is_initialized",
+    "algorithms",
+    "build_info",
+    "cuda_available",
+    "dump",
+    "allreduce",
+    "reduce_scatter",
+    "allgather",
+    "broadcast",
+    "reduce",
+    "alltoall",
+    "send",
+    "recv",
+    "barrier",
+    "split",
+]
+METHODS = [
+    "allreduce",
+    "reduce_scatter",
+    "allgather",
+    "broadcast",
+    "reduce",
+    "alltoall",
+    "send",
+    "recv",
+    "barrier",
+    "split",
+    "fail",
+    "finalize",
+]
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)

@@ -1,5 +1,6 @@
 """plait's one dtype table (plait._arrays.DTYPES) and everything derived from it agree: numpy,
 torch CPU tensors, torch through the backend's windows, GPU arrays and the bench's buffers."""
+
 import numpy as np
 import pytest
 

@@ -1,5 +1,6 @@
 """plait-bench: its arithmetic (sizes, counts, busbw factors), its result check (it must catch a
 wrong result), its JSON, and one short CLI run with 2 ranks. No test asserts a timing."""
+
 import argparse
 import json
 import os
@@ -20,8 +21,19 @@ for _k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PLAIT_STORE"
     _ENV.pop(_k, None)
 
 
-@pytest.mark.parametrize("text,expected", [("8", 8), ("1K", 1024), ("1k", 1024), ("64M", 64 << 20),
-                                           ("1G", 1 << 30), ("4MiB", 4 << 20), ("2KB", 2048), ("1.5K", 1536)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("8", 8),
+        ("1K", 1024),
+        ("1k", 1024),
+        ("64M", 64 << 20),
+        ("1G", 1 << 30),
+        ("4MiB", 4 << 20),
+        ("2KB", 2048),
+        ("1.5K", 1536),
+    ],
+)
 def test_parse_size(text, expected):
     assert cli.parse_size(text) == expected
 
@@ -80,7 +92,7 @@ def _simulate(coll, data, count, root):
         if coll.name == "allreduce":
             out.append(red(np.stack(ins)))
         elif coll.name == "reduce_scatter":
-            out.append(red(np.stack(ins))[r * m:(r + 1) * m])
+            out.append(red(np.stack(ins))[r * m : (r + 1) * m])
         elif coll.name == "allgather":
             out.append(np.concatenate(ins))
         elif coll.name == "broadcast":
@@ -88,7 +100,7 @@ def _simulate(coll, data, count, root):
         elif coll.name == "reduce":
             out.append(red(np.stack(ins)) if r == root else None)
         else:
-            out.append(np.concatenate([ins[j][r * m:(r + 1) * m] for j in range(n)]))
+            out.append(np.concatenate([ins[j][r * m : (r + 1) * m] for j in range(n)]))
     return out
 
 
@@ -98,8 +110,9 @@ def _decode(data, a):
     return a.astype(np.float64)
 
 
-@pytest.mark.parametrize("dtype,op", [(d, o) for d in DTYPES for o in OPS
-                                      if o != "avg" or d.startswith(("float", "bfloat"))])
+@pytest.mark.parametrize(
+    "dtype,op", [(d, o) for d in DTYPES for o in OPS if o != "avg" or d.startswith(("float", "bfloat"))]
+)
 @pytest.mark.parametrize("n", [1, 2, 3, 7])
 def test_expected_matches_direct_computation(dtype, op, n):
     for coll in COLLECTIVES.values():
@@ -133,6 +146,7 @@ def test_count_wrong_detects_a_wrong_element():
 
 class _OneRank:
     """Stands in for a 1-rank communicator: allreduce over one rank is a copy."""
+
     rank, size = 0, 1
 
     def allreduce(self, x, out, op="sum"):
@@ -187,8 +201,10 @@ def test_iterations_budget():
 
 def test_summary_names_best_and_crossovers():
     recs = []
-    for nb, times in ((8, {"plait": 2, "plait:a": 1, "plait:b": 5, "mpi": 4}),
-                      (1024, {"plait": 9, "plait:a": 8, "plait:b": 3, "mpi": 6})):
+    for nb, times in (
+        (8, {"plait": 2, "plait:a": 1, "plait:b": 5, "mpi": 4}),
+        (1024, {"plait": 9, "plait:a": 8, "plait:b": 3, "mpi": 6}),
+    ):
         for impl, t in times.items():
             recs.append({"bytes": nb, "impl": impl, "time_us": t, "placement": peers.OUT, "busbw_GBps": 1.0})
     s = report.summary("allreduce", recs)
@@ -196,8 +212,15 @@ def test_summary_names_best_and_crossovers():
     assert "auto within 10% of the best at 0/2 sizes" in s and "plait/mpi 0.5x..1.5x" in s
     assert report.comparison("allreduce", recs)[-1].split()[-1] == "1.5"
     # a 3% lead is noise: the previous winner keeps the size, so there is no crossover
-    recs = [{"bytes": nb, "impl": i, "time_us": t} for nb, i, t in
-            ((8, "plait:a", 1.0), (8, "plait:b", 2.0), (64, "plait:a", 1.03), (64, "plait:b", 1.0))]
+    recs = [
+        {"bytes": nb, "impl": i, "time_us": t}
+        for nb, i, t in (
+            (8, "plait:a", 1.0),
+            (8, "plait:b", 2.0),
+            (64, "plait:a", 1.03),
+            (64, "plait:b", 1.0),
+        )
+    ]
     assert "best a 8 B..64 B; crossovers none" in report.summary("allreduce", recs)
 
 
@@ -214,6 +237,7 @@ def test_main_fails_loudly_on_a_wrong_result(monkeypatch, capsys):
     def broken(self, coll, x, out, dtype, op, root):
         run = real(self, coll, x, out, dtype, op, root)
         return (lambda: (run(), out.__setitem__(0, 0))) if coll.name == "allgather" else run
+
     monkeypatch.setattr(peers.Plait, "prepare", broken)
     try:
         rc = cli.main(["-c", "allreduce,allgather", "-b", "64", "-e", "64", "--time", "0.005", "--no-pin"])
@@ -226,14 +250,37 @@ def test_main_fails_loudly_on_a_wrong_result(monkeypatch, capsys):
 
 
 def _bench(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "plait.bench", *map(str, args)], env=_ENV, text=True,
-                          capture_output=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "plait.bench", *map(str, args)],
+        env=_ENV,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 def test_cli_smoke_two_ranks(tmp_path):
     js = tmp_path / "bench.json"
-    r = _bench("-n", 2, "-c", "allreduce,reduce_scatter,allgather,broadcast,reduce,alltoall", "-b", 8,
-               "-e", "64K", "-f", 64, "-a", "all", "--time", 0.01, "--trials", 3, "--json", js)
+    r = _bench(
+        "-n",
+        2,
+        "-c",
+        "allreduce,reduce_scatter,allgather,broadcast,reduce,alltoall",
+        "-b",
+        8,
+        "-e",
+        "64K",
+        "-f",
+        64,
+        "-a",
+        "all",
+        "--time",
+        0.01,
+        "--trials",
+        3,
+        "--json",
+        js,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     cols = next(ln for ln in lines if "#wrong" in ln).lstrip("#").split()
@@ -251,8 +298,9 @@ def test_cli_smoke_two_ranks(tmp_path):
     assert doc["config"]["nranks"] == 2 and doc["config"]["sizes"] == [8, 512, 32768]
     assert {r["collective"] for r in doc["results"]} == set(COLLECTIVES)
     for coll in COLLECTIVES:  # -a all: a row per algorithm of every collective, not only allreduce's
-        assert {r["impl"] for r in doc["results"] if r["collective"] == coll} == \
-            {"plait"} | {f"plait:{a}" for a in plait.algorithms(coll)}, coll
+        assert {r["impl"] for r in doc["results"] if r["collective"] == coll} == {"plait"} | {
+            f"plait:{a}" for a in plait.algorithms(coll)
+        }, coll
     for rec in doc["results"]:
         assert set(rec) == set(report.RECORD_KEYS) and rec["wrong"] == 0 and rec["time_us"] > 0
         assert isinstance(rec["trials_us"], list) and rec["nranks"] == 2
@@ -281,22 +329,42 @@ def test_every_variant_runs_the_algorithm_it_is_named_after():
 def test_cli_shared_buffers_variant(tmp_path):
     # --shared adds plait over plait.empty buffers, checked and timed like every other variant.
     js = tmp_path / "bench.json"
-    r = _bench("-n", 2, "-c", "allreduce,reduce_scatter,allgather", "-b", "64K", "-e", "1M", "-f", 16,
-               "--shared", "--time", 0.01, "--trials", 3, "--json", js)
+    r = _bench(
+        "-n",
+        2,
+        "-c",
+        "allreduce,reduce_scatter,allgather",
+        "-b",
+        "64K",
+        "-e",
+        "1M",
+        "-f",
+        16,
+        "--shared",
+        "--time",
+        0.01,
+        "--trials",
+        3,
+        "--json",
+        js,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "# #wrong total: 0 OK" in r.stdout
     doc = json.loads(js.read_text())
     for coll in ("allreduce", "reduce_scatter", "allgather"):
         recs = [x for x in doc["results"] if x["collective"] == coll]
         assert {x["impl"] for x in recs} == {"plait", peers.SHARED}, coll
-        assert {(x["bytes"], x["placement"]) for x in recs if x["impl"] == peers.SHARED} == \
-            {(nb, p) for nb in (65536, 1048576) for p in (peers.OUT, peers.IN)}
+        assert {(x["bytes"], x["placement"]) for x in recs if x["impl"] == peers.SHARED} == {
+            (nb, p) for nb in (65536, 1048576) for p in (peers.OUT, peers.IN)
+        }
         assert all(x["wrong"] == 0 for x in recs)
 
 
 def test_comparison_has_shared_ratios():
-    recs = [{"bytes": 8, "impl": i, "time_us": t, "placement": peers.OUT, "busbw_GBps": 1.0}
-            for i, t in (("plait", 2.0), (peers.SHARED, 1.0), ("mpi", 4.0))]
+    recs = [
+        {"bytes": 8, "impl": i, "time_us": t, "placement": peers.OUT, "busbw_GBps": 1.0}
+        for i, t in (("plait", 2.0), (peers.SHARED, 1.0), ("mpi", 4.0))
+    ]
     head, row = report.comparison("allreduce", recs)[1:]
     assert head.split()[-2:] == ["plait/mpi", "shared/mpi"] and row.split()[-2:] == ["0.5", "0.25"]
     assert "plait/mpi 0.5x..0.5x" in report.summary("allreduce", recs)
@@ -305,8 +373,9 @@ def test_comparison_has_shared_ratios():
 
 @pytest.mark.slow
 def test_cli_peers_run_or_are_skipped():
-    r = _bench("-n", 2, "-c", "allreduce", "-b", 8, "-e", 8, "--time", 0.01, "--trials", 3,
-               "--peers", "gloo,mpi")
+    r = _bench(
+        "-n", 2, "-c", "allreduce", "-b", 8, "-e", 8, "--time", 0.01, "--trials", 3, "--peers", "gloo,mpi"
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     for p in ("gloo", "mpi"):
         line = next(ln for ln in r.stdout.splitlines() if ln.startswith(f"# peer {p}: "))
@@ -322,6 +391,7 @@ def test_cli_usage_errors():
 def test_deepspeed_peer_supports_only_what_its_kernel_does():
     from plait.bench import collectives as C
     from plait.bench.peers import DeepSpeed
+
     ds = DeepSpeed(None, None, "0", "tag", False)
     ar = C.COLLECTIVES["allreduce"]
     assert ds.supports(ar, "float32", "sum", True) is None
@@ -336,6 +406,7 @@ def test_deepspeed_peer_missing_is_a_skip_with_the_reason(monkeypatch):
     import sys
 
     from plait.bench.peers import Skip, start_deepspeed
+
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     with pytest.raises(Skip, match="pip install deepspeed"):
         start_deepspeed(0, 2, None)

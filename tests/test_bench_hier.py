@@ -1,4 +1,5 @@
 """plait-bench --hosts: flat and hierarchical plait timed side by side on simulated hosts."""
+
 import json
 import subprocess
 import sys
@@ -14,10 +15,37 @@ pytest.importorskip("torch")
 
 def test_flat_and_hierarchical_in_one_run(tmp_path):
     out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, "-m", "plait.bench", "-n", "4", "--hosts", "2", "-c",
-                        "allreduce,reduce_scatter", "-b", "64", "-e", "4K", "-f", "64", "--time", "0.02",
-                        "--trials", "1", "-w", "0", "--json", str(out)],
-                       env=_ENV, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "plait.bench",
+            "-n",
+            "4",
+            "--hosts",
+            "2",
+            "-c",
+            "allreduce,reduce_scatter",
+            "-b",
+            "64",
+            "-e",
+            "4K",
+            "-f",
+            "64",
+            "--time",
+            "0.02",
+            "--trials",
+            "1",
+            "-w",
+            "0",
+            "--json",
+            str(out),
+        ],
+        env=_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "hier-gloo: plait over 2 simulated hosts" in r.stdout and "host 1: ranks [2, 3]" in r.stdout
     assert "plait/hier-gloo" in r.stdout and "#wrong total: 0 OK" in r.stdout
@@ -30,6 +58,25 @@ def test_flat_and_hierarchical_in_one_run(tmp_path):
 
 
 def test_hosts_must_divide_the_ranks_sensibly():
-    r = subprocess.run([sys.executable, "-m", "plait.bench", "-n", "2", "--hosts", "3", "-c", "allreduce",
-                        "-b", "8", "-e", "8"], env=_ENV, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "plait.bench",
+            "-n",
+            "2",
+            "--hosts",
+            "3",
+            "-c",
+            "allreduce",
+            "-b",
+            "8",
+            "-e",
+            "8",
+        ],
+        env=_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "--hosts 3 needs 2..2" in r.stdout + r.stderr

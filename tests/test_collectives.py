@@ -8,6 +8,7 @@ instead of stopping, so that the ranks stay in step. Ranks also return digests o
 must be bitwise equal everywhere, and the parent compares them. 8 ranks share 2 cores here, so
 their combinations are thinned to a covering subset.
 """
+
 import hashlib
 import itertools
 import os
@@ -44,6 +45,7 @@ _OFFSET = {dt: -6 for dt in FLOATS}
 
 
 # ---------------------------------------------------------------- data and exact references
+
 
 def storage(dt):
     """The numpy dtype that holds dt (raw bfloat16 lives in uint16)."""
@@ -113,7 +115,7 @@ def reduce_ref(arrays, dt, op):
 def unaligned(a):
     """A copy of a that is C-contiguous but starts one byte past an element boundary."""
     buf = np.empty(a.nbytes + a.itemsize, np.uint8)
-    out = buf[1:1 + a.nbytes].view(a.dtype)
+    out = buf[1 : 1 + a.nbytes].view(a.dtype)
     out[...] = a
     assert not out.flags.aligned and out.flags.c_contiguous
     return out
@@ -129,6 +131,7 @@ def random_floats(r, count, dt):
 
 
 # ---------------------------------------------------------------- checking
+
 
 def digest(a):
     return hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
@@ -147,14 +150,18 @@ class Check:
             self.wrong.append("%s: got %r, want an array" % (label, type(got)))
             return
         if got.dtype != want.dtype or got.shape != want.shape:
-            self.wrong.append("%s: got %s %s, want %s %s"
-                              % (label, got.dtype, got.shape, want.dtype, want.shape))
+            self.wrong.append(
+                "%s: got %s %s, want %s %s" % (label, got.dtype, got.shape, want.dtype, want.shape)
+            )
         elif got.tobytes() != want.tobytes():
             g, w = np.ascontiguousarray(got).reshape(-1), np.ascontiguousarray(want).reshape(-1)
-            bad = np.flatnonzero((g.view(np.uint8).reshape(g.size, -1)
-                                  != w.view(np.uint8).reshape(w.size, -1)).any(axis=1))
-            self.wrong.append("%s: %d of %d elements differ; first [%d]: got %r, want %r"
-                              % (label, bad.size, g.size, bad[0], g[bad[0]], w[bad[0]]))
+            bad = np.flatnonzero(
+                (g.view(np.uint8).reshape(g.size, -1) != w.view(np.uint8).reshape(w.size, -1)).any(axis=1)
+            )
+            self.wrong.append(
+                "%s: %d of %d elements differ; first [%d]: got %r, want %r"
+                % (label, bad.size, g.size, bad[0], g[bad[0]], w[bad[0]])
+            )
         if same_on_all_ranks:
             self.digests[label] = digest(got)
 
@@ -163,8 +170,7 @@ class Check:
         if got64.shape != want64.shape:
             self.wrong.append("%s: shape %s, want %s" % (label, got64.shape, want64.shape))
         elif got64.size and np.abs(got64 - want64).max() > atol:
-            self.wrong.append("%s: max error %g > %g"
-                              % (label, np.abs(got64 - want64).max(), atol))
+            self.wrong.append("%s: max error %g > %g" % (label, np.abs(got64 - want64).max(), atol))
         self.digests[label] = digest(got)
 
     def true(self, label, cond):
@@ -173,8 +179,10 @@ class Check:
 
     def done(self):
         if self.wrong:
-            raise AssertionError("rank %d: %d wrong result(s):\n  %s" % (
-                self.rank, len(self.wrong), "\n  ".join(self.wrong[:20])))
+            raise AssertionError(
+                "rank %d: %d wrong result(s):\n  %s"
+                % (self.rank, len(self.wrong), "\n  ".join(self.wrong[:20]))
+            )
         return self.digests
 
 
@@ -211,9 +219,12 @@ def thin(cases, lean, keep):
 def reduce_cases(algos, lean, keep=160):
     """(algorithm, dtype, op, count, flag) over every algorithm, valid (dtype, op) and count; the
     flag alternates so that each (algorithm, dtype, op) runs both ways."""
-    cases = [(a, dt, op, c, (ai + k + ci) % 2 == 1)
-             for ai, a in enumerate(algos) for k, (dt, op) in enumerate(PAIRS)
-             for ci, c in enumerate(COUNTS)]
+    cases = [
+        (a, dt, op, c, (ai + k + ci) % 2 == 1)
+        for ai, a in enumerate(algos)
+        for k, (dt, op) in enumerate(PAIRS)
+        for ci, c in enumerate(COUNTS)
+    ]
     return thin(cases, lean, keep)
 
 
@@ -224,15 +235,37 @@ def _label(*parts):
 def boundary_cases(algos, n, lean):
     """Counts around the chunk edges of the 8 KiB staging buffer (and its halves) and around
     multiples of the world size, rotating the element size so every edge is hit in bytes."""
-    counts = sorted({n - 1, n, n + 1, 3 * n + 1, 511, 512, 513, 1023, 1024, 1025, 2047, 2048,
-                     2049, 4095, 4096, 4097, 8191, 8192, 8193} - {0})
+    counts = sorted(
+        {
+            n - 1,
+            n,
+            n + 1,
+            3 * n + 1,
+            511,
+            512,
+            513,
+            1023,
+            1024,
+            1025,
+            2047,
+            2048,
+            2049,
+            4095,
+            4096,
+            4097,
+            8191,
+            8192,
+            8193,
+        }
+        - {0}
+    )
     dts = ("float32", "int8", "float64", "bfloat16")
-    cases = [(a, dts[(ai + ci) % len(dts)], c) for ai, a in enumerate(algos)
-             for ci, c in enumerate(counts)]
+    cases = [(a, dts[(ai + ci) % len(dts)], c) for ai, a in enumerate(algos) for ci, c in enumerate(counts)]
     return thin(cases, lean, 40)
 
 
 # ---------------------------------------------------------------- bodies run on every rank
+
 
 def body_allreduce(comm, lean, chk):
     n, rank = comm.size, comm.rank
@@ -240,8 +273,9 @@ def body_allreduce(comm, lean, chk):
     for algo, dt, op, count, inplace in reduce_cases(algos, lean):
         x = data(rank, count, dt, op)
         want = reduce_ref([data(r, count, dt, op) for r in range(n)], dt, op)
-        label = _label("allreduce", algo, dt, op, "count=%d" % count,
-                       "in-place" if inplace else "out-of-place")
+        label = _label(
+            "allreduce", algo, dt, op, "count=%d" % count, "in-place" if inplace else "out-of-place"
+        )
         with case(label):
             if inplace:
                 got = comm.allreduce(x, out=x, op=op, algorithm=algo, **dtype_kw(dt))
@@ -258,20 +292,20 @@ def body_allreduce(comm, lean, chk):
         label = _label("allreduce edge", algo, dt, "count=%d" % count)
         with case(label):
             got = comm.allreduce(data(rank, count, dt), algorithm=algo, **dtype_kw(dt))
-        chk.eq(label, got, reduce_ref([data(r, count, dt) for r in range(n)], dt, "sum"),
-               same_on_all_ranks=True)
+        chk.eq(
+            label, got, reduce_ref([data(r, count, dt) for r in range(n)], dt, "sum"), same_on_all_ranks=True
+        )
 
     # Every (dtype, op) at counts around SIMD vector and block widths, so that the kernels'
     # vector bodies and scalar tails both run (one_shot reduces all ranks in one kernel call).
     tails = (15, 16, 17, 31, 33, 63, 64, 65, 127, 129, 255, 257, 1000)
-    for algo, (dt, op), count in thin(list(itertools.product(
-            ("one_shot", "ring"), PAIRS, tails)), lean, 60):
+    for algo, (dt, op), count in thin(list(itertools.product(("one_shot", "ring"), PAIRS, tails)), lean, 60):
         label = _label("allreduce kernel widths", algo, dt, op, "count=%d" % count)
         with case(label):
-            got = comm.allreduce(data(rank, count, dt, op), op=op, algorithm=algo,
-                                 **dtype_kw(dt))
-        chk.eq(label, got, reduce_ref([data(r, count, dt, op) for r in range(n)], dt, op),
-               same_on_all_ranks=True)
+            got = comm.allreduce(data(rank, count, dt, op), op=op, algorithm=algo, **dtype_kw(dt))
+        chk.eq(
+            label, got, reduce_ref([data(r, count, dt, op) for r in range(n)], dt, op), same_on_all_ranks=True
+        )
 
     # Arrays that are contiguous but not aligned to their element size (a 1-byte offset).
     for algo in algos:
@@ -288,8 +322,9 @@ def body_allreduce(comm, lean, chk):
     chk.eq("allreduce 2-D keeps its shape", comm.allreduce(x), want)
 
     atol = {"float16": 1e-2, "bfloat16": 6e-2, "float32": 2e-6, "float64": 1e-14}
-    for algo, dt, op, count in thin(list(itertools.product(
-            algos, FLOATS, ("sum", "avg", "max"), (37, 5001))), lean, 24):
+    for algo, dt, op, count in thin(
+        list(itertools.product(algos, FLOATS, ("sum", "avg", "max"), (37, 5001))), lean, 24
+    ):
         xs = [random_floats(r, count, dt) for r in range(n)]
         label = _label("allreduce inexact", algo, dt, op, "count=%d" % count)
         with case(label):
@@ -309,9 +344,10 @@ def body_reduce_scatter(comm, lean, chk):
         x = data(rank, count * n, dt, op)
         x0 = x.copy()
         full = reduce_ref([data(r, count * n, dt, op) for r in range(n)], dt, op)
-        want = full[rank * count:(rank + 1) * count]
-        label = _label("reduce_scatter", algo, dt, op, "count=%d" % count,
-                       "out given" if provide else "out=None")
+        want = full[rank * count : (rank + 1) * count]
+        label = _label(
+            "reduce_scatter", algo, dt, op, "count=%d" % count, "out given" if provide else "out=None"
+        )
         out = np.empty(count, storage(dt)) if provide else None
         with case(label):
             got = comm.reduce_scatter(x, out, op=op, algorithm=algo, **dtype_kw(dt))
@@ -323,21 +359,25 @@ def body_reduce_scatter(comm, lean, chk):
         label = _label("reduce_scatter edge", algo, dt, "count=%d" % count)
         full = reduce_ref([data(r, count * n, dt, "max") for r in range(n)], dt, "max")
         with case(label):
-            got = comm.reduce_scatter(data(rank, count * n, dt, "max"), op="max", algorithm=algo,
-                                      **dtype_kw(dt))
-        chk.eq(label, got, full[rank * count:(rank + 1) * count])
+            got = comm.reduce_scatter(
+                data(rank, count * n, dt, "max"), op="max", algorithm=algo, **dtype_kw(dt)
+            )
+        chk.eq(label, got, full[rank * count : (rank + 1) * count])
 
 
 def body_allgather(comm, lean, chk):
     n, rank = comm.size, comm.rank
     algos = list(plait.algorithms("allgather")) + ["auto"]
-    cases = [(a, dt, c, (ai + k + ci) % 2 == 1) for ai, a in enumerate(algos)
-             for k, dt in enumerate(DTYPES) for ci, c in enumerate(COUNTS)]
+    cases = [
+        (a, dt, c, (ai + k + ci) % 2 == 1)
+        for ai, a in enumerate(algos)
+        for k, dt in enumerate(DTYPES)
+        for ci, c in enumerate(COUNTS)
+    ]
     for algo, dt, count, provide in thin(cases, lean, 60):
         x = data(rank, count, dt, salt=3)
         want = np.stack([data(r, count, dt, salt=3) for r in range(n)])
-        label = _label("allgather", algo, dt, "count=%d" % count,
-                       "out given" if provide else "out=None")
+        label = _label("allgather", algo, dt, "count=%d" % count, "out given" if provide else "out=None")
         out = np.empty(n * count, storage(dt)) if provide else None
         with case(label):
             got = comm.allgather(x, out, algorithm=algo, **dtype_kw(dt))
@@ -348,15 +388,13 @@ def body_allgather(comm, lean, chk):
         label = _label("allgather edge", algo, dt, "count=%d" % count)
         with case(label):
             got = comm.allgather(data(rank, count, dt, salt=1), algorithm=algo, **dtype_kw(dt))
-        chk.eq(label, got, np.stack([data(r, count, dt, salt=1) for r in range(n)]),
-               same_on_all_ranks=True)
+        chk.eq(label, got, np.stack([data(r, count, dt, salt=1) for r in range(n)]), same_on_all_ranks=True)
 
     for algo in algos:
         x, out = unaligned(data(rank, 999, "int32")), unaligned(np.zeros(999 * n, np.int32))
         with case("allgather unaligned " + algo):
             got = comm.allgather(x, out, algorithm=algo)
-        chk.eq("allgather unaligned " + algo, got,
-               np.concatenate([data(r, 999, "int32") for r in range(n)]))
+        chk.eq("allgather unaligned " + algo, got, np.concatenate([data(r, 999, "int32") for r in range(n)]))
 
     x = data(rank, 6, "int64").reshape(2, 3)
     want = np.stack([data(r, 6, "int64").reshape(2, 3) for r in range(n)])
@@ -367,13 +405,18 @@ def body_broadcast(comm, lean, chk):
     n, rank = comm.size, comm.rank
     algos = list(plait.algorithms("broadcast")) + ["auto"]
     assert algos[:2] == ["direct", "single_copy"]
-    cases = [(root, algos[(root + k + ci) % len(algos)], dt, c, (root + k + ci // 3) % 2)
-             for root in range(n) for k, dt in enumerate(DTYPES) for ci, c in enumerate(COUNTS)]
+    cases = [
+        (root, algos[(root + k + ci) % len(algos)], dt, c, (root + k + ci // 3) % 2)
+        for root in range(n)
+        for k, dt in enumerate(DTYPES)
+        for ci, c in enumerate(COUNTS)
+    ]
     for root, algo, dt, count, mode in thin(cases, lean, 96):
         x = data(rank, count, dt, salt=root)
         want = data(root, count, dt, salt=root)
-        label = _label("broadcast root=%d" % root, algo, dt, "count=%d" % count,
-                       "into x" if mode == 0 else "into out")
+        label = _label(
+            "broadcast root=%d" % root, algo, dt, "count=%d" % count, "into x" if mode == 0 else "into out"
+        )
         with case(label):
             if mode == 0:
                 got = comm.broadcast(x, root, algorithm=algo, **dtype_kw(dt))
@@ -390,8 +433,11 @@ def body_reduce(comm, lean, chk):
     n, rank = comm.size, comm.rank
     algos = list(plait.algorithms("reduce")) + ["auto"]
     assert algos[:2] == ["direct", "single_copy"]
-    cases = [(root, algos[(root + k) % len(algos)], dt, op, COUNTS[(root + k) % len(COUNTS)],
-              (root + k // 3) % 3) for root in range(n) for k, (dt, op) in enumerate(PAIRS)]
+    cases = [
+        (root, algos[(root + k) % len(algos)], dt, op, COUNTS[(root + k) % len(COUNTS)], (root + k // 3) % 3)
+        for root in range(n)
+        for k, (dt, op) in enumerate(PAIRS)
+    ]
     for root, algo, dt, op, count, mode in thin(cases, lean, 96):
         x = data(rank, count, dt, op)
         x0 = x.copy()
@@ -399,8 +445,14 @@ def body_reduce(comm, lean, chk):
         out = None
         if rank == root:
             out = (None, np.empty_like(x), x)[mode]
-        label = _label("reduce root=%d" % root, algo, dt, op, "count=%d" % count,
-                       ("out=None", "out given", "in place")[mode])
+        label = _label(
+            "reduce root=%d" % root,
+            algo,
+            dt,
+            op,
+            "count=%d" % count,
+            ("out=None", "out given", "in place")[mode],
+        )
         with case(label):
             got = comm.reduce(x, root, out=out, op=op, algorithm=algo, **dtype_kw(dt))
         if rank == root:
@@ -416,8 +468,11 @@ def body_alltoall(comm, lean, chk):
     n, rank = comm.size, comm.rank
     algos = list(plait.algorithms("alltoall")) + ["auto"]
     assert algos[:2] == ["direct", "single_copy"]
-    cases = [(algos[(k + ci) % len(algos)], dt, c, (k + ci // 2) % 3)
-             for k, dt in enumerate(DTYPES) for ci, c in enumerate(COUNTS)]
+    cases = [
+        (algos[(k + ci) % len(algos)], dt, c, (k + ci // 2) % 3)
+        for k, dt in enumerate(DTYPES)
+        for ci, c in enumerate(COUNTS)
+    ]
     cases += [(a, "int32", 70_001, mode) for a in algos for mode in range(3)]  # > one chunk
     for algo, dt, count, mode in thin(cases, lean, 45):
         # block j of rank r's input holds data(r * n + j); it must land in block r of rank j.
@@ -425,8 +480,7 @@ def body_alltoall(comm, lean, chk):
         x0 = x.copy()
         want = np.concatenate([data(j * n + rank, count, dt, salt=5) for j in range(n)])
         out = (None, np.empty_like(x), x)[mode]
-        label = _label("alltoall", algo, dt, "count=%d" % count,
-                       ("out=None", "out given", "in place")[mode])
+        label = _label("alltoall", algo, dt, "count=%d" % count, ("out=None", "out given", "in place")[mode])
         with case(label):
             got = comm.alltoall(x, out, algorithm=algo, **dtype_kw(dt))
         chk.true(label + ": did not return out", out is None or got is out)
@@ -524,7 +578,7 @@ def wait_rotated(chk, hs, rank, label):
     """Waits for handles hs last-issued first, rotated by rank so that ranks wait in different
     orders (odd ones with a timeout); their results, and a check that each reports done()."""
     order = list(range(len(hs)))[::-1]
-    order = order[rank % len(order):] + order[:rank % len(order)]
+    order = order[rank % len(order) :] + order[: rank % len(order)]
     res = [None] * len(hs)
     with case("%s: wait in order %s" % (label, order)):
         for i in order:
@@ -552,21 +606,28 @@ def body_async(comm, lean, chk):
             hs.append(comm.barrier(async_op=True))
         res = wait_rotated(chk, hs, rank, "async round %d" % rnd)
         for s, arr in enumerate(a):
-            want = reduce_ref([data(r, 5001, "float32", salt=rnd * 10 + s) for r in range(n)],
-                              "float32", "sum")
+            want = reduce_ref(
+                [data(r, 5001, "float32", salt=rnd * 10 + s) for r in range(n)], "float32", "sum"
+            )
             chk.eq("async allreduce %d.%d" % (rnd, s), arr, want, same_on_all_ranks=True)
             chk.true("async allreduce %d.%d: wait() did not return out" % (rnd, s), res[s] is arr)
-        chk.eq("async allgather %d" % rnd, res[3],
-               np.stack([data(r, 37, "int64", salt=rnd) for r in range(n)]))
+        chk.eq(
+            "async allgather %d" % rnd, res[3], np.stack([data(r, 37, "int64", salt=rnd) for r in range(n)])
+        )
         chk.eq("async broadcast %d" % rnd, c, data(n - 1, 9001, "uint8", salt=rnd))
-        full = reduce_ref([data(r, 101 * n, "float64", salt=rnd) for r in range(n)],
-                          "float64", "max")
-        chk.eq("async reduce_scatter %d" % rnd, res[5], full[rank * 101:(rank + 1) * 101])
-        chk.eq("async alltoall %d" % rnd, np.asarray(res[6]).reshape(-1),
-               np.concatenate([data(j * n + rank, 7, "int8", salt=rnd) for j in range(n)]))
+        full = reduce_ref([data(r, 101 * n, "float64", salt=rnd) for r in range(n)], "float64", "max")
+        chk.eq("async reduce_scatter %d" % rnd, res[5], full[rank * 101 : (rank + 1) * 101])
+        chk.eq(
+            "async alltoall %d" % rnd,
+            np.asarray(res[6]).reshape(-1),
+            np.concatenate([data(j * n + rank, 7, "int8", salt=rnd) for j in range(n)]),
+        )
         if rank == 0:
-            chk.eq("async reduce %d" % rnd, res[7],
-                   reduce_ref([data(r, 5001, "int32", salt=rnd) for r in range(n)], "int32", "min"))
+            chk.eq(
+                "async reduce %d" % rnd,
+                res[7],
+                reduce_ref([data(r, 5001, "int32", salt=rnd) for r in range(n)], "int32", "min"),
+            )
         else:
             chk.true("async reduce on a non-root returned %r" % type(res[7]), res[7] is None)
         chk.true("async barrier returned %r" % (res[8],), res[8] is None)
@@ -575,8 +636,10 @@ def body_async(comm, lean, chk):
     algos = list(plait.algorithms("allreduce")) + ["auto"]
     xs = [data(rank, 777, "bfloat16", salt=k) for k in range(len(algos))]
     with case("async allreduce per algorithm"):
-        hs = [comm.allreduce(x, op="max", algorithm=a, async_op=True, dtype="bfloat16")
-              for x, a in zip(xs, algos)]
+        hs = [
+            comm.allreduce(x, op="max", algorithm=a, async_op=True, dtype="bfloat16")
+            for x, a in zip(xs, algos)
+        ]
         got = [h.wait() for h in hs[::-1]][::-1]
     for k, a in enumerate(algos):
         want = reduce_ref([data(r, 777, "bfloat16", salt=k) for r in range(n)], "bfloat16", "max")
@@ -604,10 +667,12 @@ def body_async(comm, lean, chk):
         h = comm.allreduce(x, out=x, op="max", async_op=True)
         g = comm.allgather(data(rank, 37, "int8"))
         h.wait()
-    chk.eq("allreduce issued before a blocking call", x,
-           reduce_ref([data(r, 5001, "int64", salt=1) for r in range(n)], "int64", "max"))
-    chk.eq("blocking call behind an async one", g,
-           np.stack([data(r, 37, "int8") for r in range(n)]))
+    chk.eq(
+        "allreduce issued before a blocking call",
+        x,
+        reduce_ref([data(r, 5001, "int64", salt=1) for r in range(n)], "int64", "max"),
+    )
+    chk.eq("blocking call behind an async one", g, np.stack([data(r, 37, "int8") for r in range(n)]))
 
     # done() turns True without anyone calling wait() (the torch backend relies on it).
     x = data(rank, 5001, "float64")
@@ -618,8 +683,11 @@ def body_async(comm, lean, chk):
             time.sleep(1e-4)
         chk.true("done() still False 10 s after every rank issued the call", h.done())
         got = h.wait()
-    chk.eq("async done() polling", got,
-           reduce_ref([data(r, 5001, "float64") for r in range(n)], "float64", "sum"))
+    chk.eq(
+        "async done() polling",
+        got,
+        reduce_ref([data(r, 5001, "float64") for r in range(n)], "float64", "sum"),
+    )
 
 
 def body_split(comm, lean, chk):
@@ -631,9 +699,10 @@ def body_split(comm, lean, chk):
     members = sorted((r for r in range(n) if r % 2 == color), key=lambda r: (n - r, r))
     chk.true("split: got %r, want a Communicator" % (sub,), sub is not None)
     if sub is not None:
-        chk.true("split: size %d rank %d, want %d %d"
-                 % (sub.size, sub.rank, len(members), members.index(rank)),
-                 (sub.size, sub.rank) == (len(members), members.index(rank)))
+        chk.true(
+            "split: size %d rank %d, want %d %d" % (sub.size, sub.rank, len(members), members.index(rank)),
+            (sub.size, sub.rank) == (len(members), members.index(rank)),
+        )
         with case("collectives on the even/odd sub-communicator"):
             ranks = sub.allgather(np.array([rank], np.int64))
             x = data(rank, 5001, "int32")
@@ -641,8 +710,12 @@ def body_split(comm, lean, chk):
             b = sub.broadcast(data(rank, 37, "float64"), root=0)
             sub.barrier()
         chk.eq("split allgather of old ranks", ranks.reshape(-1), np.array(members, np.int64))
-        chk.eq("split allreduce", got, reduce_ref([data(r, 5001, "int32") for r in members],
-                                                  "int32", "sum"), same_on_all_ranks=False)
+        chk.eq(
+            "split allreduce",
+            got,
+            reduce_ref([data(r, 5001, "int32") for r in members], "int32", "sum"),
+            same_on_all_ranks=False,
+        )
         chk.eq("split broadcast from sub-rank 0", b, data(members[0], 37, "float64"))
         sub.finalize()
 
@@ -653,8 +726,7 @@ def body_split(comm, lean, chk):
     if rank < 2:
         chk.true("split(%r) returned %r, want None" % (color, sub), sub is None)
     else:
-        chk.true("split(3): size/rank",
-                 sub is not None and (sub.size, sub.rank) == (n - 2, rank - 2))
+        chk.true("split(3): size/rank", sub is not None and (sub.size, sub.rank) == (n - 2, rank - 2))
         if sub is not None:
             with case("allreduce on split(3)"):
                 got = sub.allreduce(np.ones(9, np.int64))
@@ -668,8 +740,9 @@ def body_split(comm, lean, chk):
         got = sub.allreduce(data(rank, 37, "float32"), op="max")
         sub.finalize()
         parent = comm.allreduce(np.ones(7, np.int64))
-    chk.eq("split(0) allreduce", got, reduce_ref([data(r, 37, "float32") for r in range(n)],
-                                                 "float32", "max"))
+    chk.eq(
+        "split(0) allreduce", got, reduce_ref([data(r, 37, "float32") for r in range(n)], "float32", "max")
+    )
     chk.eq("parent after split", parent, np.full(7, n, np.int64))
 
 
@@ -685,8 +758,11 @@ def body_threads(comm, lean, chk):
         try:
             for i in range(iters):
                 got = comm.allreduce(data(rank, 3001, "float32", salt=i))
-                chk.eq("thread world allreduce %d" % i, got, reduce_ref(
-                    [data(r, 3001, "float32", salt=i) for r in range(n)], "float32", "sum"))
+                chk.eq(
+                    "thread world allreduce %d" % i,
+                    got,
+                    reduce_ref([data(r, 3001, "float32", salt=i) for r in range(n)], "float32", "sum"),
+                )
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append("world thread: %r" % e)
 
@@ -694,8 +770,11 @@ def body_threads(comm, lean, chk):
         try:
             for i in range(iters):
                 got = sub.allgather(data(sub.rank, 1001, "int64", salt=i))
-                chk.eq("thread sub allgather %d" % i, got,
-                       np.stack([data(j, 1001, "int64", salt=i) for j in range(n)]))
+                chk.eq(
+                    "thread sub allgather %d" % i,
+                    got,
+                    np.stack([data(j, 1001, "int64", salt=i) for j in range(n)]),
+                )
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append("sub thread: %r" % e)
 
@@ -707,8 +786,7 @@ def body_threads(comm, lean, chk):
     if any(t.is_alive() for t in threads):
         raise AssertionError("rank %d: a thread is still inside a collective" % rank)
     assert not errors, "rank %d: %s" % (rank, errors)
-    chk.true("split(0, key=-rank): rank %d, want %d" % (sub.rank, n - 1 - rank),
-             sub.rank == n - 1 - rank)
+    chk.true("split(0, key=-rank): rank %d, want %d" % (sub.rank, n - 1 - rank), sub.rank == n - 1 - rank)
     sub.finalize()
 
 
@@ -717,36 +795,41 @@ def body_default_buffer(comm, lean, chk):
     n, rank = comm.size, comm.rank
     big = 600_001 if lean else 1_100_001  # 1.1 M float32 = 4.4 MB > 4 MiB
     algos = list(plait.algorithms("allreduce")) + ["auto"]
-    cases = [(a, dt, op, c) for a in algos for dt, op in (("float32", "sum"), ("bfloat16", "max"),
-                                                            ("int64", "sum"))
-             for c in (1, 37, 70_001)]
+    cases = [
+        (a, dt, op, c)
+        for a in algos
+        for dt, op in (("float32", "sum"), ("bfloat16", "max"), ("int64", "sum"))
+        for c in (1, 37, 70_001)
+    ]
     cases += [(a, "float32", "sum", big) for a in algos]
     for algo, dt, op, count in thin(cases, lean, 16):
         label = _label("default buffer allreduce", algo, dt, op, "count=%d" % count)
         with case(label):
-            got = comm.allreduce(data(rank, count, dt, op), op=op, algorithm=algo,
-                                 **dtype_kw(dt))
-        chk.eq(label, got, reduce_ref([data(r, count, dt, op) for r in range(n)], dt, op),
-               same_on_all_ranks=True)
+            got = comm.allreduce(data(rank, count, dt, op), op=op, algorithm=algo, **dtype_kw(dt))
+        chk.eq(
+            label, got, reduce_ref([data(r, count, dt, op) for r in range(n)], dt, op), same_on_all_ranks=True
+        )
     per = big // n
     for algo in list(plait.algorithms("reduce_scatter")) + ["auto"]:
         label = "default buffer reduce_scatter %s count=%d" % (algo, per)
         with case(label):
             got = comm.reduce_scatter(data(rank, per * n, "float32"), algorithm=algo)
         full = reduce_ref([data(r, per * n, "float32") for r in range(n)], "float32", "sum")
-        chk.eq(label, got, full[rank * per:(rank + 1) * per])
+        chk.eq(label, got, full[rank * per : (rank + 1) * per])
     for algo in list(plait.algorithms("allgather")) + ["auto"]:
         label = "default buffer allgather %s count=%d" % (algo, per)
         with case(label):
             got = comm.allgather(data(rank, per, "int32"), algorithm=algo)
-        chk.eq(label, got, np.stack([data(r, per, "int32") for r in range(n)]),
-               same_on_all_ranks=True)
+        chk.eq(label, got, np.stack([data(r, per, "int32") for r in range(n)]), same_on_all_ranks=True)
     with case("default buffer broadcast/alltoall"):
         b = comm.broadcast(data(rank, big, "float32"), root=n - 1)
         a = comm.alltoall(np.concatenate([data(rank * n + j, per, "int8") for j in range(n)]))
     chk.eq("default buffer broadcast", b, data(n - 1, big, "float32"), same_on_all_ranks=True)
-    chk.eq("default buffer alltoall", np.asarray(a).reshape(-1),
-           np.concatenate([data(j * n + rank, per, "int8") for j in range(n)]))
+    chk.eq(
+        "default buffer alltoall",
+        np.asarray(a).reshape(-1),
+        np.concatenate([data(j * n + rank, per, "int8") for j in range(n)]),
+    )
 
 
 def body_kernels(comm, lean, chk):
@@ -757,10 +840,10 @@ def body_kernels(comm, lean, chk):
         algo = ("one_shot", "ring", "tree")[k % 3]
         label = _label("allreduce", algo, dt, op, "count=%d" % count)
         with case(label):
-            got = comm.allreduce(data(rank, count, dt, op), op=op, algorithm=algo,
-                                 **dtype_kw(dt))
-        chk.eq(label, got, reduce_ref([data(r, count, dt, op) for r in range(n)], dt, op),
-               same_on_all_ranks=True)
+            got = comm.allreduce(data(rank, count, dt, op), op=op, algorithm=algo, **dtype_kw(dt))
+        chk.eq(
+            label, got, reduce_ref([data(r, count, dt, op) for r in range(n)], dt, op), same_on_all_ranks=True
+        )
     return plait.build_info()["reduce_isa"]
 
 
@@ -804,6 +887,7 @@ def _same_on_all_ranks(results):
 
 # ---------------------------------------------------------------- tests
 
+
 @pytest.mark.parametrize("name", [k for k in BODIES if k not in ("default_buffer", "kernels")])
 @pytest.mark.parametrize("n", WORLD_SIZES, ids=lambda n: "n%d" % n)
 def test_collective(n, name):
@@ -818,7 +902,8 @@ def test_collective(n, name):
             first_out = min(t_out for _, t_out in times)
             assert first_out >= last_in, (
                 "barrier round %d: a rank left %.6f s before the last rank arrived"
-                % (it, last_in - first_out))
+                % (it, last_in - first_out)
+            )
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES, ids=lambda n: "n%d" % n)
@@ -839,9 +924,13 @@ def test_reduce_kernels_per_isa(isa):
     """PLAIT_REDUCE_ISA caps the reduction kernels, so each one is checked on this machine. The
     choice is made once per process, so the ranks are forked from a fresh interpreter."""
     code = "import sys; sys.path.insert(0, %r); import test_collectives as t; t._kernels_main(%r)"
-    proc = subprocess.run([sys.executable, "-c", code % (os.path.dirname(__file__), isa)],
-                          env=dict(os.environ, PLAIT_REDUCE_ISA=isa), capture_output=True,
-                          text=True, timeout=RUN_TIMEOUT)
+    proc = subprocess.run(
+        [sys.executable, "-c", code % (os.path.dirname(__file__), isa)],
+        env=dict(os.environ, PLAIT_REDUCE_ISA=isa),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     used = re.search(r"reduce_isa=(\w+)", proc.stdout).group(1)
     if used != isa:
@@ -850,12 +939,12 @@ def test_reduce_kernels_per_isa(isa):
 
 def test_algorithm_tables():
     """Algorithm names are listed in table order (new ones may be added)."""
+
     def in_order(got, want):
         got = list(got)
         return all(w in got for w in want) and [g for g in got if g in want] == list(want)
 
-    assert in_order(plait.algorithms("allreduce"),
-                    ["one_shot", "two_shot", "ring", "tree", "single_copy"])
+    assert in_order(plait.algorithms("allreduce"), ["one_shot", "two_shot", "ring", "tree", "single_copy"])
     assert in_order(plait.algorithms("reduce_scatter"), ["direct", "ring", "single_copy"])
     assert in_order(plait.algorithms("allgather"), ["direct", "ring", "single_copy"])
     assert list(plait.algorithms("broadcast")) == ["direct", "single_copy"]
@@ -875,17 +964,15 @@ def _inplace_views_worker(rank, n, store):
                 full = reduce_ref([data(r, count * n, "int32") for r in range(n)], "int32", "sum")
                 label = "reduce_scatter %s count=%d into its own block of x" % (algo, count)
                 with case(label):
-                    got = comm.reduce_scatter(x, x[rank * count:(rank + 1) * count],
-                                              algorithm=algo)
-                chk.eq(label, got, full[rank * count:(rank + 1) * count])
+                    got = comm.reduce_scatter(x, x[rank * count : (rank + 1) * count], algorithm=algo)
+                chk.eq(label, got, full[rank * count : (rank + 1) * count])
         for algo in list(plait.algorithms("allgather")) + ["auto"]:
             for count in (1, 37, 5001):
                 out = np.zeros(count * n, np.float16)
-                out[rank * count:(rank + 1) * count] = data(rank, count, "float16")
+                out[rank * count : (rank + 1) * count] = data(rank, count, "float16")
                 label = "allgather %s count=%d from its own block of out" % (algo, count)
                 with case(label):
-                    got = comm.allgather(out[rank * count:(rank + 1) * count], out,
-                                         algorithm=algo)
+                    got = comm.allgather(out[rank * count : (rank + 1) * count], out, algorithm=algo)
                 chk.eq(label, got, np.concatenate([data(r, count, "float16") for r in range(n)]))
         # In place across several chunks: single_copy's peers read this rank's input while it
         # overwrites the chunks they have finished with (its scratch chunk is 1 MiB / (n-1)).
@@ -903,8 +990,8 @@ def _inplace_views_worker(rank, n, store):
             full = reduce_ref([data(r, per * n, "int32") for r in range(n)], "int32", "sum")
             label = "reduce_scatter %s count=%d in place" % (algo, per)
             with case(label):
-                got = comm.reduce_scatter(x, x[rank * per:(rank + 1) * per], algorithm=algo)
-            chk.eq(label, got, full[rank * per:(rank + 1) * per])
+                got = comm.reduce_scatter(x, x[rank * per : (rank + 1) * per], algorithm=algo)
+            chk.eq(label, got, full[rank * per : (rank + 1) * per])
         for algo in list(plait.algorithms("reduce")) + ["auto"]:
             x = data(rank, count, "int32")
             root = n - 1
@@ -937,15 +1024,15 @@ def _ml_dtypes_worker(rank, n, store):
                 with case(label):
                     got = comm.allreduce(x, op=op, algorithm=algo)
                 chk.true(label + ": result dtype %s" % got.dtype, got.dtype == x.dtype)
-                want = reduce_ref([data(r, 5001, "bfloat16", op) for r in range(n)],
-                                  "bfloat16", op)
+                want = reduce_ref([data(r, 5001, "bfloat16", op) for r in range(n)], "bfloat16", op)
                 chk.eq(label, got.view(np.uint16), want, same_on_all_ranks=True)
         x = data(rank, 37, "bfloat16").view(ml_dtypes.bfloat16)
         with case("ml_dtypes.bfloat16 allgather/broadcast"):
             g = comm.allgather(x)
             b = comm.broadcast(x.copy(), root=n - 1)
-        chk.eq("ml_dtypes allgather", g.view(np.uint16),
-               np.stack([data(r, 37, "bfloat16") for r in range(n)]))
+        chk.eq(
+            "ml_dtypes allgather", g.view(np.uint16), np.stack([data(r, 37, "bfloat16") for r in range(n)])
+        )
         chk.eq("ml_dtypes broadcast", b.view(np.uint16), data(n - 1, 37, "bfloat16"))
     return {"digests": chk.done()}
 
@@ -960,20 +1047,26 @@ def _module_functions_worker(rank, n, store):
     plait.init(rank, n, store=store, timeout=CALL_TIMEOUT, buffer_bytes=SMALL_BUFFER)
     chk = Check(rank)
     x = data(rank, 37, "int64")
-    chk.eq("plait.allreduce", plait.allreduce(x, op="max"),
-           reduce_ref([data(r, 37, "int64") for r in range(n)], "int64", "max"))
-    chk.eq("plait.allgather", plait.allgather(x),
-           np.stack([data(r, 37, "int64") for r in range(n)]))
-    chk.eq("plait.reduce_scatter", plait.reduce_scatter(data(rank, 3 * n, "uint8")),
-           reduce_ref([data(r, 3 * n, "uint8") for r in range(n)], "uint8", "sum")
-           [rank * 3:(rank + 1) * 3])
+    chk.eq(
+        "plait.allreduce",
+        plait.allreduce(x, op="max"),
+        reduce_ref([data(r, 37, "int64") for r in range(n)], "int64", "max"),
+    )
+    chk.eq("plait.allgather", plait.allgather(x), np.stack([data(r, 37, "int64") for r in range(n)]))
+    chk.eq(
+        "plait.reduce_scatter",
+        plait.reduce_scatter(data(rank, 3 * n, "uint8")),
+        reduce_ref([data(r, 3 * n, "uint8") for r in range(n)], "uint8", "sum")[rank * 3 : (rank + 1) * 3],
+    )
     chk.eq("plait.broadcast", plait.broadcast(x.copy(), root=n - 1), data(n - 1, 37, "int64"))
     got = plait.reduce(x, root=0)
     if rank == 0:
-        chk.eq("plait.reduce", got, reduce_ref([data(r, 37, "int64") for r in range(n)], "int64",
-                                               "sum"))
-    chk.eq("plait.alltoall", np.asarray(plait.alltoall(np.full(n, rank, np.int32))).reshape(-1),
-           np.arange(n, dtype=np.int32))
+        chk.eq("plait.reduce", got, reduce_ref([data(r, 37, "int64") for r in range(n)], "int64", "sum"))
+    chk.eq(
+        "plait.alltoall",
+        np.asarray(plait.alltoall(np.full(n, rank, np.int32))).reshape(-1),
+        np.arange(n, dtype=np.int32),
+    )
     chk.true("plait.barrier", plait.barrier() is None)
     plait.finalize()
     return {"digests": chk.done()}
@@ -995,8 +1088,12 @@ def _env_worker(rank, n, store):
                 label = "PLAIT_ALGO allreduce %s %s count=%d" % (dt, op, count)
                 with case(label):
                     got = comm.allreduce(data(rank, count, dt, op), op=op, **dtype_kw(dt))
-                chk.eq(label, got, reduce_ref([data(r, count, dt, op) for r in range(n)], dt, op),
-                       same_on_all_ranks=True)
+                chk.eq(
+                    label,
+                    got,
+                    reduce_ref([data(r, count, dt, op) for r in range(n)], dt, op),
+                    same_on_all_ranks=True,
+                )
     return {"digests": chk.done()}
 
 
@@ -1038,7 +1135,7 @@ def _gil_worker(rank, n, store):
                 comm.allreduce(x)
                 continue
             res[label + " sleeping"] = rate_during(lambda: time.sleep(0.3))
-            res[label] = rate_during(lambda: comm.allreduce(x))
+            res[label] = rate_during(lambda: comm.allreduce(x))  # noqa: B023 - called at once
         if t:
             stop.set()
             t.join()

@@ -2,6 +2,7 @@
 with closed-form expectations, and how GPU inputs are recognised and refused when they cannot run
 (a CPU-only build, no device, host/device mix-ups, wrong devices) on every rank.
 """
+
 import importlib.util
 import os
 import shutil
@@ -34,7 +35,8 @@ def test_cuda_did_not_silently_drop_out_of_the_build():
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc on PATH: a CPU-only build is expected")
     assert plait.build_info()["cuda"], (
-        "nvcc is on PATH but plait was built without CUDA: the GPU sources were not compiled")
+        "nvcc is on PATH but plait was built without CUDA: the GPU sources were not compiled"
+    )
 
 
 @pytest.mark.skipif(not _cuda.compiled(), reason="CPU-only build")
@@ -43,6 +45,7 @@ def test_nccl_loads_from_the_wheel_without_a_gpu():
     if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.nccl") is None:
         pytest.skip("nvidia-nccl-cu13 is not installed")
     from importlib.metadata import version
+
     path = plait.build_info()["nccl_path"]
     assert path and path.endswith("libnccl.so.2") and os.path.exists(path)
     assert plait.build_info()["nccl"] == ".".join(version("nvidia-nccl-cu13").split(".")[:3])
@@ -50,12 +53,28 @@ def test_nccl_loads_from_the_wheel_without_a_gpu():
 
 
 def test_gpu_algorithm_names():
-    want = {"allreduce": ["nccl", "ring", "tree", "one_shot", "two_shot"], "reduce_scatter": ["nccl", "ring", "one_shot"],
-            "allgather": ["nccl", "ring", "one_shot"], "broadcast": ["nccl"], "reduce": ["nccl"],
-            "alltoall": ["nccl"], "send": ["nccl"], "recv": ["nccl"], "barrier": []}
-    ipc = {"allreduce": ["one_shot", "two_shot", "ring"], "reduce_scatter": ["one_shot", "ring"],
-           "allgather": ["one_shot", "ring"], "broadcast": [], "reduce": [], "alltoall": [], "send": [],
-           "recv": [], "barrier": []}
+    want = {
+        "allreduce": ["nccl", "ring", "tree", "one_shot", "two_shot"],
+        "reduce_scatter": ["nccl", "ring", "one_shot"],
+        "allgather": ["nccl", "ring", "one_shot"],
+        "broadcast": ["nccl"],
+        "reduce": ["nccl"],
+        "alltoall": ["nccl"],
+        "send": ["nccl"],
+        "recv": ["nccl"],
+        "barrier": [],
+    }
+    ipc = {
+        "allreduce": ["one_shot", "two_shot", "ring"],
+        "reduce_scatter": ["one_shot", "ring"],
+        "allgather": ["one_shot", "ring"],
+        "broadcast": [],
+        "reduce": [],
+        "alltoall": [],
+        "send": [],
+        "recv": [],
+        "barrier": [],
+    }
     for coll, names in want.items():
         assert plait.algorithms(coll, device="cuda") == (names if _cuda.compiled() else [])
         assert _C.ipc_algorithms(coll) == (ipc[coll] if _cuda.compiled() else [])
@@ -100,7 +119,7 @@ def test_ring_plan_reduces_and_gathers_every_block(n):
     have = [{r} for r in range(n)]
     for s in range(n - 1):
         sent = [p["allgather"][s][0] for p in plans]
-        for r, p in enumerate(plans):
+        for p in plans:
             assert sent[p["left"]] in have[p["left"]] and sent[p["left"]] == p["allgather"][s][1]
         for r, p in enumerate(plans):
             have[r].add(sent[p["left"]])
@@ -114,19 +133,25 @@ def _simulate_ipc_ring(coll, n, count, slot):
     twice or missing shows, and the arithmetic is the exact sum of a closed formula."""
     plans = [_C.gpu_plan_ipc_ring(coll, r, n, count, slot) for r in range(n)]
     assert len({len(p) for p in plans}) == 1, "every rank takes the same number of steps"
-    ins, outs = {"allreduce": (count, count), "reduce_scatter": (n * count, count), "allgather": (count, n * count)}[coll]
+    ins, outs = {
+        "allreduce": (count, count),
+        "reduce_scatter": (n * count, count),
+        "allgather": (count, n * count),
+    }[coll]
     inp = [np.arange(ins, dtype=np.int64) * (r + 1) + r for r in range(n)]
     out = [np.full(outs, -1, dtype=np.int64) for _ in range(n)]
     if coll == "allgather":  # the algorithm copies a rank's own block; the plan moves the others
         for r in range(n):
-            out[r][r * count:(r + 1) * count] = inp[r]
+            out[r][r * count : (r + 1) * count] = inp[r]
     staging = [[None, None] for _ in range(n)]  # per slot: (epoch, values, ranks folded in, read)
     finished = []  # (rank, block, count)
     for i in range(len(plans[0])):
         steps = [p[i] for p in plans]
-        assert len({(k, rd, po) for k, _, _, _, _, rd, po in steps}) == 1, "all ranks take the same kind of step, same epochs"
+        assert len({(k, rd, po) for k, _, _, _, _, rd, po in steps}) == 1, (
+            "all ranks take the same kind of step, same epochs"
+        )
         got = []
-        for r, (kind, block, ioff, ooff, cnt, read, post) in enumerate(steps):
+        for r, (_kind, _block, _ioff, _ooff, cnt, read, _post) in enumerate(steps):
             assert 0 <= cnt <= slot
             src = None
             if read:
@@ -135,11 +160,11 @@ def _simulate_ipc_ring(coll, n, count, slot):
                 src = (vals, ranks)
                 staging[(r - 1) % n][read % 2] = (e, vals, ranks, True)
             got.append(src)
-        for r, (kind, block, ioff, ooff, cnt, read, post) in enumerate(steps):
+        for r, (kind, block, ioff, ooff, cnt, _read, post) in enumerate(steps):
             src = got[r]
             if kind != "gather":
                 assert 0 <= ioff and ioff + cnt <= ins
-                mine = inp[r][ioff:ioff + cnt]
+                mine = inp[r][ioff : ioff + cnt]
             if kind in ("finish", "gather"):
                 assert 0 <= ooff and ooff + cnt <= outs
             if kind == "load":
@@ -148,20 +173,28 @@ def _simulate_ipc_ring(coll, n, count, slot):
                 assert r not in src[1], f"rank {r} folds into block {block} once"
                 vals, ranks = src[0] + mine, src[1] | {r}
                 if kind == "finish":
-                    assert ranks == set(range(n)) and block == r, f"rank {r} finishes block {r}, with every rank in it"
+                    assert ranks == set(range(n)) and block == r, (
+                        f"rank {r} finishes block {r}, with every rank in it"
+                    )
                     finished.append((r, block, cnt))
-                    out[r][ooff:ooff + cnt] = vals
+                    out[r][ooff : ooff + cnt] = vals
             else:
-                assert src[1] == ({block} if coll == "allgather" else set(range(n))), "gathers forward finished blocks"
+                assert src[1] == ({block} if coll == "allgather" else set(range(n))), (
+                    "gathers forward finished blocks"
+                )
                 vals, ranks = src
-                out[r][ooff:ooff + cnt] = vals
+                out[r][ooff : ooff + cnt] = vals
             if post:
                 old = staging[r][post % 2]
-                assert old is None or old[3], f"rank {r} overwrites slot {post % 2} only after its right read it"
+                assert old is None or old[3], (
+                    f"rank {r} overwrites slot {post % 2} only after its right read it"
+                )
                 staging[r][post % 2] = (post, vals, ranks, False)
-    want = {"allreduce": lambda r: sum(inp),
-            "reduce_scatter": lambda r: sum(x[r * count:(r + 1) * count] for x in inp),
-            "allgather": lambda r: np.concatenate(inp)}[coll]
+    want = {
+        "allreduce": lambda r: sum(inp),
+        "reduce_scatter": lambda r: sum(x[r * count : (r + 1) * count] for x in inp),
+        "allgather": lambda r: np.concatenate(inp),
+    }[coll]
     if n == 1 or count == 0:
         assert all(p == [] for p in plans)
     else:
@@ -194,12 +227,19 @@ def test_ipc_ring_reduce_scatter_and_allgather_plans(coll, n, count, slot):
     windows = -(-count // slot)
     assert all(len(p) == windows * n and sum(1 for s in p if s[6]) == windows * (n - 1) for p in plans)
     if coll == "reduce_scatter":
-        assert sorted(r for r, _, _ in finished) == sorted(list(range(n)) * windows), "each rank finishes its block"
+        assert sorted(r for r, _, _ in finished) == sorted(list(range(n)) * windows), (
+            "each rank finishes its block"
+        )
 
 
 def test_ipc_ring_plan_rejects_bad_arguments():
-    for args in (("allreduce", 3, 3, 10, 4), ("allreduce", 0, 0, 10, 4), ("allreduce", 0, 2, 10, 0),
-                 ("allreduce", 0, 2, -1, 4), ("broadcast", 0, 2, 10, 4)):
+    for args in (
+        ("allreduce", 3, 3, 10, 4),
+        ("allreduce", 0, 0, 10, 4),
+        ("allreduce", 0, 2, 10, 0),
+        ("allreduce", 0, 2, -1, 4),
+        ("broadcast", 0, 2, 10, 4),
+    ):
         with pytest.raises(plait.InvalidArgument):
             _C.gpu_plan_ipc_ring(*args)
 
@@ -208,7 +248,7 @@ def test_ipc_ring_plan_rejects_bad_arguments():
 def test_tree_links(n):
     links = [_C.gpu_plan_tree(r, n) for r in range(n)]
     assert links[0][0] == -1
-    for r, (parent, children) in enumerate(links):
+    for r, (_parent, children) in enumerate(links):
         assert children == [c for c in (2 * r + 1, 2 * r + 2) if c < n]
         for c in children:
             assert links[c][0] == r
@@ -232,8 +272,14 @@ class FakeCuda:
 
     def __init__(self, shape=(8,), typestr="<f4", ptr=1 << 40, strides=None, stream=None):
         self.shape = shape
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": typestr,
-                                         "strides": strides, "version": 3, "stream": stream}
+        self.__cuda_array_interface__ = {
+            "data": (ptr, False),
+            "shape": shape,
+            "typestr": typestr,
+            "strides": strides,
+            "version": 3,
+            "stream": stream,
+        }
 
 
 class FakeDlpack:
@@ -254,10 +300,24 @@ def test_detection():
 def test_gpu_array_reads_the_interface():
     g = _arrays.gpu_array(FakeCuda((4, 6), "<i8", ptr=(3 << 40) + 256, stream=7), "input", lambda p: p >> 40)
     assert (g.ptr, g.nbytes, g.itemsize, g.count, g.device, g.dtype, g.stream) == (
-        (3 << 40) + 256, 4 * 6 * 8, 8, 24, 3, "int64", 7)
+        (3 << 40) + 256,
+        4 * 6 * 8,
+        8,
+        24,
+        3,
+        "int64",
+        7,
+    )
     assert g.describe().endswith("int64 x 24 on GPU 3")
-    for typestr, name in (("<f2", "float16"), ("<f8", "float64"), ("|i1", "int8"), ("|u1", "uint8"),
-                          ("<i4", "int32"), ("|b1", "bool"), ("<c8", None)):
+    for typestr, name in (
+        ("<f2", "float16"),
+        ("<f8", "float64"),
+        ("|i1", "int8"),
+        ("|u1", "uint8"),
+        ("<i4", "int32"),
+        ("|b1", "bool"),
+        ("<c8", None),
+    ):
         assert _arrays.gpu_array(FakeCuda(typestr=typestr), "x", lambda p: 0).dtype == name
     with pytest.raises(plait.InvalidArgument, match="C-contiguous"):
         _arrays.gpu_array(FakeCuda((4, 6), strides=(4, 16)), "input", lambda p: 0)
@@ -267,13 +327,20 @@ def test_gpu_array_reads_the_interface():
 
 # -- refusing what cannot run, on every rank ---------------------------------------------------
 # Cases that pretend to be a CUDA build with two devices, so the checks after "no device" run.
-FAKE_BUILD = ("wrong_device", "bad_dtype_override", "broadcast_wrong_device", "reduce_host_output",
-              "alltoall_bad_dtype", "send_recv_tag")
+FAKE_BUILD = (
+    "wrong_device",
+    "bad_dtype_override",
+    "broadcast_wrong_device",
+    "reduce_host_output",
+    "alltoall_bad_dtype",
+    "send_recv_tag",
+)
 
 
 def _refused(rank, n, store, case):
     import plait as p
     from plait import _cuda as cu
+
     comm = p.init(rank, n, store=store)
     if case in FAKE_BUILD:
         # Pretend to be a CUDA build with two devices: the device check must come first.
@@ -290,13 +357,23 @@ def _refused(rank, n, store, case):
         "alltoall": lambda: comm.alltoall(FakeCuda()),
         "send_recv": lambda: comm.send(FakeCuda(), 1) if rank == 0 else comm.recv(FakeCuda(), 0),
         "broadcast_wrong_device": lambda: comm.broadcast(FakeCuda(ptr=1 << 40), 0, out=FakeCuda(ptr=2 << 40)),
-        "reduce_host_output": lambda: comm.reduce(FakeCuda(ptr=1 << 40), 0, out=np.zeros(8, np.float32))
-        if rank == 0 else comm.reduce(x, 0),
-        "alltoall_bad_dtype": lambda: comm.alltoall(FakeCuda(ptr=1 << 40), out=FakeCuda(ptr=1 << 40), dtype="int64"),
-        "send_recv_tag": lambda: comm.send(FakeCuda(ptr=1 << 40), 1, tag=3) if rank == 0
-        else comm.recv(FakeCuda(ptr=1 << 40), 0, tag=3),
+        "reduce_host_output": lambda: (
+            comm.reduce(FakeCuda(ptr=1 << 40), 0, out=np.zeros(8, np.float32))
+            if rank == 0
+            else comm.reduce(x, 0)
+        ),
+        "alltoall_bad_dtype": lambda: comm.alltoall(
+            FakeCuda(ptr=1 << 40), out=FakeCuda(ptr=1 << 40), dtype="int64"
+        ),
+        "send_recv_tag": lambda: (
+            comm.send(FakeCuda(ptr=1 << 40), 1, tag=3)
+            if rank == 0
+            else comm.recv(FakeCuda(ptr=1 << 40), 0, tag=3)
+        ),
         "wrong_device": lambda: comm.allreduce(FakeCuda(ptr=1 << 40), out=FakeCuda(ptr=2 << 40)),
-        "bad_dtype_override": lambda: comm.allreduce(FakeCuda(ptr=1 << 40), out=FakeCuda(ptr=1 << 40), dtype="bfloat16"),
+        "bad_dtype_override": lambda: comm.allreduce(
+            FakeCuda(ptr=1 << 40), out=FakeCuda(ptr=1 << 40), dtype="bfloat16"
+        ),
     }
     try:
         calls[case]()
@@ -305,31 +382,44 @@ def _refused(rank, n, store, case):
     return None, "no error"
 
 
-@pytest.mark.parametrize("case,pattern", [
-    ("gpu_input", None),
-    ("mixed", r"output is a host array \(ndarray\) and the other a GPU array"),
-    ("dlpack_only", r"offers only DLPack"),
-    ("broadcast", None),
-    ("reduce", None),
-    ("alltoall", None),
-    ("send_recv", None),
-    ("broadcast_wrong_device", r"broadcast.*input on GPU 1, output on GPU 2"),
-    ("reduce_host_output", r"rank 0: reduce.*output is a host array \(ndarray\) and the other a GPU array"),
-    ("alltoall_bad_dtype", r"alltoall.*dtype='int64' needs 8-byte elements, the arrays have 4 and 4"),
-    ("send_recv_tag", r"(send|recv).*tag 3: GPU send/recv run over NCCL, which has no tags"),
-    ("wrong_device", r"input on GPU 1, output on GPU 2"),
-    ("bad_dtype_override", r"dtype='bfloat16' needs 2-byte elements, the arrays have 4 and 4"),
-])
+@pytest.mark.parametrize(
+    "case,pattern",
+    [
+        ("gpu_input", None),
+        ("mixed", r"output is a host array \(ndarray\) and the other a GPU array"),
+        ("dlpack_only", r"offers only DLPack"),
+        ("broadcast", None),
+        ("reduce", None),
+        ("alltoall", None),
+        ("send_recv", None),
+        ("broadcast_wrong_device", r"broadcast.*input on GPU 1, output on GPU 2"),
+        (
+            "reduce_host_output",
+            r"rank 0: reduce.*output is a host array \(ndarray\) and the other a GPU array",
+        ),
+        ("alltoall_bad_dtype", r"alltoall.*dtype='int64' needs 8-byte elements, the arrays have 4 and 4"),
+        ("send_recv_tag", r"(send|recv).*tag 3: GPU send/recv run over NCCL, which has no tags"),
+        ("wrong_device", r"input on GPU 1, output on GPU 2"),
+        ("bad_dtype_override", r"dtype='bfloat16' needs 2-byte elements, the arrays have 4 and 4"),
+    ],
+)
 def test_gpu_input_that_cannot_run_fails_on_every_rank(case, pattern):
     if pattern is None:  # every GPU collective, refused on this machine before any GPU work
-        pattern = (r"no CUDA device is visible" if _cuda.compiled() and _cuda.device_count() == 0
-                   else r"no CUDA path" if not _cuda.compiled() else None)
+        pattern = (
+            r"no CUDA device is visible"
+            if _cuda.compiled() and _cuda.device_count() == 0
+            else r"no CUDA path"
+            if not _cuda.compiled()
+            else None
+        )
         if pattern is None:
             pytest.skip("this machine has a CUDA device: the GPU input would run")
     results = run_ranks(_refused, 2, RUN_TIMEOUT, args=(case,))
     for rank, (cls, msg) in enumerate(results):
         assert cls == "InvalidArgument", f"rank {rank}: {cls}: {msg}"
-        who = "rank 0" if case in ("gpu_input", "reduce_host_output") else "rank "  # elsewhere every rank fails alike
+        who = (
+            "rank 0" if case in ("gpu_input", "reduce_host_output") else "rank "
+        )  # elsewhere every rank fails alike
         assert who in msg, f"rank {rank}: the message names the rank that failed: {msg}"
         assert __import__("re").search(pattern, msg), f"rank {rank}: {msg}"
     if case == "gpu_input":
@@ -343,6 +433,7 @@ def test_gpu_input_that_cannot_run_fails_on_every_rank(case, pattern):
 def _p2p_first(rank, n, store):
     import plait as p
     from plait import _cuda as cu
+
     comm = p.init(rank, n, store=store)
     cu.compiled = lambda: True
     cu.device_count = lambda: 1
@@ -365,12 +456,16 @@ def test_gpu_send_recv_first_in_a_larger_world_says_why():
     results = run_ranks(_p2p_first, 3, RUN_TIMEOUT)
     for rank in (0, 1):
         cls, msg = results[rank]
-        assert cls == "InvalidArgument" and "first GPU call of a communicator of 3 ranks must be a collective" in msg, msg
+        assert (
+            cls == "InvalidArgument"
+            and "first GPU call of a communicator of 3 ranks must be a collective" in msg
+        ), msg
     assert results[2] == (None, "no error")
 
 
 def _gpu_comm_rank(rank, n, store):
     import plait as p
+
     comm = p.init(rank, n, store=store)
     errs = []
     for r, s in ((-1, 2), (2, 2), (0, 0), (3, -1), (-1, 5)):
@@ -386,7 +481,7 @@ def _gpu_comm_rank(rank, n, store):
 @pytest.mark.skipif(not _cuda.compiled(), reason="CPU-only build")
 def test_gpu_communicator_rank_override_is_checked_before_nccl():
     """A HierCommunicator passes its global rank/size with the host-local CPU communicator."""
-    errs, = run_ranks(_gpu_comm_rank, 1, RUN_TIMEOUT)
+    (errs,) = run_ranks(_gpu_comm_rank, 1, RUN_TIMEOUT)
     for (r, s), msg in zip(((-1, 2), (2, 2), (0, 0), (3, -1), (-1, 5)), errs):
         assert f"rank {r} of size {s}: need 0 <= rank < size" in msg, msg
 
@@ -394,6 +489,7 @@ def test_gpu_communicator_rank_override_is_checked_before_nccl():
 def test_torch_backend_is_registered_for_cuda_too():
     dist = pytest.importorskip("torch.distributed")
     import plait.torch  # noqa: F401 - registers the backend
+
     # the Python backend has plait's GPU path; the native one (CPU tensors) registers cpu only,
     # and is not the default where CUDA and a CUDA build of plait are both present
     want = {"cpu"} if plait.torch.native() else {"cpu", "cuda"}
@@ -405,8 +501,13 @@ def test_bench_device_cuda_says_why_it_cannot_run():
         pytest.skip("this machine has a CUDA device: tests/gpu/run.sh runs the GPU bench")
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "plait.bench", "--device", "cuda", "-n", "1", "-b", "1K", "-e", "1K"],
-                       capture_output=True, text=True, timeout=120)
+
+    r = subprocess.run(
+        [sys.executable, "-m", "plait.bench", "--device", "cuda", "-n", "1", "-b", "1K", "-e", "1K"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "no CUDA device is visible" in r.stderr or "no CUDA path" in r.stderr, r.stderr
 
@@ -430,6 +531,7 @@ class _RecordingGpu:
 def _gpu_mismatch(rank, n, store, field):
     import plait as p
     from plait import _cuda as cu, _gpu
+
     comm = p.init(rank, n, store=store, timeout=30)
     cu.compiled = lambda: True
     cu.device_count = lambda: 1
@@ -487,6 +589,7 @@ def test_gpu_calls_fingerprint_the_algorithm_that_runs():
 def _fake_gpu(rank, n, store):
     import plait as p
     from plait import _cuda as cu, _gpu
+
     comm = p.init(rank, n, store=store, timeout=30)
     cu.compiled = lambda: True
     cu.device_count = lambda: 1
@@ -500,6 +603,7 @@ def _runs_ahead(rank, n, store):
     # Rank 0 makes 100 GPU calls while rank 1 makes none; with a host rendezvous per call it could
     # not finish one. Rank 1 joins only once rank 0 says it is done, then makes the same calls.
     from plait._store import Store
+
     p, comm, fake = _fake_gpu(rank, n, store)
     s = Store(*store, timeout=30)
     x, y = FakeCuda(ptr=1 << 20), FakeCuda(ptr=2 << 20)
@@ -556,6 +660,7 @@ class _ResolvingGpu(_RecordingGpu):
 def _resolved_algo(rank, n, store, case):
     import plait as p
     from plait import _cuda as cu, _gpu
+
     comm = p.init(rank, n, store=store, timeout=30)
     cu.compiled = lambda: True
     cu.device_count = lambda: 1
@@ -580,7 +685,9 @@ def test_aligned_parts_cover_the_window_and_start_aligned(count, n, align):
     assert len(b) == n + 1 and b[0] == 0 and b[-1] == count
     assert all(lo <= hi for lo, hi in zip(b, b[1:])), "contiguous, in order"
     assert all(x % align == 0 or x == count for x in b), "every part begins aligned (or is empty at the end)"
-    assert all(abs(x - count * q // n) < align for q, x in enumerate(b)), "at most align - 1 from an even split"
+    assert all(abs(x - count * q // n) < align for q, x in enumerate(b)), (
+        "at most align - 1 from an even split"
+    )
     with pytest.raises(plait.InvalidArgument):
         _C.gpu_plan_parts(count, n, 0)
 
@@ -589,7 +696,7 @@ def test_gpu_wait_timeouts_are_clamped():
     assert _C.gpu_timeout_ns(2.0) == 2_000_000_000 and _C.gpu_timeout_ns(1e-9) == 1
     for bad in (0.0, -1.0, float("nan"), float("-inf")):
         assert _C.gpu_timeout_ns(bad) == 0
-    for huge in (float("inf"), 1e300, 2.0 ** 62):
+    for huge in (float("inf"), 1e300, 2.0**62):
         assert _C.gpu_timeout_ns(huge) == 1 << 62
 
 
@@ -597,6 +704,7 @@ def test_gpu_wait_timeouts_are_clamped():
 def _until(cond, limit=20.0):
     """Polls cond() until true; the limit only keeps a broken watchdog from hanging the test."""
     import time
+
     t0 = time.monotonic()
     while not cond():
         assert time.monotonic() - t0 < limit, "the watchdog did not act"
@@ -616,14 +724,17 @@ def test_watchdog_forgets_finished_calls_and_recycles_their_events():
 
 def test_watchdog_deadline_runs_from_when_the_call_started():
     import time
+
     p = _C._WatchdogProbe(None)
     start, _ = p.issue(0.2, "allreduce (ring, float32, count 8)")
     time.sleep(0.6)  # queued behind other work on the stream: not started, so not late
     assert p.aborts() == [] and p.in_flight() == 1
     p.set(start, 1)
     _until(p.fired)
-    msg, = p.aborts()
-    assert msg.startswith("timeout: allreduce (ring, float32, count 8): did not finish within its deadline (0.2 s"), msg
+    (msg,) = p.aborts()
+    assert msg.startswith(
+        "timeout: allreduce (ring, float32, count 8): did not finish within its deadline (0.2 s"
+    ), msg
     # A dead communicator watches nothing more.
     p.issue(0.1, "later")
     assert p.in_flight() == 0 and len(p.aborts()) == 1
@@ -654,12 +765,13 @@ def test_watchdog_reports_a_failed_gpu_event():
     p.set(start, 1)
     p.set(end, -1)
     _until(p.fired)
-    msg, = p.aborts()
+    (msg,) = p.aborts()
     assert msg.startswith("generic: reduce_scatter (ring, int32, count 9): the GPU reported an error"), msg
 
 
 def test_watchdog_is_idle_without_calls():
     import time
+
     p = _C._WatchdogProbe(None)
     time.sleep(0.2)
     assert p.polls() == 0, "no call in flight: the thread sleeps"
@@ -677,6 +789,7 @@ def _watchdog_ranks(rank, n, store, case):
     import os
 
     import plait as p
+
     comm = p.init(rank, n, store=store, timeout=60)
     probe = p._C._WatchdogProbe(comm._c)
     if case == "deadline":
@@ -704,8 +817,13 @@ def _watchdog_ranks(rank, n, store, case):
 
 def test_watchdog_deadline_reaches_every_rank():
     first, second = run_ranks(_watchdog_ranks, 2, RUN_TIMEOUT, args=("deadline",))
-    assert len(first) == 1 and first[0].startswith("timeout: allreduce (nccl, float32, count 4): did not finish"), first
-    assert second[0].startswith("timeout: another rank aborted the communicator:") and "did not finish" in second[0], second
+    assert len(first) == 1 and first[0].startswith(
+        "timeout: allreduce (nccl, float32, count 4): did not finish"
+    ), first
+    assert (
+        second[0].startswith("timeout: another rank aborted the communicator:")
+        and "did not finish" in second[0]
+    ), second
     assert second[1].startswith("TimeoutError") and "did not finish within its deadline" in second[1], second
 
 
@@ -748,6 +866,7 @@ def _fake_cuda_torch(monkeypatch, stream):
         return torch.futures.Future()
 
     from plait.torch import _work
+
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
     monkeypatch.setattr(_work, "_new_future", _future)
     return torch, made
@@ -756,6 +875,7 @@ def _fake_cuda_torch(monkeypatch, stream):
 def test_torch_work_of_a_cuda_call_waits_in_stream_order(monkeypatch):
     torch, made = _fake_cuda_torch(monkeypatch, 1234)
     from plait.torch import _work
+
     out = [torch.arange(4)]
     h = _FakeGpuHandle()
     op = _work._Op("plait allreduce on test", out)
@@ -778,6 +898,7 @@ def test_torch_work_of_a_cuda_call_waits_in_stream_order(monkeypatch):
 def test_torch_work_of_a_failed_cuda_call_raises(monkeypatch):
     _fake_cuda_torch(monkeypatch, 5)
     from plait.torch import _work
+
     op = _work._Op("plait allreduce on test", [])
     op.handles.append(_FakeGpuHandle(error="GPU communicator aborted after an earlier error: x"))
     op.finish()
@@ -794,6 +915,7 @@ def test_synchronous_torch_calls_record_their_tensors_on_the_stream(monkeypatch)
     the tensors are in use on the call's stream (never for the default stream or cupy arrays)."""
     torch = pytest.importorskip("torch")
     from plait import _gpu
+
     streams = {0: "stream of GPU 0", 1: "stream of GPU 1"}
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams[device])
 

@@ -4,6 +4,7 @@ Every case runs under run_ranks' hard deadline, so a hang fails instead of stall
 Ranks catch the error themselves and return what they saw (class, message, when), and the
 parent asserts the class and the key words of the message on every rank.
 """
+
 import builtins
 import os
 import re
@@ -29,10 +30,15 @@ def outcome(call):
         result = call()
     except Exception as e:  # noqa: BLE001 - described to the parent
         end = time.monotonic()
-        return {"exc": type(e).__name__, "msg": str(e), "t": end - t0, "at": end,
-                "plait": isinstance(e, plait.PlaitError),
-                "value_error": isinstance(e, ValueError),
-                "builtin_timeout": isinstance(e, builtins.TimeoutError)}
+        return {
+            "exc": type(e).__name__,
+            "msg": str(e),
+            "t": end - t0,
+            "at": end,
+            "plait": isinstance(e, plait.PlaitError),
+            "value_error": isinstance(e, ValueError),
+            "builtin_timeout": isinstance(e, builtins.TimeoutError),
+        }
     return {"exc": None, "msg": "returned %r" % (type(result),), "t": time.monotonic() - t0}
 
 
@@ -45,11 +51,19 @@ def names_rank(msg, r):
 
 def expect(res, rank, cls, *patterns):
     """res (from outcome) is cls from plait and its message matches every regex in patterns."""
-    assert res["exc"] == cls.__name__ and res["plait"], (
-        "rank %d: want plait.%s, got %s: %s" % (rank, cls.__name__, res["exc"], res["msg"]))
+    assert res["exc"] == cls.__name__ and res["plait"], "rank %d: want plait.%s, got %s: %s" % (
+        rank,
+        cls.__name__,
+        res["exc"],
+        res["msg"],
+    )
     for pat in patterns:
-        assert re.search(pat, res["msg"], re.I), (
-            "rank %d: %s message lacks %r: %s" % (rank, cls.__name__, pat, res["msg"]))
+        assert re.search(pat, res["msg"], re.I), "rank %d: %s message lacks %r: %s" % (
+            rank,
+            cls.__name__,
+            pat,
+            res["msg"],
+        )
 
 
 def _init(rank, n, store, **kw):
@@ -70,6 +84,7 @@ def _read_stamp(stamp):
 
 
 # ---------------------------------------------------------------- a rank dies
+
 
 def _killed_in_allreduce(rank, n, store, stamp, during, victim):
     comm = _init(rank, n, store, timeout=30, buffer_bytes=64 << 10)
@@ -98,8 +113,9 @@ def test_rank_killed_in_allreduce(n, during, victim, tmp_path):
     calls say the communicator is aborted. Rank 0 created the shared segment, so its death
     also checks that nothing is left in /dev/shm (run_ranks sweeps and checks)."""
     stamp = str(tmp_path / "killed_at")
-    results = run_ranks(_killed_in_allreduce, n, timeout=RUN_TIMEOUT,
-                        args=(stamp, during, victim), may_die={victim})
+    results = run_ranks(
+        _killed_in_allreduce, n, timeout=RUN_TIMEOUT, args=(stamp, during, victim), may_die={victim}
+    )
     killed_at = _read_stamp(stamp)
     for rank, res in enumerate(results):
         if rank == victim:
@@ -107,12 +123,16 @@ def test_rank_killed_in_allreduce(n, during, victim, tmp_path):
             continue
         expect(res, rank, plait.PeerLostError, r"allreduce\b\D{0,12}\d+")  # and its number
         assert names_rank(res["msg"], victim), "rank %d: message does not name rank %d: %s" % (
-            rank, victim, res["msg"])
+            rank,
+            victim,
+            res["msg"],
+        )
         lag = res["at"] - killed_at
         assert lag < LOST_WITHIN_S, "rank %d noticed the death after %.2f s" % (rank, lag)
         later = res["later"]
         assert later["plait"] and "abort" in later["msg"].lower(), (
-            "rank %d: a call after the abort gave %s: %s" % (rank, later["exc"], later["msg"]))
+            "rank %d: a call after the abort gave %s: %s" % (rank, later["exc"], later["msg"])
+        )
 
 
 def _killed_with_handles_outstanding(rank, n, store, stamp):
@@ -128,14 +148,16 @@ def _killed_with_handles_outstanding(rank, n, store, stamp):
 def test_rank_killed_with_handles_outstanding(tmp_path):
     """Every outstanding handle raises PeerLostError when a peer dies (none hangs)."""
     stamp = str(tmp_path / "killed_at")
-    results = run_ranks(_killed_with_handles_outstanding, 3, timeout=RUN_TIMEOUT, args=(stamp,),
-                        may_die={1})
+    results = run_ranks(_killed_with_handles_outstanding, 3, timeout=RUN_TIMEOUT, args=(stamp,), may_die={1})
     killed_at = _read_stamp(stamp)
     for rank in (0, 2):
         for res in results[rank]:
             assert res["plait"], "rank %d: wait() gave %s: %s" % (rank, res["exc"], res["msg"])
-            assert "PeerLostError" == res["exc"] or "abort" in res["msg"], (
-                "rank %d: wait() gave %s: %s" % (rank, res["exc"], res["msg"]))
+            assert "PeerLostError" == res["exc"] or "abort" in res["msg"], "rank %d: wait() gave %s: %s" % (
+                rank,
+                res["exc"],
+                res["msg"],
+            )
             assert names_rank(res["msg"], 1), res["msg"]
             assert res["at"] - killed_at < LOST_WITHIN_S
 
@@ -155,10 +177,11 @@ def test_rank_killed_in_barrier(tmp_path):
     for rank in (0, 2):
         res = results[rank]
         expect(res, rank, plait.PeerLostError, r"barrier\b\D{0,12}\d+")
-        assert names_rank(res["msg"], 1), "rank %d: message does not name rank 1: %s" % (
-            rank, res["msg"])
-        assert res["at"] - killed_at < LOST_WITHIN_S, (
-            "rank %d noticed the death after %.2f s" % (rank, res["at"] - killed_at))
+        assert names_rank(res["msg"], 1), "rank %d: message does not name rank 1: %s" % (rank, res["msg"])
+        assert res["at"] - killed_at < LOST_WITHIN_S, "rank %d noticed the death after %.2f s" % (
+            rank,
+            res["at"] - killed_at,
+        )
 
 
 def _killed_while_peer_receives(rank, n, store, stamp):
@@ -171,8 +194,7 @@ def _killed_while_peer_receives(rank, n, store, stamp):
 
 def test_rank_killed_while_peer_receives(tmp_path):
     stamp = str(tmp_path / "killed_at")
-    results = run_ranks(_killed_while_peer_receives, 2, timeout=RUN_TIMEOUT, args=(stamp,),
-                        may_die={1})
+    results = run_ranks(_killed_while_peer_receives, 2, timeout=RUN_TIMEOUT, args=(stamp,), may_die={1})
     res = results[0]
     expect(res, 0, plait.PeerLostError)
     assert names_rank(res["msg"], 1), "message does not name rank 1: %s" % res["msg"]
@@ -180,6 +202,7 @@ def test_rank_killed_while_peer_receives(tmp_path):
 
 
 # ---------------------------------------------------------------- a rank is late
+
 
 def _late_rank(rank, n, store, per_call):
     comm = _init(rank, n, store, timeout=30 if per_call else 1.0)
@@ -196,12 +219,9 @@ def test_late_rank_times_out(per_call):
         res = results[rank]
         expect(res, rank, plait.TimeoutError)
         assert res["builtin_timeout"], "rank %d: not a builtin TimeoutError" % rank
-        assert names_rank(res["msg"], 1), "rank %d: message does not name rank 1: %s" % (
-            rank, res["msg"])
-        assert 0.9 <= res["t"] < 2.4, "rank %d gave up after %.2f s (timeout 1.0 s)" % (
-            rank, res["t"])
-    assert results[1]["plait"], "the late rank got %s: %s" % (results[1]["exc"],
-                                                               results[1]["msg"])
+        assert names_rank(res["msg"], 1), "rank %d: message does not name rank 1: %s" % (rank, res["msg"])
+        assert 0.9 <= res["t"] < 2.4, "rank %d gave up after %.2f s (timeout 1.0 s)" % (rank, res["t"])
+    assert results[1]["plait"], "the late rank got %s: %s" % (results[1]["exc"], results[1]["msg"])
 
 
 def _zero_timeout(rank, n, store):
@@ -223,8 +243,14 @@ def test_zero_timeout_polls_once():
     assert results[1]["plait"], "the late rank got %s: %s" % (results[1]["exc"], results[1]["msg"])
 
 
-_BAD_SECONDS = {"nan": float("nan"), "negative": -1, "-inf": float("-inf"), "str": "5",
-                "bool": True, "list": [1]}
+_BAD_SECONDS = {
+    "nan": float("nan"),
+    "negative": -1,
+    "-inf": float("-inf"),
+    "str": "5",
+    "bool": True,
+    "list": [1],
+}
 
 
 def _bad_init_timeouts(rank, n, store):
@@ -281,6 +307,7 @@ def test_handle_wait_timeouts():
 
 # ---------------------------------------------------------------- mismatched calls
 
+
 def _ones(dtype=np.float32, count=16):
     return np.ones(count, dtype)
 
@@ -288,18 +315,24 @@ def _ones(dtype=np.float32, count=16):
 _A = plait.algorithms("allreduce")
 MISMATCHES = {
     # field: (call(comm, culprit), regexes every rank's message must match)
-    "count": (lambda c, bad: c.allreduce(_ones(count=17 if bad else 16)),
-              [r"count", r"\b16\b", r"\b17\b"]),
-    "dtype": (lambda c, bad: c.allreduce(_ones(np.int32 if bad else np.float32)),
-              [r"dtype", r"float32", r"int32"]),
-    "op": (lambda c, bad: c.allreduce(_ones(), op="max" if bad else "sum"),
-           [r"\bop\b", r"\bsum\b", r"\bmax\b"]),
-    "root": (lambda c, bad: c.broadcast(_ones(), root=2 if bad else 0),
-             [r"root", r"\b0\b", r"\b2\b"]),
-    "collective": (lambda c, bad: (c.allgather if bad else c.allreduce)(_ones()),
-                   [r"allreduce", r"allgather"]),
-    "algorithm": (lambda c, bad: c.allreduce(_ones(), algorithm=_A[-1] if bad else _A[0]),
-                  [r"algorithm", _A[0], _A[-1]]),
+    "count": (lambda c, bad: c.allreduce(_ones(count=17 if bad else 16)), [r"count", r"\b16\b", r"\b17\b"]),
+    "dtype": (
+        lambda c, bad: c.allreduce(_ones(np.int32 if bad else np.float32)),
+        [r"dtype", r"float32", r"int32"],
+    ),
+    "op": (
+        lambda c, bad: c.allreduce(_ones(), op="max" if bad else "sum"),
+        [r"\bop\b", r"\bsum\b", r"\bmax\b"],
+    ),
+    "root": (lambda c, bad: c.broadcast(_ones(), root=2 if bad else 0), [r"root", r"\b0\b", r"\b2\b"]),
+    "collective": (
+        lambda c, bad: (c.allgather if bad else c.allreduce)(_ones()),
+        [r"allreduce", r"allgather"],
+    ),
+    "algorithm": (
+        lambda c, bad: c.allreduce(_ones(), algorithm=_A[-1] if bad else _A[0]),
+        [r"algorithm", _A[0], _A[-1]],
+    ),
 }
 
 
@@ -325,13 +358,13 @@ def test_mismatch(field):
     for rank, res in enumerate(results):
         res = first_error(res, rank, may_finish=(field == "root" and rank == 0))
         expect(res, rank, plait.MismatchError, *MISMATCHES[field][1])
-        assert names_rank(res["msg"], 1), "rank %d: message does not name rank 1: %s" % (
-            rank, res["msg"])
+        assert names_rank(res["msg"], 1), "rank %d: message does not name rank 1: %s" % (rank, res["msg"])
         assert res["t"] < 4.0, "rank %d took %.2f s to see the mismatch" % (rank, res["t"])
         if "later" in res:
             assert res["later"]["plait"] and "abort" in res["later"]["msg"], (
                 "rank %d: a call after the mismatch gave %s: %s"
-                % (rank, res["later"]["exc"], res["later"]["msg"]))
+                % (rank, res["later"]["exc"], res["later"]["msg"])
+            )
 
 
 def _algo_env_differs(rank, n, store):
@@ -351,8 +384,11 @@ SKIPS = {
     # The culprit (rank 1) leaves out the first call of the sequence.
     "allreduce": [lambda c: c.allreduce(_ones(count=16)), lambda c: c.allreduce(_ones(count=32))],
     "barrier": [lambda c: c.barrier(), lambda c: c.allreduce(_ones())],
-    "broadcast": [lambda c: c.broadcast(_ones(), root=0), lambda c: c.broadcast(_ones(), root=0),
-                  lambda c: c.barrier()],
+    "broadcast": [
+        lambda c: c.broadcast(_ones(), root=0),
+        lambda c: c.broadcast(_ones(), root=0),
+        lambda c: c.barrier(),
+    ],
 }
 
 
@@ -367,10 +403,9 @@ def test_rank_skips_a_call(which):
     results = run_ranks(_skip, 3, timeout=RUN_TIMEOUT, args=(which,))
     for rank, res in enumerate(results):
         assert res["plait"] and res["exc"] in ("MismatchError", "TimeoutError"), (
-            "rank %d: want MismatchError or TimeoutError, got %s: %s"
-            % (rank, res["exc"], res["msg"]))
-        assert names_rank(res["msg"], 1), "rank %d: message does not name rank 1: %s" % (
-            rank, res["msg"])
+            "rank %d: want MismatchError or TimeoutError, got %s: %s" % (rank, res["exc"], res["msg"])
+        )
+        assert names_rank(res["msg"], 1), "rank %d: message does not name rank 1: %s" % (rank, res["msg"])
 
 
 def _never_calls_again(rank, n, store):
@@ -390,6 +425,7 @@ def test_rank_never_calls_again():
 
 # ---------------------------------------------------------------- invalid arguments
 
+
 def _read_only(count=16):
     out = np.empty(count, np.float32)
     out.flags.writeable = False
@@ -405,39 +441,54 @@ def _fine(c):
 
 INVALID = {
     # case: (the culprit's call, what the others call, regex the culprit's message must match)
-    "non_contiguous_x": (lambda c: c.allreduce(np.ones(32, np.float32)[::2]), _fine,
-                         r"contiguous"),
-    "out_wrong_size": (lambda c: c.allreduce(_ones(), out=np.empty(15, np.float32)), _fine,
-                       r"out.*\b(60|15)\b"),
-    "out_wrong_dtype": (lambda c: c.allreduce(_ones(), out=np.empty(16, np.int32)), _fine,
-                        r"dtype|int32"),
-    "avg_on_int32": (lambda c: c.allreduce(_ones(np.int32), op="avg"),
-                     lambda c: c.allreduce(_ones(np.int32)), r"avg"),
+    "non_contiguous_x": (lambda c: c.allreduce(np.ones(32, np.float32)[::2]), _fine, r"contiguous"),
+    "out_wrong_size": (
+        lambda c: c.allreduce(_ones(), out=np.empty(15, np.float32)),
+        _fine,
+        r"out.*\b(60|15)\b",
+    ),
+    "out_wrong_dtype": (lambda c: c.allreduce(_ones(), out=np.empty(16, np.int32)), _fine, r"dtype|int32"),
+    "avg_on_int32": (
+        lambda c: c.allreduce(_ones(np.int32), op="avg"),
+        lambda c: c.allreduce(_ones(np.int32)),
+        r"avg",
+    ),
     "unknown_op": (lambda c: c.allreduce(_ones(), op="mean"), _fine, r"mean"),
     "unknown_algorithm": (lambda c: c.allreduce(_ones(), algorithm="bogus"), _fine, r"bogus"),
-    "root_out_of_range": (lambda c: c.broadcast(_ones(), root=c.size),
-                          lambda c: c.broadcast(_ones(), root=0), r"root"),
-    "read_only_out": (lambda c: c.allreduce(_ones(), out=_read_only()), _fine,
-                      r"read.?only|writ"),
-    "complex64": (lambda c: c.allreduce(np.ones(16, np.complex64)), _fine,
-                  r"complex64|dtype"),
-    "overlapping_out": (lambda c: c.allreduce(_OVERLAP[:16], out=_OVERLAP[8:24]), _fine,
-                        r"overlap"),
-    "alltoall_indivisible": (lambda c: c.alltoall(_ones(count=3 * c.size + 1)),
-                             lambda c: c.alltoall(_ones(count=3 * c.size)), r"block|size|divis"),
+    "root_out_of_range": (
+        lambda c: c.broadcast(_ones(), root=c.size),
+        lambda c: c.broadcast(_ones(), root=0),
+        r"root",
+    ),
+    "read_only_out": (lambda c: c.allreduce(_ones(), out=_read_only()), _fine, r"read.?only|writ"),
+    "complex64": (lambda c: c.allreduce(np.ones(16, np.complex64)), _fine, r"complex64|dtype"),
+    "overlapping_out": (lambda c: c.allreduce(_OVERLAP[:16], out=_OVERLAP[8:24]), _fine, r"overlap"),
+    "alltoall_indivisible": (
+        lambda c: c.alltoall(_ones(count=3 * c.size + 1)),
+        lambda c: c.alltoall(_ones(count=3 * c.size)),
+        r"block|size|divis",
+    ),
     "big_endian_float32": (lambda c: c.allreduce(_ones(">f4")), _fine, r"byte.?order|endian|>f4"),
     "peer_out_of_range": (lambda c: c.send(_ones(), c.size + 2), lambda c: c.barrier(), r"peer"),
-    "reduce_scatter_indivisible": (lambda c: c.reduce_scatter(_ones(count=16 + 1)),
-                                   lambda c: c.reduce_scatter(_ones(count=15)),
-                                   r"input|size|count"),
+    "reduce_scatter_indivisible": (
+        lambda c: c.reduce_scatter(_ones(count=16 + 1)),
+        lambda c: c.reduce_scatter(_ones(count=15)),
+        r"input|size|count",
+    ),
     # A timeout that is no number of seconds >= 0 used to mean the default deadline (or none).
     "timeout_negative": (lambda c: c.allreduce(_ones(), timeout=-1), _fine, r"timeout.*-1"),
     "timeout_nan": (lambda c: c.allreduce(_ones(), timeout=float("nan")), _fine, r"timeout.*nan"),
     "timeout_not_a_number": (lambda c: c.allreduce(_ones(), timeout="5"), _fine, r"timeout.*str"),
-    "timeout_nan_async_barrier": (lambda c: c.barrier(timeout=float("nan"), async_op=True),
-                                  lambda c: c.barrier(), r"timeout.*nan"),
-    "timeout_negative_send": (lambda c: c.send(_ones(), 0, timeout=-0.5), lambda c: c.barrier(),
-                              r"timeout.*-0\.5"),
+    "timeout_nan_async_barrier": (
+        lambda c: c.barrier(timeout=float("nan"), async_op=True),
+        lambda c: c.barrier(),
+        r"timeout.*nan",
+    ),
+    "timeout_negative_send": (
+        lambda c: c.send(_ones(), 0, timeout=-0.5),
+        lambda c: c.barrier(),
+        r"timeout.*-0\.5",
+    ),
 }
 
 
@@ -458,11 +509,9 @@ def test_invalid_argument(case):
     for rank in (0, 2):
         # The contract: the call aborts everywhere, and the ranks that did nothing wrong raise
         # the same class naming the rank at fault, well before their own timeout (6 s).
-        res = first_error(results[rank], rank,
-                          may_finish=(case == "root_out_of_range" and rank == 0))
+        res = first_error(results[rank], rank, may_finish=(case == "root_out_of_range" and rank == 0))
         expect(res, rank, plait.InvalidArgument)
-        assert names_rank(res["msg"], 1), "rank %d: message does not name rank 1: %s" % (
-            rank, res["msg"])
+        assert names_rank(res["msg"], 1), "rank %d: message does not name rank 1: %s" % (rank, res["msg"])
         assert res["t"] < 3.0, "rank %d heard of the error after %.2f s" % (rank, res["t"])
 
 
@@ -496,32 +545,38 @@ def test_send_recv_mismatch(field):
 
 # ---------------------------------------------------------------- after finalize
 
+
 def _after_finalize(rank, n, store):
     comm = _init(rank, n, store, timeout=10)
     comm.finalize()
-    return {"allreduce": outcome(lambda: comm.allreduce(_ones())),
-            "barrier": outcome(comm.barrier),
-            "module allreduce": outcome(lambda: plait.allreduce(_ones()))}
+    return {
+        "allreduce": outcome(lambda: comm.allreduce(_ones())),
+        "barrier": outcome(comm.barrier),
+        "module allreduce": outcome(lambda: plait.allreduce(_ones())),
+    }
 
 
 def _after_with_block(rank, n, store):
     with plait.init(rank, n, store=store, timeout=10) as comm:
         comm.barrier()
-    return {"allreduce": outcome(lambda: comm.allreduce(_ones())),
-            "split": outcome(lambda: comm.split(0))}
+    return {"allreduce": outcome(lambda: comm.allreduce(_ones())), "split": outcome(lambda: comm.split(0))}
 
 
-@pytest.mark.parametrize("worker", [_after_finalize, _after_with_block],
-                         ids=["finalize", "with_block"])
+@pytest.mark.parametrize("worker", [_after_finalize, _after_with_block], ids=["finalize", "with_block"])
 def test_calls_after_finalize_raise(worker):
     for rank, calls in enumerate(run_ranks(worker, 2, timeout=RUN_TIMEOUT)):
         for what, res in calls.items():
             assert res["plait"], "rank %d: %s after finalize gave %s: %s" % (
-                rank, what, res["exc"], res["msg"])
+                rank,
+                what,
+                res["exc"],
+                res["msg"],
+            )
             assert res["t"] < 2.0, "rank %d: %s after finalize took %.2f s" % (rank, what, res["t"])
 
 
 # ---------------------------------------------------------------- /dev/shm too small
+
 
 def _shm_too_big(rank, n, store, buffer_bytes):
     # Caps what a library that skipped the check could write into tmpfs (RAM) at 4 GiB a file:
@@ -529,8 +584,7 @@ def _shm_too_big(rank, n, store, buffer_bytes):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
     resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 30, hard))
-    return outcome(lambda: plait.init(rank, n, store=store, timeout=5,
-                                      buffer_bytes=buffer_bytes))
+    return outcome(lambda: plait.init(rank, n, store=store, timeout=5, buffer_bytes=buffer_bytes))
 
 
 def _more_than_dev_shm_holds():
@@ -541,11 +595,11 @@ def _more_than_dev_shm_holds():
 def test_dev_shm_too_small_says_how_much():
     buffer_bytes = _more_than_dev_shm_holds()
     res = run_ranks(_shm_too_big, 1, timeout=RUN_TIMEOUT, args=(buffer_bytes,))[0]
-    assert res["plait"], "init with buffer_bytes=%d gave %s: %s" % (
-        buffer_bytes, res["exc"], res["msg"])
+    assert res["plait"], "init with buffer_bytes=%d gave %s: %s" % (buffer_bytes, res["exc"], res["msg"])
     msg = res["msg"]
-    assert "/dev/shm" in msg and re.search(r"need|requir", msg, re.I) and re.search(
-        r"avail|free", msg, re.I), "the error does not say what is needed and available: " + msg
+    assert (
+        "/dev/shm" in msg and re.search(r"need|requir", msg, re.I) and re.search(r"avail|free", msg, re.I)
+    ), "the error does not say what is needed and available: " + msg
     assert len(re.findall(r"\d{4,}", msg)) >= 2, "the error gives no sizes: " + msg
 
 
@@ -558,6 +612,7 @@ def test_dev_shm_too_small_fails_every_rank_promptly():
 
 
 # ---------------------------------------------------------------- deadlines across simulated hosts
+
 
 def _hier_timeouts(rank, n, store):
     os.environ["PLAIT_HOST_ID"] = "host%d" % (rank % 2)

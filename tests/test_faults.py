@@ -7,6 +7,7 @@ survivor must raise PeerLostError naming the victim within LOST_WITHIN_S of the 
 communicator's segment (created by rank 0, which is a victim too) must be gone from /dev/shm
 without any sweeping. PLAIT_FAULT_KILLS raises the number of kills (default 50).
 """
+
 import glob
 import os
 import random
@@ -29,8 +30,7 @@ KILLS = int(os.environ.get("PLAIT_FAULT_KILLS", "50"))
 LOST_WITHIN_S = 2.0  # the contract
 BUFFER = 8192  # 4 KiB per call: multi-chunk paths from 1 K floats on
 RUN_TIMEOUT = 60
-COLLS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "barrier",
-         "sendrecv")
+COLLS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "barrier", "sendrecv")
 WORLDS = (2, 2, 3, 4, 5, 8)
 
 
@@ -41,7 +41,9 @@ def plan(seed):
     n = rng.choice(WORLDS)
     algos = plait.algorithms(coll) if coll not in ("barrier", "sendrecv") else []
     return {
-        "seed": seed, "n": n, "coll": coll,
+        "seed": seed,
+        "n": n,
+        "coll": coll,
         "victim": 0 if seed % 4 == 0 else rng.randrange(n),  # rank 0 created the segment
         "algorithm": rng.choice(algos) if algos else None,
         "count": n * rng.choice((1, 7, 64)) if rng.random() < 0.4 else n * rng.randrange(1024, 6144),
@@ -105,8 +107,13 @@ def _victim_or_survivor(rank, n, store, p, stamp):
                 return {"exc": None, "msg": "no error after %d calls in 20 s" % calls}
     except Exception as e:  # noqa: BLE001 - described to the parent
         at = time.monotonic()
-        return {"exc": type(e).__name__, "msg": str(e), "at": at, "calls": calls,
-                "left": glob.glob("/dev/shm/plait-%d-*" % creator)}
+        return {
+            "exc": type(e).__name__,
+            "msg": str(e),
+            "at": at,
+            "calls": calls,
+            "left": glob.glob("/dev/shm/plait-%d-*" % creator),
+        }
     _die(stamp)  # the victim, between two calls
 
 
@@ -122,8 +129,9 @@ def test_kill_anywhere(i, tmp_path):
     stamp = str(tmp_path / "killed_at")
     where = "seed %d (PLAIT_FAULT_SEED=%d, kill%02d): %s" % (p["seed"], BASE_SEED, i, p)
     try:
-        results = run_ranks(_victim_or_survivor, p["n"], timeout=RUN_TIMEOUT, args=(p, stamp),
-                            may_die={p["victim"]})
+        results = run_ranks(
+            _victim_or_survivor, p["n"], timeout=RUN_TIMEOUT, args=(p, stamp), may_die={p["victim"]}
+        )
     except BaseException as e:
         raise AssertionError("%s\n%s" % (where, e)) from None
     assert results[p["victim"]] is None, "%s\nthe victim answered: %s" % (where, results[p["victim"]])
@@ -131,14 +139,20 @@ def test_kill_anywhere(i, tmp_path):
     for rank, res in enumerate(results):
         if rank == p["victim"]:
             continue
-        assert res["exc"] == "PeerLostError", "%s\nrank %d: %s: %s" % (
-            where, rank, res["exc"], res["msg"])
+        assert res["exc"] == "PeerLostError", "%s\nrank %d: %s: %s" % (where, rank, res["exc"], res["msg"])
         assert names_rank(res["msg"], p["victim"]), "%s\nrank %d: message does not name rank %d: %s" % (
-            where, rank, p["victim"], res["msg"])
+            where,
+            rank,
+            p["victim"],
+            res["msg"],
+        )
         lag = res["at"] - killed_at
         assert lag < LOST_WITHIN_S, "%s\nrank %d raised %.2f s after the kill" % (where, rank, lag)
         assert not res["left"], "%s\nrank %d saw the segment still in /dev/shm: %s" % (
-            where, rank, res["left"])
+            where,
+            rank,
+            res["left"],
+        )
 
 
 # ---------------------------------------------------------------- the launcher is killed
@@ -175,14 +189,19 @@ def test_launcher_killed(seed, tmp_path):
     prog = tmp_path / "prog.py"
     prog.write_text(PROGRAM)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    launcher = subprocess.Popen([sys.executable, "-m", "plait.run", "-n", str(n), str(prog),
-                                 str(tmp_path), str(count)], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "plait.run", "-n", str(n), str(prog), str(tmp_path), str(count)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while len(glob.glob(str(tmp_path / "up-*"))) < n:
             assert launcher.poll() is None, "%s\nthe launcher exited (%s) before the ranks were up" % (
-                where, launcher.returncode)
+                where,
+                launcher.returncode,
+            )
             assert time.monotonic() < deadline, "%s\nthe ranks did not come up in 60 s" % where
             time.sleep(0.01)
         time.sleep(0.05)  # every rank has at least published its pid by now

@@ -5,6 +5,7 @@ count follow from its call number (plan_call), so a report's entry for a call ca
 exactly. The victim counts its finished calls in a file; after a kill -9 or SIGSTOP its last
 entry in the survivors' report must be that call (finished) or the next (entered).
 """
+
 import glob
 import json
 import os
@@ -115,8 +116,11 @@ def _faulty(rank, n, store, p, counter, how):
             # looks alive for a moment, neither stopped nor dead).
             open("%s.reported-%d" % (counter, rank), "w").close()
             deadline = time.monotonic() + 20
-            while rank == min(survivors) and time.monotonic() < deadline and not all(
-                    os.path.exists("%s.reported-%d" % (counter, r)) for r in survivors):
+            while (
+                rank == min(survivors)
+                and time.monotonic() < deadline
+                and not all(os.path.exists("%s.reported-%d" % (counter, r)) for r in survivors)
+            ):
                 time.sleep(0.01)
             if rank == min(survivors):
                 os.kill(int(pids[p["victim"]]), signal.SIGKILL)
@@ -183,7 +187,11 @@ def test_mismatch_report(n):
             assert own["state"] == "ok" and n > 2, own
         else:
             assert (own["call"], own["collective"], own["count"], own["state"]) == (
-                4, "allreduce", 5 if rank == culprit else 4, "failed"), own
+                4,
+                "allreduce",
+                5 if rank == culprit else 4,
+                "failed",
+            ), own
         for other in ranks:
             last = other["calls"][-1]
             assert last["call"] in (3, 4), other
@@ -305,8 +313,13 @@ def test_dump_on_error_launcher_prints_once(tmp_path):
     dump_dir = tmp_path / "dumps"
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
     before = set(glob.glob("/dev/shm/plait-*"))
-    r = subprocess.run([sys.executable, "-m", "plait.run", "-n", "2", "--dump-on-error", str(dump_dir),
-                        str(script)], env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "plait.run", "-n", "2", "--dump-on-error", str(dump_dir), str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     files = sorted(os.listdir(dump_dir))
     assert files == ["flight-rank0.json", "flight-rank1.json"], (files, r.stderr)
@@ -332,8 +345,9 @@ def _torch_traced(rank, n, store, store_dir):
 
     torch.set_num_threads(1)
     path = os.path.join(store_dir, "store-flight")
-    dist.init_process_group("plait", init_method="file://" + path, rank=rank, world_size=n,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "plait", init_method="file://" + path, rank=rank, world_size=n, timeout=timedelta(seconds=60)
+    )
     sub = dist.new_group([0, 1])
     t = torch.full((4,), float(rank + 1))
     dist.all_reduce(t)
@@ -355,15 +369,39 @@ def test_torch_calls_traced_with_group_names(tmp_path):
         for group in (world, sub):
             tids = [t for t, name in tracks.items() if name.startswith("pg:%s " % group)]
             assert len(tids) == 1, (group, tracks)
-            reduces = [e for e in events if e["ph"] == "X" and e["tid"] == tids[0] and e["name"] == "allreduce"]
+            reduces = [
+                e for e in events if e["ph"] == "X" and e["tid"] == tids[0] and e["name"] == "allreduce"
+            ]
             assert len(reduces) == 1 and reduces[0]["args"]["count"] == 4, reduces
 
 
 def test_bench_trace(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
-    r = subprocess.run([sys.executable, "-m", "plait.bench", "-n", "2", "-b", "8", "-e", "8", "-c", "allreduce",
-                        "--time", "0.02", "--trials", "1", "--trace", str(tmp_path / "tr")],
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "plait.bench",
+            "-n",
+            "2",
+            "-b",
+            "8",
+            "-e",
+            "8",
+            "-c",
+            "allreduce",
+            "--time",
+            "0.02",
+            "--trials",
+            "1",
+            "--trace",
+            str(tmp_path / "tr"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     files = sorted(glob.glob(str(tmp_path / "tr" / "trace-rank*.json")))
     assert [os.path.basename(f).split("-")[1] for f in files] == ["rank0", "rank1"], files

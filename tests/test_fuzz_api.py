@@ -3,6 +3,7 @@ out buffers, roots and peers while rank 0 makes an ordinary allreduce. Rank 1 mu
 plait error (InvalidArgument, or MismatchError when the draw happens to be a valid call of another
 kind), never a crash or a stray Python exception, and rank 0 an error well before its deadline.
 Example counts stay modest: each example forks two ranks."""
+
 import gc
 import importlib.util
 import os
@@ -23,8 +24,13 @@ from test_half_precision import run, to_f32, to_half
 from test_run import _ENV
 
 PEER_TIMEOUT = 5.0
-SETTINGS = settings(max_examples=int(os.environ.get("PLAIT_FUZZ_EXAMPLES", 40)), deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck))
+SETTINGS = settings(
+    max_examples=int(os.environ.get("PLAIT_FUZZ_EXAMPLES", 40)),
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 
 COLLS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "send", "recv")
 DTYPES = ("float32", "int64", "uint16", "complex64", ">f4", "float16", "object", "U3", "bool")
@@ -76,21 +82,28 @@ def _fuzz_one(rank, n, store, spec):
             comm.allreduce(np.ones(16, np.float32))
         comm.barrier()  # a call that slipped through must still end in an error, not a hang
     except Exception as e:  # noqa: BLE001 - described to the parent
-        return {"exc": type(e).__name__, "msg": str(e), "t": time.monotonic() - t0,
-                "plait": isinstance(e, plait.PlaitError)}
+        return {
+            "exc": type(e).__name__,
+            "msg": str(e),
+            "t": time.monotonic() - t0,
+            "plait": isinstance(e, plait.PlaitError),
+        }
     return {"exc": None, "t": time.monotonic() - t0}
 
 
-SPECS = st.fixed_dictionaries({
-    "coll": st.sampled_from(COLLS),
-    "dtype": st.sampled_from(DTYPES),
-    "shape": st.one_of(st.just(()), st.tuples(st.integers(0, 40)),
-                       st.tuples(st.integers(0, 6), st.integers(0, 6))),
-    "layout": st.sampled_from(("contiguous", "strided", "transposed", "read_only", "list")),
-    "out": st.sampled_from(("same_kind", "wrong_size", "wrong_dtype", "read_only", "none")),
-    "delta": st.integers(-3, 3).filter(bool),
-    "int": st.one_of(st.integers(-3, 4), st.sampled_from((2**31, -2**31 - 1, 2**63 - 1))),
-})
+SPECS = st.fixed_dictionaries(
+    {
+        "coll": st.sampled_from(COLLS),
+        "dtype": st.sampled_from(DTYPES),
+        "shape": st.one_of(
+            st.just(()), st.tuples(st.integers(0, 40)), st.tuples(st.integers(0, 6), st.integers(0, 6))
+        ),
+        "layout": st.sampled_from(("contiguous", "strided", "transposed", "read_only", "list")),
+        "out": st.sampled_from(("same_kind", "wrong_size", "wrong_dtype", "read_only", "none")),
+        "delta": st.integers(-3, 3).filter(bool),
+        "int": st.one_of(st.integers(-3, 4), st.sampled_from((2**31, -(2**31) - 1, 2**63 - 1))),
+    }
+)
 
 
 @SETTINGS
@@ -107,15 +120,24 @@ def test_bad_call_is_a_clear_error_and_no_hang(spec):
     assert r1["plait"], "rank 1: %s: %s (spec %s)" % (r1["exc"], r1["msg"], spec)
     assert r0["plait"], "rank 0: %s: %s (spec %s)" % (r0["exc"], r0.get("msg"), spec)
     assert r0["t"] < PEER_TIMEOUT - 1.5, "rank 0 heard after %.1f s (spec %s): %s" % (
-        r0["t"], spec, r0["msg"])
+        r0["t"],
+        spec,
+        r0["msg"],
+    )
 
 
 # ---------------------------------------------------------------- bad deadlines
 
 BAD_TIMEOUTS = st.one_of(
-    st.floats(max_value=-1e-300), st.integers(max_value=-1), st.just(float("nan")),
-    st.text(max_size=4), st.binary(max_size=2), st.booleans(), st.lists(st.integers(), max_size=2),
-    st.complex_numbers(max_magnitude=10))
+    st.floats(max_value=-1e-300),
+    st.integers(max_value=-1),
+    st.just(float("nan")),
+    st.text(max_size=4),
+    st.binary(max_size=2),
+    st.booleans(),
+    st.lists(st.integers(), max_size=2),
+    st.complex_numbers(max_magnitude=10),
+)
 
 
 def bad_timeout_call(comm, coll, timeout, async_op):
@@ -144,9 +166,13 @@ def _timeout_one(rank, n, store, coll, timeout, async_op):
 
 
 @SETTINGS
-@given(coll=st.sampled_from(("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce",
-                             "alltoall", "barrier", "send")),
-       timeout=BAD_TIMEOUTS, async_op=st.booleans())
+@given(
+    coll=st.sampled_from(
+        ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "barrier", "send")
+    ),
+    timeout=BAD_TIMEOUTS,
+    async_op=st.booleans(),
+)
 def test_bad_timeout_is_refused_on_every_rank(coll, timeout, async_op):
     """A per-call timeout that is no number of seconds >= 0 is an InvalidArgument naming it, and
     the peers hear of it at once: it must never become "no deadline" (or the default one)."""
@@ -159,6 +185,7 @@ def test_bad_timeout_is_refused_on_every_rank(coll, timeout, async_op):
 
 # ---------------------------------------------------------------- half types in every algorithm
 
+
 def _half_exact(rank, n, store, spec):
     """Every reducing algorithm on data whose float32 sums are exact: each must give the one
     closed-form answer, float32 sum (and divide) rounded once (see test_half_precision.py)."""
@@ -166,7 +193,7 @@ def _half_exact(rank, n, store, spec):
     comm = plait.init(rank, n, store=store, timeout=30, buffer_bytes=8192)
     rng = np.random.default_rng([spec["seed"], 0])
     bits = 10 if dt == "float16" else 7
-    ks = rng.integers(-2**bits, 2**bits + 1, size=(n, n * count))
+    ks = rng.integers(-(2**bits), 2**bits + 1, size=(n, n * count))
     exps = spec["exp"] + rng.integers(0, spec["spread"] + 1, size=(n, 1))
     xs = [to_half(ks[r] * np.exp2(exps[r]), dt) for r in range(n)]
     total = np.add.reduce(np.stack([to_f32(x, dt) for x in xs]), axis=0, dtype=np.float32)
@@ -177,23 +204,35 @@ def _half_exact(rank, n, store, spec):
             if algo == "single_copy" and not comm.single_copy:
                 continue
             got = run(comm, coll, xs[rank].copy(), algo, op, dt)
-            w = want[rank * count:(rank + 1) * count] if coll == "reduce_scatter" else want
+            w = want[rank * count : (rank + 1) * count] if coll == "reduce_scatter" else want
             if got.tobytes() != w.tobytes():
                 bad = np.flatnonzero(got != w)
-                wrong.append("%s %s: %d differ, first [%d] got %r want %r" % (
-                    coll, algo, bad.size, bad[0], got[bad[0]], w[bad[0]]))
+                wrong.append(
+                    "%s %s: %d differ, first [%d] got %r want %r"
+                    % (coll, algo, bad.size, bad[0], got[bad[0]], w[bad[0]])
+                )
     plait.finalize()
     return wrong
 
 
 HALF_SPECS = st.one_of(
-    st.fixed_dictionaries({"dtype": st.just("float16"), "exp": st.integers(-10, -3),
-                           "spread": st.integers(0, 8)}),
-    st.fixed_dictionaries({"dtype": st.just("bfloat16"), "exp": st.integers(-100, 100),
-                           "spread": st.integers(0, 12)}),
-).flatmap(lambda d: st.fixed_dictionaries({
-    **{k: st.just(v) for k, v in d.items()}, "op": st.sampled_from(("sum", "avg")),
-    "n": st.integers(2, 5), "count": st.integers(1, 1500), "seed": st.integers(0, 2**32 - 1)}))
+    st.fixed_dictionaries(
+        {"dtype": st.just("float16"), "exp": st.integers(-10, -3), "spread": st.integers(0, 8)}
+    ),
+    st.fixed_dictionaries(
+        {"dtype": st.just("bfloat16"), "exp": st.integers(-100, 100), "spread": st.integers(0, 12)}
+    ),
+).flatmap(
+    lambda d: st.fixed_dictionaries(
+        {
+            **{k: st.just(v) for k, v in d.items()},
+            "op": st.sampled_from(("sum", "avg")),
+            "n": st.integers(2, 5),
+            "count": st.integers(1, 1500),
+            "seed": st.integers(0, 2**32 - 1),
+        }
+    )
+)
 
 
 @settings(SETTINGS, max_examples=max(1, SETTINGS.max_examples // 4))
@@ -208,6 +247,7 @@ def test_half_types_agree_in_every_algorithm(spec):
 
 # ---------------------------------------------------------------- lifetime misuse
 
+
 def _lifetime(rank, n, store):
     seen = {}
     comm = plait.init(rank, n, store=store, timeout=5)
@@ -215,17 +255,21 @@ def _lifetime(rank, n, store):
     seen["old default closed"] = comm.closed
     again.allreduce(np.ones(4, np.float32))
     plait.finalize()
-    for name, call in {"allreduce": lambda: again.allreduce(np.ones(4, np.float32)),
-                       "module barrier": lambda: plait.barrier(),
-                       "split": lambda: again.split(0),
-                       "finalize twice": lambda: (again.finalize(), plait.finalize())}.items():
+    for name, call in {
+        "allreduce": lambda: again.allreduce(np.ones(4, np.float32)),
+        "module barrier": lambda: plait.barrier(),
+        "split": lambda: again.split(0),
+        "finalize twice": lambda: (again.finalize(), plait.finalize()),
+    }.items():
         t0 = time.monotonic()
         try:
             call()
             seen[name] = ("returned", time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001
-            seen[name] = (type(e).__name__ if isinstance(e, plait.PlaitError) else "foreign " + type(e).__name__,
-                          time.monotonic() - t0)
+            seen[name] = (
+                type(e).__name__ if isinstance(e, plait.PlaitError) else "foreign " + type(e).__name__,
+                time.monotonic() - t0,
+            )
     return seen
 
 
@@ -280,8 +324,11 @@ def test_init_again_after_finalize(mode):
     PLAIT_STORE; on one host and on two simulated ones), a store named by PLAIT_STORE (plait-run,
     run_ranks), a store passed to init."""
     n = 3
-    env = {"PLAIT_STORE": None, "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": free_port_pair()} if mode.startswith("rank0_serves") else None
+    env = (
+        {"PLAIT_STORE": None, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port_pair()}
+        if mode.startswith("rank0_serves")
+        else None
+    )
     for rank, sums in enumerate(run_ranks(_reinit_rounds, n, timeout=90, args=(mode,), env=env)):
         for k, got in enumerate(sums):
             assert got == [float(sum(range(n)) + n * k)] * 8, (rank, k, got)
@@ -309,8 +356,14 @@ with open(os.path.join(sys.argv[1], f"done-{rank}"), "w") as f:
 def _reinit_launched(tmp_path, cmd, env, n):
     prog = tmp_path / "reinit.py"
     prog.write_text(REINIT_SCRIPT)
-    r = subprocess.run(cmd + [sys.executable, str(prog), str(tmp_path)], env=env, capture_output=True,
-                       text=True, timeout=120, check=False)
+    r = subprocess.run(
+        cmd + [sys.executable, str(prog), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert all((tmp_path / f"done-{rank}").exists() for rank in range(n))
 
@@ -324,8 +377,11 @@ def test_init_again_under_mpirun(tmp_path):
     its address over MPI."""
     if shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None:
         pytest.skip("needs mpirun and mpi4py")
-    env = {k: v for k, v in _ENV.items() if k not in ("RANK", "WORLD_SIZE", "PLAIT_STORE", "MASTER_ADDR",
-                                                       "MASTER_PORT", "PLAIT_HOST_ID")}
+    env = {
+        k: v
+        for k, v in _ENV.items()
+        if k not in ("RANK", "WORLD_SIZE", "PLAIT_STORE", "MASTER_ADDR", "MASTER_PORT", "PLAIT_HOST_ID")
+    }
     cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")

@@ -8,6 +8,7 @@ type's range limit, and the same bytes as allreduce one_shot for values whose fl
 exact (so any order of summation agrees). A small staging buffer forces the multi-chunk paths,
 where the float32 partials need twice the staging bytes of the half elements.
 """
+
 import numpy as np
 import pytest
 
@@ -62,7 +63,7 @@ def run(comm, coll, x, algo, op, dt):
 
 
 def mine(vec, coll, rank, m):
-    return vec[rank * m:(rank + 1) * m] if coll == "reduce_scatter" else vec
+    return vec[rank * m : (rank + 1) * m] if coll == "reduce_scatter" else vec
 
 
 def _body(rank, n, store):
@@ -80,8 +81,12 @@ def _body(rank, n, store):
                 # rest, so the total is v or 0 while a partial of two +v's is past float16's range.
                 for op, sign in (("avg", 1), ("sum", 1 if rank < (n + 1) // 2 else -1)):
                     x = to_half(np.full(n * COUNT, sign * v), dt)
-                    want = to_half(np.full(COUNT * (1 if coll == "reduce_scatter" else n),
-                                           v if op == "avg" or n % 2 else 0), dt)
+                    want = to_half(
+                        np.full(
+                            COUNT * (1 if coll == "reduce_scatter" else n), v if op == "avg" or n % 2 else 0
+                        ),
+                        dt,
+                    )
                     label = "%s %s %s %s near max (%g)" % (coll, algo, dt, op, v)
                     chk.eq(label, run(comm, coll, x, algo, op, dt), want)
 
@@ -96,8 +101,9 @@ def _body(rank, n, store):
                     exact = to_half(total / np.float32(n) if op == "avg" else total, dt)
                     chk.eq("one_shot %s %s against numpy" % (dt, op), ref, exact)
                     got = run(comm, coll, x, algo, op, dt)
-                    chk.eq("%s %s %s %s against one_shot" % (coll, algo, dt, op), got,
-                           mine(ref, coll, rank, m))
+                    chk.eq(
+                        "%s %s %s %s against one_shot" % (coll, algo, dt, op), got, mine(ref, coll, rank, m)
+                    )
     comm.finalize()
     return {"skipped": sorted(skipped), "wrong": chk.wrong}
 
@@ -107,4 +113,7 @@ def test_half_types_round_once_in_every_algorithm(n):
     results = run_ranks(_body, n, timeout=240 if n < 8 else 420)
     for rank, res in enumerate(results):
         assert not res["wrong"], "rank %d: %d wrong result(s):\n  %s" % (
-            rank, len(res["wrong"]), "\n  ".join(res["wrong"][:20]))
+            rank,
+            len(res["wrong"]),
+            "\n  ".join(res["wrong"][:20]),
+        )

@@ -3,6 +3,7 @@
 Each layout runs every collective, dtype and op in one run_ranks call and checks exact results
 (hier_checks.py). torch is imported here, before run_ranks forks, so ranks do not each pay for it.
 """
+
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ from plait import _hosts
 import hier_checks as hc
 
 torch = pytest.importorskip("torch")
-import torch.distributed  # noqa: E402,F401 - imported once in the parent, inherited by the forks
+import torch.distributed  # noqa: E402,F401,F811 - imported once in the parent, inherited by the forks
 
 LAYOUTS = {
     "2x2": ["a", "a", "b", "b"],
@@ -82,11 +83,18 @@ def test_torch_tensors_and_avg():
 
 def _split(rank, n, addr, hosts):
     comm = _init(rank, hosts)
-    by_host = comm.split(color=comm.layout.h, key=-rank)   # one host each: flat shm communicators
-    across = comm.split(color=comm.layout.i)               # one rank per host: hierarchical
+    by_host = comm.split(color=comm.layout.h, key=-rank)  # one host each: flat shm communicators
+    across = comm.split(color=comm.layout.i)  # one rank per host: hierarchical
     none = comm.split(color=None)
-    out = (type(by_host).__name__, by_host.rank, by_host.allreduce(np.array([rank]))[0],
-           type(across).__name__, across.rank, across.allgather(np.array([rank])).ravel().tolist(), none)
+    out = (
+        type(by_host).__name__,
+        by_host.rank,
+        by_host.allreduce(np.array([rank]))[0],
+        type(across).__name__,
+        across.rank,
+        across.allgather(np.array([rank])).ravel().tolist(),
+        none,
+    )
     for c in (by_host, across, comm):
         c.finalize()
     return out
@@ -94,10 +102,12 @@ def _split(rank, n, addr, hosts):
 
 def test_split_within_and_across_hosts():
     res = run_ranks(_split, 4, timeout=60, args=(LAYOUTS["2x2"],))
-    assert res == [("Communicator", 1, 1, "HierCommunicator", 0, [0, 2], None),
-                   ("Communicator", 0, 1, "HierCommunicator", 0, [1, 3], None),
-                   ("Communicator", 1, 5, "HierCommunicator", 1, [0, 2], None),
-                   ("Communicator", 0, 5, "HierCommunicator", 1, [1, 3], None)]
+    assert res == [
+        ("Communicator", 1, 1, "HierCommunicator", 0, [0, 2], None),
+        ("Communicator", 0, 1, "HierCommunicator", 0, [1, 3], None),
+        ("Communicator", 1, 5, "HierCommunicator", 1, [0, 2], None),
+        ("Communicator", 0, 5, "HierCommunicator", 1, [1, 3], None),
+    ]
 
 
 def _one_host(rank, n, addr):
@@ -114,6 +124,7 @@ def test_one_host_stays_flat():
 
 def _no_engine(rank, n, addr, hosts):
     from plait import _inter
+
     _inter._have = lambda mod: False  # as on a machine with neither torch nor mpi4py
     try:
         _init(rank, hosts)
@@ -233,12 +244,13 @@ def _mismatch(rank, n, addr, hosts, field):
     return "no error", 0, ""
 
 
-@pytest.mark.parametrize("layout,field", [("3x1", "count"), ("2x2", "op"), ("3x1", "collective"),
-                                          ("2x2-interleaved", "skip")])
+@pytest.mark.parametrize(
+    "layout,field", [("3x1", "count"), ("2x2", "op"), ("3x1", "collective"), ("2x2-interleaved", "skip")]
+)
 def test_mismatch_across_hosts_raises_on_every_rank(layout, field):
     hosts = LAYOUTS[layout]
     res = run_ranks(_mismatch, len(hosts), timeout=60, args=(hosts, field))
-    for r, (kind, took, msg) in enumerate(res):
+    for r, (kind, took, _msg) in enumerate(res):
         # The ranks that compared fingerprints raise MismatchError; their host peers learn of it
         # through the abort and raise the same class.
         assert kind == "MismatchError" and took < 10, (r, res)
@@ -251,8 +263,14 @@ class _FakeCuda:
 
     def __init__(self, n=8):
         self.shape = (n,)
-        self.__cuda_array_interface__ = {"data": (1 << 40, False), "shape": (n,), "typestr": "<f4",
-                                         "strides": None, "version": 3, "stream": None}
+        self.__cuda_array_interface__ = {
+            "data": (1 << 40, False),
+            "shape": (n,),
+            "typestr": "<f4",
+            "strides": None,
+            "version": 3,
+            "stream": None,
+        }
 
 
 def _gpu_refused(rank, n, addr, hosts, case):
@@ -298,18 +316,26 @@ def _gpu_refused(rank, n, addr, hosts, case):
     return got, after, type(fresh).__name__, total
 
 
-@pytest.mark.parametrize("layout,case,pattern", [
-    ("2x2", "allreduce", None),
-    ("uneven-2+1", "allreduce_default_out", None),
-    ("3x1", "reduce_scatter", None),
-    ("2x2-interleaved", "allgather_default_out", None),
-    ("2x2", "ipc", r"PLAIT_GPU_TRANSPORT=ipc, but this communicator's ranks span 2 hosts and the CUDA IPC "
-                   r"transport reaches one host only"),
-    ("3x1", "broadcast", None),
-    ("2x2", "reduce", None),
-])
+@pytest.mark.parametrize(
+    "layout,case,pattern",
+    [
+        ("2x2", "allreduce", None),
+        ("uneven-2+1", "allreduce_default_out", None),
+        ("3x1", "reduce_scatter", None),
+        ("2x2-interleaved", "allgather_default_out", None),
+        (
+            "2x2",
+            "ipc",
+            r"PLAIT_GPU_TRANSPORT=ipc, but this communicator's ranks span 2 hosts and the CUDA IPC "
+            r"transport reaches one host only",
+        ),
+        ("3x1", "broadcast", None),
+        ("2x2", "reduce", None),
+    ],
+)
 def test_gpu_arrays_take_the_gpu_path_and_are_refused_on_every_rank(layout, case, pattern):
     from plait import _cuda
+
     if pattern is None:
         if _cuda.compiled() and _cuda.device_count() > 0:
             pytest.skip("this machine has a CUDA device: tests/gpu/test_gpu_hier.py runs the GPU arrays")

@@ -1,4 +1,5 @@
 """The MPI engine between simulated hosts: plait under a real mpirun, PLAIT_HOST_ID from the MPI rank."""
+
 import importlib.util
 import os
 import shutil
@@ -10,11 +11,19 @@ import pytest
 from conftest import _creator, _segment_names
 from test_run import _ENV
 
-WHY = ("mpirun is not on PATH" if shutil.which("mpirun") is None else
-       "mpi4py is not installed" if importlib.util.find_spec("mpi4py") is None else None)
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(WHY is not None, reason=f"{WHY} (apt-get install openmpi-bin "
-                                 "libopenmpi-dev && pip install mpi4py)")]
+WHY = (
+    "mpirun is not on PATH"
+    if shutil.which("mpirun") is None
+    else "mpi4py is not installed"
+    if importlib.util.find_spec("mpi4py") is None
+    else None
+)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        WHY is not None, reason=f"{WHY} (apt-get install openmpi-bin libopenmpi-dev && pip install mpi4py)"
+    ),
+]
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 # No RANK, WORLD_SIZE or store in the environment: plait takes mpirun's ranks and rank 0 serves the
@@ -45,14 +54,31 @@ with open(os.path.join(sys.argv[2], f"checks-{{comm.rank}}"), "w") as f:  # not 
 def _mpirun(tmp_path, hosts):
     prog = tmp_path / "mpi_rank.py"
     prog.write_text(PROGRAM)
-    env = {k: v for k, v in _ENV.items() if k not in ("RANK", "WORLD_SIZE", "PLAIT_STORE", "MASTER_ADDR",
-                                                       "MASTER_PORT", "PLAIT_INTER", "PLAIT_HOST_ID")}
+    env = {
+        k: v
+        for k, v in _ENV.items()
+        if k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "PLAIT_STORE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "PLAIT_INTER",
+            "PLAIT_HOST_ID",
+        )
+    }
     cmd = ["mpirun", "-np", str(len(hosts)), "--oversubscribe", "--bind-to", "none"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     before = _segment_names()
-    r = subprocess.run(cmd + [sys.executable, str(prog), ",".join(hosts), str(tmp_path)], env=env,
-                       capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        cmd + [sys.executable, str(prog), ",".join(hosts), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     checks = [int((tmp_path / f"checks-{rank}").read_text()) for rank in range(len(hosts))]
     assert len(set(checks)) == 1 and checks[0] > 700, checks
@@ -61,7 +87,8 @@ def _mpirun(tmp_path, hosts):
     assert not left, left
 
 
-@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "b", "c"], ["a", "a", "b"]],
-                         ids=["2x2", "3x1", "uneven-2+1"])
+@pytest.mark.parametrize(
+    "hosts", [["a", "a", "b", "b"], ["a", "b", "c"], ["a", "a", "b"]], ids=["2x2", "3x1", "uneven-2+1"]
+)
 def test_mpi_engine_exact(tmp_path, hosts):
     _mpirun(tmp_path, hosts)

@@ -1,5 +1,6 @@
 """Two simulated hosts in separate network namespaces joined by a veth link: plait-run --nnodes 2 in
 each, gloo between them over the veth (not loopback). Needs root and iproute2; skips otherwise."""
+
 import json
 import os
 import shutil
@@ -31,15 +32,22 @@ def namespaces():
     net = f"10.{213 + os.getpid() % 40}.{os.getpid() % 250}"
     r = _ip("netns", "add", names[0])
     if r.returncode:
-        pytest.skip(f"cannot create network namespaces here ({r.stderr.strip() or r.returncode}); "
-                    f"the PLAIT_HOST_ID tests cover the same code paths over loopback")
+        pytest.skip(
+            f"cannot create network namespaces here ({r.stderr.strip() or r.returncode}); "
+            f"the PLAIT_HOST_ID tests cover the same code paths over loopback"
+        )
     try:
-        steps = [("netns", "add", names[1]), ("link", "add", devs[0], "type", "veth", "peer", "name", devs[1])]
+        steps = [
+            ("netns", "add", names[1]),
+            ("link", "add", devs[0], "type", "veth", "peer", "name", devs[1]),
+        ]
         for k in range(2):
-            steps += [("link", "set", devs[k], "netns", names[k]),
-                      ("-n", names[k], "addr", "add", f"{net}.{k + 1}/24", "dev", devs[k]),
-                      ("-n", names[k], "link", "set", devs[k], "up"),
-                      ("-n", names[k], "link", "set", "lo", "up")]
+            steps += [
+                ("link", "set", devs[k], "netns", names[k]),
+                ("-n", names[k], "addr", "add", f"{net}.{k + 1}/24", "dev", devs[k]),
+                ("-n", names[k], "link", "set", devs[k], "up"),
+                ("-n", names[k], "link", "set", "lo", "up"),
+            ]
         for s in steps:
             r = _ip(*s)
             if r.returncode:
@@ -56,10 +64,30 @@ def test_two_hosts_over_a_veth_link(tmp_path, namespaces):
     procs = []
     for node, (ns, dev, _) in enumerate(namespaces):
         env = dict(_ENV, PLAIT_HOST_ID=f"ns{node}", GLOO_SOCKET_IFNAME=dev)
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "plait.run", "--nnodes", "2",
-               "--node-rank", str(node), "--master-addr", master, "--master-port", "29400", "-n", "2",
-               str(prog), str(tmp_path)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            sys.executable,
+            "-m",
+            "plait.run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            master,
+            "--master-port",
+            "29400",
+            "-n",
+            "2",
+            str(prog),
+            str(tmp_path),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     try:
         outs = [p.communicate(timeout=60) for p in procs]
     finally:

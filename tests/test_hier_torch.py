@@ -1,4 +1,5 @@
 """The torch backend "plait" when its ranks span simulated hosts: gloo between them over torch's store."""
+
 import os
 
 import pytest
@@ -35,8 +36,16 @@ def _collectives(rank, n, store_dir, hosts):
     if rank in (0, n - 1):
         dist.all_reduce(s, group=sub)
     dist.barrier()
-    return (t.tolist(), avg.float().tolist(), mx.tolist(), out.tolist(), rs.tolist(), b.tolist(),
-            [o["rank"] for o in objs], s.tolist())
+    return (
+        t.tolist(),
+        avg.float().tolist(),
+        mx.tolist(),
+        out.tolist(),
+        rs.tolist(),
+        b.tolist(),
+        [o["rank"] for o in objs],
+        s.tolist(),
+    )
 
 
 @pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "b", "c"]], ids=["2x2", "3x1"])

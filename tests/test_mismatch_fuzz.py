@@ -5,6 +5,7 @@ mismatch, the field), and a call that does return must have returned the right d
 Each run_ranks spawn plays many trials, each on a fresh communicator (plait.init again on the
 same store), so the fuzzing costs one fork per world size. PLAIT_MISMATCH_SEED replays a run.
 """
+
 import os
 import random
 import re
@@ -20,8 +21,14 @@ SEED = int(os.environ.get("PLAIT_MISMATCH_SEED", "4242"))
 TRIALS = int(os.environ.get("PLAIT_MISMATCH_TRIALS", "14"))
 CALL_TIMEOUT = 1.5
 FIELDS = ("collective", "count", "dtype", "op", "root", "algorithm", "skip", "extra")
-WORD = {"collective": r"collective", "count": r"count", "dtype": r"dtype", "op": r"\bop\b",
-        "root": r"root", "algorithm": r"algorithm"}
+WORD = {
+    "collective": r"collective",
+    "count": r"count",
+    "dtype": r"dtype",
+    "op": r"\bop\b",
+    "root": r"root",
+    "algorithm": r"algorithm",
+}
 REDUCING = ("allreduce", "reduce_scatter", "reduce")
 
 
@@ -30,18 +37,25 @@ def trial(seed, n):
     rng = random.Random(seed)
     field = rng.choice(FIELDS)
     culprit = rng.randrange(n)
-    honest = {"coll": rng.choice(("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce",
-                                  "alltoall")),
-              "count": n * rng.choice((1, 3, 700, 3000)), "dtype": rng.choice(("float32", "int32", "float64")),
-              "op": rng.choice(("sum", "max")), "root": rng.randrange(n), "algorithm": "auto"}
+    honest = {
+        "coll": rng.choice(("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall")),
+        "count": n * rng.choice((1, 3, 700, 3000)),
+        "dtype": rng.choice(("float32", "int32", "float64")),
+        "op": rng.choice(("sum", "max")),
+        "root": rng.randrange(n),
+        "algorithm": "auto",
+    }
     bad = dict(honest)
     if field == "collective":
-        bad["coll"] = rng.choice([c for c in ("allreduce", "allgather", "broadcast", "alltoall")
-                                  if c != honest["coll"]])
+        bad["coll"] = rng.choice(
+            [c for c in ("allreduce", "allgather", "broadcast", "alltoall") if c != honest["coll"]]
+        )
     elif field == "count":
         bad["count"] = honest["count"] + n * rng.choice((1, 2, 100))
     elif field == "dtype":
-        bad["dtype"] = rng.choice([d for d in ("float32", "int32", "float64", "int64") if d != honest["dtype"]])
+        bad["dtype"] = rng.choice(
+            [d for d in ("float32", "int32", "float64", "int64") if d != honest["dtype"]]
+        )
     elif field == "op":
         honest["coll"] = rng.choice(REDUCING)
         bad = dict(honest, op=rng.choice([o for o in ("sum", "max", "min", "prod") if o != honest["op"]]))
@@ -49,15 +63,15 @@ def trial(seed, n):
         honest["coll"] = rng.choice(("broadcast", "reduce"))
         bad = dict(honest, root=(honest["root"] + rng.randrange(1, n)) % n)
     elif field == "algorithm":
-        honest["coll"] = rng.choice(("allreduce", "reduce_scatter", "allgather", "broadcast",
-                                     "reduce", "alltoall"))
+        honest["coll"] = rng.choice(
+            ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall")
+        )
         a, b = rng.sample(plait.algorithms(honest["coll"]), 2)
         honest["algorithm"], bad = a, dict(honest, algorithm=b)
     # The next call differs from the first in its count, so a skipped or extra call shows up as
     # a mismatch rather than as two calls plait cannot tell apart.
     after = dict(honest, count=honest["count"] + n)
-    return {"seed": seed, "field": field, "culprit": culprit, "honest": honest, "bad": bad,
-            "after": after}
+    return {"seed": seed, "field": field, "culprit": culprit, "honest": honest, "bad": bad, "after": after}
 
 
 def issue(comm, spec, salt):
@@ -86,8 +100,11 @@ def issue(comm, spec, salt):
     else:
         got = comm.alltoall(x, **kw)
         return None if np.array_equal(got, np.repeat(vals, c // n).astype(dt)) else "alltoall wrong"
-    return None if np.array_equal(got, np.full(got.shape, want).astype(dt)) else (
-        "%s returned %s, want %s" % (coll, got[:4], want))
+    return (
+        None
+        if np.array_equal(got, np.full(got.shape, want).astype(dt))
+        else ("%s returned %s, want %s" % (coll, got[:4], want))
+    )
 
 
 def _fuzz(rank, n, store, seeds):
@@ -135,11 +152,16 @@ def test_mismatch_fuzz(n):
             t = res["trial"]
             where = "PLAIT_MISMATCH_SEED=%d n=%d trial seed %d rank %d: %s" % (SEED, n, t["seed"], rank, t)
             assert not res["wrong"], "%s\nwrong data: %s" % (where, res["wrong"])
-            assert res["exc"] in ("MismatchError", "TimeoutError") and res["plait"], (
-                "%s\ngot %s: %s" % (where, res["exc"], res["msg"]))
+            assert res["exc"] in ("MismatchError", "TimeoutError") and res["plait"], "%s\ngot %s: %s" % (
+                where,
+                res["exc"],
+                res["msg"],
+            )
             assert names_rank(res["msg"], t["culprit"]), "%s\nthe culprit is not named: %s" % (
-                where, res["msg"])
+                where,
+                res["msg"],
+            )
             if res["exc"] == "MismatchError" and t["field"] in WORD:
-                assert re.search(WORD[t["field"]], res["msg"].split("\nflight recorder", 1)[0]), \
-                    "%s\nfield not named: %s" % (
-                    where, res["msg"])
+                assert re.search(WORD[t["field"]], res["msg"].split("\nflight recorder", 1)[0]), (
+                    "%s\nfield not named: %s" % (where, res["msg"])
+                )

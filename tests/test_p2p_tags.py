@@ -2,6 +2,7 @@
 message of their tag, whatever order the sender used; messages nobody has asked for yet wait
 aside (plait's stash) for a later receive. Blocking receives keep plait's strict order (their
 mismatches are in test_errors.py)."""
+
 import time
 
 import numpy as np
@@ -24,8 +25,11 @@ def _tags(rank, n, store):
             return True
         # posted out of order: 9 before 7 (the issue's case), two of tag 7 in order
         got = {k: np.empty(c) for k, c in (("9", 3), ("7a", 5), ("7b", BIG))}
-        hs = [comm.recv(got["9"], 0, tag=9, async_op=True), comm.recv(got["7a"], 0, tag=7, async_op=True),
-              comm.recv(got["7b"], 0, tag=7, async_op=True)]
+        hs = [
+            comm.recv(got["9"], 0, tag=9, async_op=True),
+            comm.recv(got["7a"], 0, tag=7, async_op=True),
+            comm.recv(got["7b"], 0, tag=7, async_op=True),
+        ]
         for h in reversed(hs):
             h.wait()
         # one at a time, each waited before the next is posted: 5 went aside behind 11
@@ -38,10 +42,14 @@ def _tags(rank, n, store):
         h3.wait(), h2.wait()
         comm.recv(m[1], 0, tag=1, async_op=True).wait()
         comm.barrier()
-        ok = {"9": np.array_equal(got["9"], _msg(9, 3)), "7a": np.array_equal(got["7a"], _msg(7, 5)),
-              "7b": np.array_equal(got["7b"], _msg(7, BIG)), "5": np.array_equal(five, _msg(5, 1)),
-              "11": np.array_equal(eleven, _msg(11, BIG)),
-              "1-3": all(np.array_equal(m[t], _msg(t, 2)) for t in (1, 2, 3))}
+        ok = {
+            "9": np.array_equal(got["9"], _msg(9, 3)),
+            "7a": np.array_equal(got["7a"], _msg(7, 5)),
+            "7b": np.array_equal(got["7b"], _msg(7, BIG)),
+            "5": np.array_equal(five, _msg(5, 1)),
+            "11": np.array_equal(eleven, _msg(11, BIG)),
+            "1-3": all(np.array_equal(m[t], _msg(t, 2)) for t in (1, 2, 3)),
+        }
         return ok
 
 
@@ -90,8 +98,11 @@ def _any_source(rank, n, store):
             comm.recv(s, -1, tag=8, async_op=True).wait()
         comm.barrier()
         # a sender's two tag-5 messages arrive in its order; all of them arrive once
-        return (all(len(set(g.tolist())) == 1 for g in got), sorted(float(g[0]) for g in got),
-                sorted(float(s[0]) for s in stashed))
+        return (
+            all(len(set(g.tolist())) == 1 for g in got),
+            sorted(float(g[0]) for g in got),
+            sorted(float(s[0]) for s in stashed),
+        )
 
 
 def test_recv_from_any_source():

@@ -15,14 +15,24 @@ from plait import _shm
 # The ranks must import the same plait as this test, however it got onto sys.path.
 _PLAIT_ROOT = os.path.dirname(list(plait.__path__)[0])
 _ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PLAIT_ROOT, os.environ.get("PYTHONPATH")])))
-_KEYS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-         "MASTER_ADDR", "MASTER_PORT", "PLAIT_STORE"]
+_KEYS = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PLAIT_STORE",
+]
 
 
 @pytest.fixture(autouse=True)
 def _deadline():
     def expired(*_):
         raise RuntimeError("test exceeded its 60 s deadline")
+
     old = signal.signal(signal.SIGALRM, expired)
     signal.alarm(60)
     yield
@@ -31,14 +41,21 @@ def _deadline():
 
 
 def launch(*args, timeout=30, **kw):
-    return subprocess.run([sys.executable, "-m", "plait.run", *map(str, args)], env=_ENV,
-                          capture_output=True, text=True, timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "plait.run", *map(str, args)],
+        env=_ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
 
 
 def script(tmp_path, body, name="rank.py"):
     path = tmp_path / name
-    path.write_text("import os, sys, time, json, signal\nRANK = int(os.environ['RANK'])\n"
-                    + textwrap.dedent(body))
+    path.write_text(
+        "import os, sys, time, json, signal\nRANK = int(os.environ['RANK'])\n" + textwrap.dedent(body)
+    )
     return path
 
 
@@ -65,14 +82,17 @@ os.rename(f"{out}/pid-{RANK}.tmp", f"{out}/pid-{RANK}")
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_environment_and_store(tmp_path, n):
-    prog = script(tmp_path, f"""
+    prog = script(
+        tmp_path,
+        f"""
         from plait._store import Store, store_from_env
         host, port, serve = store_from_env()
         env = {{k: os.environ.get(k) for k in {_KEYS!r}}}
         env.update(serve=serve, add=Store(host, port).add("ranks", 1), argv=sys.argv[1:])
         with open(os.path.join(sys.argv[1], f"env-{{RANK}}.json"), "w") as f:
             json.dump(env, f)
-    """)
+    """,
+    )
     r = launch("-n", n, prog, tmp_path, "--", "-n", "7")
     assert r.returncode == 0, r.stderr
     envs = [json.loads((tmp_path / f"env-{rank}.json").read_text()) for rank in range(n)]
@@ -91,20 +111,26 @@ def test_environment_and_store(tmp_path, n):
 def test_master_options(tmp_path):
     # One write per line: print() under PYTHONUNBUFFERED=1 writes its pieces separately, and the
     # two ranks share the launcher's stdout.
-    prog = script(tmp_path, "sys.stdout.write(os.environ['MASTER_ADDR'] + ' ' + os.environ['MASTER_PORT'] + '\\n')")
+    prog = script(
+        tmp_path, "sys.stdout.write(os.environ['MASTER_ADDR'] + ' ' + os.environ['MASTER_PORT'] + '\\n')"
+    )
     r = launch("-n", 2, "--master-addr", "localhost", "--master-port", 29555, "--", prog)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["localhost 29555"] * 2
 
 
 def test_failing_rank_takes_down_the_others(tmp_path):
-    prog = script(tmp_path, RECORD_PID + """
+    prog = script(
+        tmp_path,
+        RECORD_PID
+        + """
 if RANK == 1:
     while not all(os.path.exists(f"{out}/pid-{r}") for r in range(3)):
         time.sleep(0.01)
     sys.exit(3)
 time.sleep(60)
-""")
+""",
+    )
     start = time.monotonic()
     r = launch("-n", 3, prog, tmp_path)
     assert time.monotonic() - start < 15
@@ -116,13 +142,17 @@ time.sleep(60)
 
 
 def test_rank_killed_by_signal(tmp_path):
-    prog = script(tmp_path, RECORD_PID + """
+    prog = script(
+        tmp_path,
+        RECORD_PID
+        + """
 if RANK == 0:
     while not os.path.exists(f"{out}/pid-1"):  # else rank 1 may be stopped before it records its pid
         time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGKILL)
 time.sleep(60)
-""")
+""",
+    )
     r = launch("-n", 2, prog, tmp_path)
     assert r.returncode == 128 + signal.SIGKILL
     pid = (tmp_path / "pid-0").read_text()
@@ -147,15 +177,20 @@ def test_executable_and_usage_errors(tmp_path):
 
 @pytest.mark.skipif(shutil.which("plait-run") is None, reason="plait-run is not installed")
 def test_console_script():
-    r = subprocess.run(["plait-run", "-n", "2", "sh", "-c", 'echo "$RANK"'], capture_output=True,
-                       text=True, timeout=30)
+    r = subprocess.run(
+        ["plait-run", "-n", "2", "sh", "-c", 'echo "$RANK"'], capture_output=True, text=True, timeout=30
+    )
     assert r.returncode == 0 and sorted(r.stdout.split()) == ["0", "1"]
 
 
 def _start(tmp_path, n):
     prog = script(tmp_path, RECORD_PID + "time.sleep(60)\n")
-    launcher = subprocess.Popen([sys.executable, "-m", "plait.run", "-n", str(n), str(prog), str(tmp_path)],
-                                env=_ENV, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "plait.run", "-n", str(n), str(prog), str(tmp_path)],
+        env=_ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return launcher, pids_of(tmp_path, n)
 
 
@@ -177,12 +212,15 @@ def test_killing_the_launcher_kills_the_ranks(tmp_path):
 
 
 def test_launcher_sweeps_segments_of_failed_ranks(tmp_path):
-    prog = script(tmp_path, """
+    prog = script(
+        tmp_path,
+        """
 name = f"/dev/shm/plait-{os.getpid()}-{'ab' * 16}"
 open(name, "w").close()
 print(name)
 sys.exit(1)
-""")
+""",
+    )
     r = launch("-n", 1, prog)
     name = r.stdout.strip()
     try:
@@ -236,4 +274,4 @@ def test_segment_name():
     name = _shm.segment_name()
     prefix = f"/{_shm.SEGMENT_PREFIX}{os.getpid()}-"
     assert name.startswith(prefix) and len(name) == len(prefix) + 32
-    int(name[len(prefix):], 16)
+    int(name[len(prefix) :], 16)

@@ -1,4 +1,5 @@
 """plait-run --nnodes: two launchers on this machine as two simulated hosts (PLAIT_HOST_ID per node)."""
+
 import json
 import socket
 import subprocess
@@ -54,10 +55,29 @@ def _nodes(tmp_path, nproc, extra=(), grace=5):
     procs = []
     for node in range(2):
         env = dict(_ENV, PLAIT_HOST_ID=f"node{node}")
-        cmd = [sys.executable, "-m", "plait.run", "--nnodes", "2", "--node-rank", str(node),
-               "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", str(nproc),
-               "--grace", str(grace), str(prog), str(tmp_path), *map(str, extra)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "plait.run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--nproc-per-node",
+            str(nproc),
+            "--grace",
+            str(grace),
+            str(prog),
+            str(tmp_path),
+            *map(str, extra),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     outs = []
     for p in procs:
         try:
@@ -100,10 +120,32 @@ def test_rank_failing_on_one_node_stops_both(tmp_path):
 
 
 def test_usage_errors():
-    r = subprocess.run([sys.executable, "-m", "plait.run", "--nnodes", "2", "-n", "1", "x.py"],
-                       env=_ENV, capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "plait.run", "--nnodes", "2", "-n", "1", "x.py"],
+        env=_ENV,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2 and "needs --master-port" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "plait.run", "--nnodes", "2", "--node-rank", "2",
-                        "--master-port", "29500", "-n", "1", "x.py"],
-                       env=_ENV, capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "plait.run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "2",
+            "--master-port",
+            "29500",
+            "-n",
+            "1",
+            "x.py",
+        ],
+        env=_ENV,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2 and "is not a node of --nnodes 2" in r.stderr

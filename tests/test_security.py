@@ -1,5 +1,6 @@
 """Shared memory as an attack surface: who may open a segment, which segments plait will attach
 to, and what happens when a rank scribbles over the segment while its peers use it."""
+
 import ctypes
 import os
 import random
@@ -57,16 +58,20 @@ def test_names_and_tokens_are_not_derivable_from_the_job():
 
 # ---------------------------------------------------------------- another user
 
+
 @pytest.fixture(scope="module")
 def other_user():
     if os.geteuid() != 0:
-        pytest.skip("needs root to create a throwaway user (useradd); as a normal user the "
-                    "kernel's 0600 check is what protects the segment, tested above by its mode")
+        pytest.skip(
+            "needs root to create a throwaway user (useradd); as a normal user the "
+            "kernel's 0600 check is what protects the segment, tested above by its mode"
+        )
     if not shutil.which("useradd"):
         pytest.skip("no useradd on this machine")
     name = "plaitsec%d" % os.getpid()
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/false", name], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["useradd", "--no-create-home", "--shell", "/bin/false", name], check=True, capture_output=True
+    )
     try:
         out = subprocess.run(["id", "-u", name], check=True, capture_output=True, text=True)
         yield int(out.stdout)
@@ -106,6 +111,7 @@ def test_other_user_cannot_open_or_attach(segment, other_user):
 
 # ---------------------------------------------------------------- stale or foreign segments
 
+
 def _plant(info, data, mode=0o600):
     fd = os.open(_path(info), os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
     try:
@@ -139,7 +145,7 @@ def test_stale_or_foreign_segment_is_refused(case, request):
         image = f.read()
     os.unlink(_path(twin))
     size = len(image)
-    data = {"garbage": random.Random(7).randbytes(size), "short": image[:size - 4096]}.get(how, image)
+    data = {"garbage": random.Random(7).randbytes(size), "short": image[: size - 4096]}.get(how, image)
     _plant(info, data, 0o644 if how == "mode" else 0o600)
     try:
         if how == "chown":
@@ -161,6 +167,7 @@ def test_create_never_reuses_an_existing_name(segment):
 
 # ---------------------------------------------------------------- garbage in a live segment
 
+
 def _mapping():
     """(address, bytes) of this process's one plait segment mapping."""
     with open("/proc/self/maps") as f:
@@ -178,9 +185,16 @@ def _layout(n, staging, pair_slot):
     staging_off = pair_ctl + up(2 * 64 * n * n)
     pair_data = staging_off + n * staging
     flight = _comm.flight_slots()  # the flight recorder's rings come last
-    return {"ctl": page, "ctl_size": ctl, "pair_ctl": pair_ctl, "pair_data": pair_data,
-            "total": pair_data + up(n * n * 2 * (64 + pair_slot)) + (up(n * (flight + 1) * 64) if flight else 0)
-            + up(n * 64 * 32)}  # the GPU call prints: kGpuPrints of 32 bytes per rank
+    return {
+        "ctl": page,
+        "ctl_size": ctl,
+        "pair_ctl": pair_ctl,
+        "pair_data": pair_data,
+        "total": pair_data
+        + up(n * n * 2 * (64 + pair_slot))
+        + (up(n * (flight + 1) * 64) if flight else 0)
+        + up(n * 64 * 32),
+    }  # the GPU call prints: kGpuPrints of 32 bytes per rank
 
 
 def _write(addr, data):
@@ -206,14 +220,19 @@ def _scribble(rank, n, store, case):
             _write(post0, (1 << 63).to_bytes(8, "little") + rng.randbytes(48))
         elif case == "p2p_header":  # a message to rank 0 with absurd size, tag and dtype
             slot = base + lay["pair_data"] + (1 * n + 0) * 2 * (64 + pair_slot)
-            _write(slot, rng.randbytes(8) + (-5).to_bytes(8, "little", signed=True)
-                   + (1 << 62).to_bytes(8, "little") + (200).to_bytes(4, "little"))
+            _write(
+                slot,
+                rng.randbytes(8)
+                + (-5).to_bytes(8, "little", signed=True)
+                + (1 << 62).to_bytes(8, "little")
+                + (200).to_bytes(4, "little"),
+            )
             _write(base + lay["pair_ctl"] + (1 * n + 0) * 64, (1).to_bytes(8, "little"))
         elif case == "everything_but_liveness":  # random bytes over all but the robust mutexes
             junk = rng.randbytes(size)
             for r in range(n):
                 start = lay["ctl"] + r * lay["ctl_size"] + 256  # the mutex line
-                junk = junk[:start] + bytes(ctypes.string_at(base + start, 64)) + junk[start + 64:]
+                junk = junk[:start] + bytes(ctypes.string_at(base + start, 64)) + junk[start + 64 :]
             _write(base, junk)
         time.sleep(2.5)  # alive, so that the peers' errors come from the garbage
         return None
@@ -225,13 +244,18 @@ def _scribble(rank, n, store, case):
         for _ in range(3):
             comm.allreduce(np.ones(16, np.float32))
     except Exception as e:  # noqa: BLE001 - described to the parent
-        return {"exc": type(e).__name__, "msg": str(e), "t": time.monotonic() - t0,
-                "plait": isinstance(e, plait.PlaitError)}
+        return {
+            "exc": type(e).__name__,
+            "msg": str(e),
+            "t": time.monotonic() - t0,
+            "plait": isinstance(e, plait.PlaitError),
+        }
     return {"exc": None, "t": time.monotonic() - t0}
 
 
-@pytest.mark.parametrize("case", ["abort_record", "abort_being_written", "fingerprint",
-                                  "p2p_header", "everything_but_liveness"])
+@pytest.mark.parametrize(
+    "case", ["abort_record", "abort_being_written", "fingerprint", "p2p_header", "everything_but_liveness"]
+)
 def test_garbage_in_the_segment_raises(case):
     """Rank 1 writes garbage into the live segment: its peers raise a PlaitError (no crash, no
     hang, no read past a buffer) well within their deadline."""

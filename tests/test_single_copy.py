@@ -1,6 +1,7 @@
 """Single copy (process_vm_readv): availability agreed at init, the fallback when it is off,
 and a clear error when it is forced but unavailable. The exact-result coverage of the
 single_copy algorithms is in test_collectives.py (they are in every algorithm loop there)."""
+
 import numpy as np
 import pytest
 
@@ -18,8 +19,11 @@ def _on(rank, n, store):
     comm = plait.init(rank, n, store=store, timeout=30)
     with comm:
         avail, why = comm.single_copy, comm.single_copy_unavailable
-        got = comm.allreduce(np.arange(COUNT, dtype=np.int32) * (rank + 1), algorithm="single_copy") \
-            if avail else None
+        got = (
+            comm.allreduce(np.arange(COUNT, dtype=np.int32) * (rank + 1), algorithm="single_copy")
+            if avail
+            else None
+        )
         return avail, why, None if got is None else bool((got == _expected(n)).all())
 
 
@@ -67,10 +71,12 @@ def _one_off(rank, n, store):
 
 def test_one_rank_without_single_copy_turns_it_off_for_all(monkeypatch):
     import os
+
     def fn(rank, n, store):
         if rank == 1:
             os.environ["PLAIT_SINGLE_COPY"] = "0"
         return _one_off(rank, n, store)
+
     results = run_ranks(fn, 3, timeout=60)
     assert [r[0] for r in results] == [False] * 3, results
     assert "rank 1" in results[0][1] and "PLAIT_SINGLE_COPY=0" in results[1][1], results
@@ -82,8 +88,14 @@ def _auto_choices(rank, n, store):
         if not comm.single_copy:
             return None
         picks = {}
-        for coll, nbytes in (("broadcast", 8 << 10), ("broadcast", 64 << 10), ("reduce", 8 << 10),
-                             ("reduce", 64 << 10), ("reduce", 64 << 20), ("alltoall", 1 << 20)):
+        for coll, nbytes in (
+            ("broadcast", 8 << 10),
+            ("broadcast", 64 << 10),
+            ("reduce", 8 << 10),
+            ("reduce", 64 << 10),
+            ("reduce", 64 << 20),
+            ("alltoall", 1 << 20),
+        ):
             x = np.full(nbytes // 4, rank + 1, np.int32)
             if coll == "broadcast":
                 comm.broadcast(x, 0)
@@ -105,6 +117,11 @@ def test_auto_picks_single_copy_for_rooted_calls_from_16_kib():
     picks = run_ranks(_auto_choices, 2, timeout=120)[0]
     if picks is None:
         pytest.skip("single copy unavailable here")
-    assert picks == {"broadcast 8192": ("direct", True), "broadcast 65536": ("single_copy", True),
-                     "reduce 8192": ("direct", True), "reduce 65536": ("single_copy", True),
-                     "reduce 67108864": ("direct", True), "alltoall 1048576": ("direct", True)}, picks
+    assert picks == {
+        "broadcast 8192": ("direct", True),
+        "broadcast 65536": ("single_copy", True),
+        "reduce 8192": ("direct", True),
+        "reduce 65536": ("single_copy", True),
+        "reduce 67108864": ("direct", True),
+        "alltoall 1048576": ("direct", True),
+    }, picks

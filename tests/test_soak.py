@@ -10,6 +10,7 @@ CI runs >= 10,000 collectives over 2, 3, 4 and 8 ranks (8 on this 2-core machine
 oversubscribed case, whose time is printed). PLAIT_SOAK_LONG=1 runs 20x longer with more seeds;
 PLAIT_SOAK_SEED=<seed> replays a failure.
 """
+
 import os
 import random
 import time
@@ -27,10 +28,21 @@ LONG = os.environ.get("PLAIT_SOAK_LONG", "") not in ("", "0")
 SEED = int(os.environ.get("PLAIT_SOAK_SEED", "1066"))
 BUFFER = 8192  # 4 KiB per call: anything above that is multi-chunk
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool")
-COLLS = ("allreduce", "allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall",
-         "sendrecv", "barrier")
-ALGOS = {c: ("auto",) + tuple(plait.algorithms(c))
-         for c in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall")}
+COLLS = (
+    "allreduce",
+    "allreduce",
+    "reduce_scatter",
+    "allgather",
+    "broadcast",
+    "reduce",
+    "alltoall",
+    "sendrecv",
+    "barrier",
+)
+ALGOS = {
+    c: ("auto",) + tuple(plait.algorithms(c))
+    for c in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall")
+}
 MAX_PENDING = 6
 # (world size, collectives in CI): 11,000 in all.
 RUNS = ((2, 3000), (3, 2000), (4, 2000), (5, 1000), (8, 3000))
@@ -38,10 +50,12 @@ RUNS = ((2, 3000), (3, 2000), (4, 2000), (5, 1000), (8, 3000))
 
 def make_comms(world, rank, n):
     """The communicators every step picks from; the same names on every rank (None: not a member)."""
-    comms = {"world": world,
-             "halves": world.split(rank % 2),
-             "reversed": world.split(0, key=n - rank),
-             "big": world.split(0, buffer_bytes=64 << 10)}
+    comms = {
+        "world": world,
+        "halves": world.split(rank % 2),
+        "reversed": world.split(0, key=n - rank),
+        "big": world.split(0, buffer_bytes=64 << 10),
+    }
     comms["all_but_last"] = world.split(None if rank == n - 1 else 0) if n > 2 else None
     comms["pairs"] = world.split(rank // 2) if n > 3 else None
     return comms
@@ -53,10 +67,19 @@ def draw(rng, i):
     dt = rng.choice(DTYPES)
     op = rng.choice(OPS if dt in FLOATS else OPS[:4])
     nbytes = rng.choice((0, rng.randrange(1, 64), rng.randrange(64, 4096), rng.randrange(4096, 20000)))
-    return {"i": i, "coll": coll, "dt": dt, "op": op, "count": nbytes // storage(dt).itemsize,
-            "algo": rng.choice(ALGOS.get(coll, ("auto",))), "inplace": rng.random() < 0.3,
-            "async": rng.random() < 0.35, "comm": rng.choice(COMM_NAMES),
-            "shift": rng.randrange(1, 8), "root": rng.randrange(8)}
+    return {
+        "i": i,
+        "coll": coll,
+        "dt": dt,
+        "op": op,
+        "count": nbytes // storage(dt).itemsize,
+        "algo": rng.choice(ALGOS.get(coll, ("auto",))),
+        "inplace": rng.random() < 0.3,
+        "async": rng.random() < 0.35,
+        "comm": rng.choice(COMM_NAMES),
+        "shift": rng.randrange(1, 8),
+        "root": rng.randrange(8),
+    }
 
 
 COMM_NAMES = ("world", "world", "halves", "reversed", "big", "all_but_last", "pairs")
@@ -83,13 +106,14 @@ def start(comm, s):
         return h, lambda: eq(out, reduce_ref([data(q, c, dt, op, salt) for q in range(m)], dt, op))
     if coll == "reduce_scatter":
         x = data(r, m * c, dt, op, salt)
-        out = x[r * c:(r + 1) * c] if s["inplace"] else np.empty(c, st)
+        out = x[r * c : (r + 1) * c] if s["inplace"] else np.empty(c, st)
         h = comm.reduce_scatter(x, out=out, op=op, algorithm=s["algo"], **kw)
-        return h, lambda: eq(out, reduce_ref([data(q, m * c, dt, op, salt)[r * c:(r + 1) * c]
-                                               for q in range(m)], dt, op))
+        return h, lambda: eq(
+            out, reduce_ref([data(q, m * c, dt, op, salt)[r * c : (r + 1) * c] for q in range(m)], dt, op)
+        )
     if coll == "allgather":
         out = np.zeros(m * c, st)
-        x = out[r * c:(r + 1) * c] if s["inplace"] else np.empty(c, st)
+        x = out[r * c : (r + 1) * c] if s["inplace"] else np.empty(c, st)
         x[...] = data(r, c, dt, op, salt)
         h = comm.allgather(x, out=out, algorithm=s["algo"], **kw)
         return h, lambda: eq(out, np.concatenate([data(q, c, dt, op, salt) for q in range(m)]))
@@ -111,16 +135,19 @@ def start(comm, s):
         x = data(r, m * c, dt, op, salt)
         out = x if s["inplace"] else np.empty_like(x)
         h = comm.alltoall(x, out=out, algorithm=s["algo"], **kw)
-        return h, lambda: eq(out, np.concatenate([data(q, m * c, dt, op, salt)[r * c:(r + 1) * c]
-                                                   for q in range(m)]))
+        return h, lambda: eq(
+            out, np.concatenate([data(q, m * c, dt, op, salt)[r * c : (r + 1) * c] for q in range(m)])
+        )
     if coll == "sendrecv":
         if m == 1:
             return None, lambda: None
         k = s["shift"] % (m - 1) + 1
         x = data(r, c, dt, op, salt)
         out = np.zeros(c, st)
-        hs = [comm.send(x, (r + k) % m, tag=salt, async_op=True, **dtype_kw(dt)),
-              comm.recv(out, (r - k) % m, tag=salt, async_op=True, **dtype_kw(dt))]
+        hs = [
+            comm.send(x, (r + k) % m, tag=salt, async_op=True, **dtype_kw(dt)),
+            comm.recv(out, (r - k) % m, tag=salt, async_op=True, **dtype_kw(dt)),
+        ]
         if not s["async"]:
             for h in hs:
                 h.wait()
@@ -131,7 +158,9 @@ def start(comm, s):
 
 
 def _soak(rank, n, store, seed, steps):
-    world = plait.init(rank, n, store=store, timeout=float(os.environ.get("PLAIT_SOAK_TIMEOUT", 120)), buffer_bytes=BUFFER)
+    world = plait.init(
+        rank, n, store=store, timeout=float(os.environ.get("PLAIT_SOAK_TIMEOUT", 120)), buffer_bytes=BUFFER
+    )
     comms = make_comms(world, rank, n)
     rng = random.Random(seed)  # the sequence: the same on every rank
     local = random.Random(seed * 1000 + rank)  # wait orders: each rank its own
@@ -187,9 +216,14 @@ def test_soak(n, steps, seed, capsys, record_property):
     elapsed = time.monotonic() - t0
     wrong = [w for res in results for w in res["wrong"]]
     assert not wrong, "seed %d (PLAIT_SOAK_SEED=%d): %d wrong results, first:\n%s" % (
-        seed, SEED, len(wrong), "\n".join(wrong[:10]))
+        seed,
+        SEED,
+        len(wrong),
+        "\n".join(wrong[:10]),
+    )
     record_property("elapsed_s", round(elapsed, 2))
     with capsys.disabled():
-        print("\n[soak] %d ranks on %d cores: %d collectives (seed %d), %.1f s, 0 wrong; "
-              "per rank: %s calls" % (n, os.cpu_count(), steps, seed, elapsed,
-                                      [res["done"] for res in results]))
+        print(
+            "\n[soak] %d ranks on %d cores: %d collectives (seed %d), %.1f s, 0 wrong; "
+            "per rank: %s calls" % (n, os.cpu_count(), steps, seed, elapsed, [res["done"] for res in results])
+        )

@@ -15,6 +15,7 @@ def _deadline():
     # A hang in the store must fail the test, not the whole run; no pytest-timeout dependency.
     def expired(*_):
         raise RuntimeError("test exceeded its 30 s deadline")
+
     old = signal.signal(signal.SIGALRM, expired)
     signal.alarm(30)
     yield
@@ -94,6 +95,7 @@ def test_get_blocks_until_set(server, client):
         time.sleep(0.3)
         with Store(server.host, server.port) as other:
             other.set("k", b"v")
+
     t = threading.Thread(target=later)
     start = time.monotonic()
     t.start()
@@ -109,6 +111,7 @@ def test_concurrent_adds():
         def worker():
             with Store(server.host, server.port) as c:
                 results.extend(c.add("count", 1) for _ in range(100))
+
         threads = [threading.Thread(target=worker) for _ in range(16)]
         for t in threads:
             t.start()
@@ -119,8 +122,10 @@ def test_concurrent_adds():
 
 def test_shared_client_is_thread_safe(client):
     results = []
-    threads = [threading.Thread(target=lambda: results.extend(client.add("c", 2) for _ in range(50)))
-               for _ in range(8)]
+    threads = [
+        threading.Thread(target=lambda: results.extend(client.add("c", 2) for _ in range(50)))
+        for _ in range(8)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -190,6 +195,7 @@ def _in_thread(fn, *args):
             fn(*args)
         except Exception as e:
             caught.append(e)
+
     t = threading.Thread(target=run)
     t.start()
     return t, caught

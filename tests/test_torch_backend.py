@@ -4,6 +4,7 @@ The ranks are forked by conftest's run_ranks (a hard deadline, failing ranks nam
 memory left behind) and rendezvous through a torch FileStore in the test's tmp_path. Training
 runs compare plait with gloo from the same seed in the parent.
 """
+
 import os
 import subprocess
 import sys
@@ -27,8 +28,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def init_pg(backend, rank, n, store_dir, timeout=60, **kw):
     path = os.path.join(str(store_dir), "store-" + uuid.uuid5(uuid.NAMESPACE_URL, backend).hex[:8])
-    dist.init_process_group(backend, init_method="file://" + path, rank=rank, world_size=n,
-                            timeout=timedelta(seconds=timeout), **kw)
+    dist.init_process_group(
+        backend,
+        init_method="file://" + path,
+        rank=rank,
+        world_size=n,
+        timeout=timedelta(seconds=timeout),
+        **kw,
+    )
 
 
 def _rank_main(rank, n, addr, fn, args):
@@ -48,6 +55,7 @@ def run_torch(fn, n, store_dir, timeout=60, args=()):
 
 
 # ---------------------------------------------------------------- groups, works, futures
+
 
 def _basics(rank, n, store_dir):
     init_pg("plait", rank, n, store_dir)
@@ -74,6 +82,7 @@ def _basics(rank, n, store_dir):
         assert torch.equal(x, torch.full((1000,), float(n * (n - 1) // 2 + n * k)))
     # functional collectives (C++ callers that go through the group by name)
     import torch.distributed._functional_collectives as funcol
+
     y = funcol.all_reduce(torch.full((4,), float(rank + 1)), "sum", pg)
     assert torch.equal(y, torch.full((4,), float(n * (n + 1) // 2)))
     g = funcol.all_gather_tensor(torch.full((2,), float(rank)), 0, pg)
@@ -82,10 +91,12 @@ def _basics(rank, n, store_dir):
     assert torch.equal(rs, torch.full((2,), float(n)))
     # DeviceMesh over the plait world
     from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh("cpu", (n,))
     assert dist.get_backend(mesh.get_group()) == "plait"
     # coalescing manager with a device (start/end coalescing)
     from torch.distributed.distributed_c10d import _coalescing_manager
+
     a, b = torch.ones(3), torch.full((2,), 2.0)
     with _coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
         dist.all_reduce(a)
@@ -148,6 +159,7 @@ def _subgroups(rank, n, store_dir):
     assert torch.equal(y, torch.full((2,), float(n * n)))
     dist.destroy_process_group()
     import threading
+
     left = [t.name for t in threading.enumerate() if t.name.startswith("plait-torch")]
     assert not left, f"threads left after destroy_process_group: {left}"
     # a second world after destroying the first (fresh store file)
@@ -177,6 +189,7 @@ def _tcp_init(rank, n, store_dir, port):
 
 def test_tcp_init_method(tmp_path):
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -184,6 +197,7 @@ def test_tcp_init_method(tmp_path):
 
 
 # ---------------------------------------------------------------- errors
+
 
 def _errors(rank, n, store_dir):
     # a late rank: the other gets a timeout that is a DistBackendError and a TimeoutError
@@ -221,8 +235,7 @@ def _errors(rank, n, store_dir):
     with pytest.raises(ValueError):  # c10d's own check
         dist.all_reduce(torch.ones(2, dtype=torch.complex64), op=dist.ReduceOp.MAX)
     with pytest.raises(dist.DistBackendError, match="complex"):
-        dist.group.WORLD.allreduce([torch.ones(2, dtype=torch.complex64)],
-                                   _opts(dist.ReduceOp.MAX))
+        dist.group.WORLD.allreduce([torch.ones(2, dtype=torch.complex64)], _opts(dist.ReduceOp.MAX))
     if not isinstance(dist.group.WORLD, plait.torch.ProcessGroupPlait):
         pass  # the native backend splits (test_torch_native.py)
     else:
@@ -249,10 +262,16 @@ def test_errors_are_dist_backend_errors(tmp_path):
 
 # ---------------------------------------------------------------- training: plait vs gloo
 
+
 def _mlp(seed):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
-                               torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 4),
+    )
 
 
 def _plain(state):
@@ -270,13 +289,16 @@ def _batch(step, rank):
 def _ddp(rank, n, store_dir, backend, steps, hook=None):
     init_pg(backend, rank, n, store_dir)
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     # several buckets; one for PowerSGD, whose callbacks issue collectives of their own: with
     # several buckets, those race the next bucket's on every backend (plait reports a mismatch)
     model = DDP(_mlp(0), bucket_cap_mb=0.004 if hook is None else 25)
     if hook == "powersgd":  # its future callbacks issue all-reduces and wait on them
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
-        state = P.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=3,
-                                min_compression_rate=0.5)
+
+        state = P.PowerSGDState(
+            process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=3, min_compression_rate=0.5
+        )
         model.register_comm_hook(state, P.powerSGD_hook)
     losses = _train(model, rank, steps, momentum=0.9)
     state = _plain(model.module.state_dict())
@@ -320,6 +342,7 @@ def _fsdp2(rank, n, store_dir, backend, steps):
     init_pg(backend, rank, n, store_dir)
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh("cpu", (n,))
     model = _mlp(0)
     for layer in (model[0], model[2], model[4]):
@@ -337,8 +360,13 @@ def _fsdp1(rank, n, store_dir, backend, steps):
     init_pg(backend, rank, n, store_dir)
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
-    model = FSDP(_mlp(0), device_id=torch.device("cpu"), use_orig_params=True,
-                 sharding_strategy=ShardingStrategy.FULL_SHARD)
+
+    model = FSDP(
+        _mlp(0),
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+    )
     losses = _train(model, rank, steps)
     with FSDP.summon_full_params(model):
         full = _plain(model.state_dict())
@@ -360,6 +388,7 @@ def test_fsdp_matches_gloo(which, tmp_path):
 
 # ---------------------------------------------------------------- the example, two launchers
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["plait-run", "torchrun"])
 def test_example_ddp_train(launcher):
@@ -368,14 +397,24 @@ def test_example_ddp_train(launcher):
     if launcher == "plait-run":
         cmd = [sys.executable, "-m", "plait.run", "-n", "2", script, "--epochs", "2"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               script, "--epochs", "2"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            script,
+            "--epochs",
+            "2",
+        ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "epoch 1" in p.stdout and "communication" in p.stdout, p.stdout
 
 
 # ---------------------------------------------------------------- shared-memory tensors
+
 
 def _shared_tensors(rank, n, store_dir):
     init_pg("plait", rank, n, store_dir)

@@ -5,6 +5,7 @@ float and results compare exactly (assert_close with zero tolerance). One fork p
 runs the whole matrix inside a single process group; each rank collects wrong results instead
 of stopping, so the ranks stay in step and a failure lists every wrong case.
 """
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -45,9 +46,15 @@ def reference(stack, op, n, dtype, factor=None):
             out = (s * factor).sum(0)
         return out.to(dtype)
     if dtype == torch.bool:
-        fns = {R.SUM: lambda s: s.any(0), R.MAX: lambda s: s.any(0), R.PRODUCT: lambda s: s.all(0),
-               R.MIN: lambda s: s.all(0), R.BAND: lambda s: s.all(0), R.BOR: lambda s: s.any(0),
-               R.BXOR: lambda s: s.to(torch.int64).sum(0) % 2 == 1}
+        fns = {
+            R.SUM: lambda s: s.any(0),
+            R.MAX: lambda s: s.any(0),
+            R.PRODUCT: lambda s: s.all(0),
+            R.MIN: lambda s: s.all(0),
+            R.BAND: lambda s: s.all(0),
+            R.BOR: lambda s: s.any(0),
+            R.BXOR: lambda s: s.to(torch.int64).sum(0) % 2 == 1,
+        }
         return fns[op](stack)
     wide = stack.to(torch.float64 if dtype.is_floating_point else torch.int64)
     if op == R.SUM:
@@ -80,12 +87,19 @@ def op_dtype_matrix():
     for dt in FLOATS:
         cases += [(dt, op) for op in (R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX, R.PREMUL_SUM)]
     for dt in INTS:
-        cases += [(dt, op) for op in (R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX, R.PREMUL_SUM,
-                                      R.BAND, R.BOR, R.BXOR)]
+        cases += [
+            (dt, op) for op in (R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX, R.PREMUL_SUM, R.BAND, R.BOR, R.BXOR)
+        ]
     cases += [(torch.bool, op) for op in (R.SUM, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR)]
     cases += [(dt, op) for dt in COMPLEX for op in (R.SUM, R.AVG, R.PREMUL_SUM)]
-    cases += [(torch.uint16, R.SUM), (torch.uint32, R.SUM), (torch.uint64, R.SUM),
-              (torch.uint16, R.MAX), (torch.uint32, R.MIN), (torch.uint64, R.PRODUCT)]
+    cases += [
+        (torch.uint16, R.SUM),
+        (torch.uint32, R.SUM),
+        (torch.uint64, R.SUM),
+        (torch.uint16, R.MAX),
+        (torch.uint32, R.MIN),
+        (torch.uint64, R.PRODUCT),
+    ]
     return cases
 
 
@@ -97,7 +111,9 @@ class Checker:
         try:
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
         except AssertionError as e:
-            self.wrong.append(f"rank {self.rank}: {what}: {str(e).splitlines()[0]}\n  got {got}\n  want {want}")
+            self.wrong.append(
+                f"rank {self.rank}: {what}: {str(e).splitlines()[0]}\n  got {got}\n  want {want}"
+            )
 
     def done(self):
         assert not self.wrong, "\n".join(self.wrong[:20]) + f"\n({len(self.wrong)} wrong)"
@@ -129,34 +145,54 @@ def reductions(rank, n, store_dir):
         c.eq(y, want if rank == 1 % n else data(rank, dt), "reduce " + what)
         # reduce_scatter_tensor: rank r gets block r of the reduction of (n*N) inputs
         xs = torch.cat([data(rank * 3 + b, dt) for b in range(n)])
-        full = reference(torch.stack([torch.cat([data(r * 3 + b, dt) for b in range(n)]) for r in range(n)]),
-                         op, n, dt, factor)
+        full = reference(
+            torch.stack([torch.cat([data(r * 3 + b, dt) for b in range(n)]) for r in range(n)]),
+            op,
+            n,
+            dt,
+            factor,
+        )
         out = torch.empty(N, dtype=dt)
         dist.reduce_scatter_tensor(out, xs, op=_op_arg(op, factor))
-        c.eq(out, full[rank * N:(rank + 1) * N], "reduce_scatter_tensor " + what)
+        c.eq(out, full[rank * N : (rank + 1) * N], "reduce_scatter_tensor " + what)
         out2 = torch.empty(N, dtype=dt)
         dist.reduce_scatter(out2, list(xs.clone().chunk(n)), op=_op_arg(op, factor))
-        c.eq(out2, full[rank * N:(rank + 1) * N], "reduce_scatter " + what)
+        c.eq(out2, full[rank * N : (rank + 1) * N], "reduce_scatter " + what)
     # PREMUL_SUM with a tensor factor, and in-place reduce_scatter (output is the input's block)
     x = data(rank, torch.float32)
     dist.all_reduce(x, op=dist._make_nccl_premul_sum(torch.tensor([0.5])))
-    c.eq(x, reference(torch.stack([data(r, torch.float32) for r in range(n)]), R.PREMUL_SUM, n,
-                      torch.float32, 0.5), "premul with tensor factor")
+    c.eq(
+        x,
+        reference(
+            torch.stack([data(r, torch.float32) for r in range(n)]), R.PREMUL_SUM, n, torch.float32, 0.5
+        ),
+        "premul with tensor factor",
+    )
     xs = torch.cat([data(rank * 3 + b, torch.float32) for b in range(n)])
-    full = torch.stack([torch.cat([data(r * 3 + b, torch.float32) for b in range(n)]) for r in range(n)]).sum(0)
-    dist.reduce_scatter_tensor(xs[rank * N:(rank + 1) * N], xs)
-    c.eq(xs[rank * N:(rank + 1) * N], full[rank * N:(rank + 1) * N], "in-place reduce_scatter_tensor")
+    full = torch.stack([torch.cat([data(r * 3 + b, torch.float32) for b in range(n)]) for r in range(n)]).sum(
+        0
+    )
+    dist.reduce_scatter_tensor(xs[rank * N : (rank + 1) * N], xs)
+    c.eq(xs[rank * N : (rank + 1) * N], full[rank * N : (rank + 1) * N], "in-place reduce_scatter_tensor")
     # output overlapping the input somewhere else than its own block: the input is read first
     xs = torch.cat([data(rank * 3 + b, torch.float32) for b in range(n)])
     other = (rank + 1) % n
-    dist.reduce_scatter_tensor(xs[other * N:(other + 1) * N], xs)
-    c.eq(xs[other * N:(other + 1) * N], full[rank * N:(rank + 1) * N], "reduce_scatter_tensor into another block")
+    dist.reduce_scatter_tensor(xs[other * N : (other + 1) * N], xs)
+    c.eq(
+        xs[other * N : (other + 1) * N],
+        full[rank * N : (rank + 1) * N],
+        "reduce_scatter_tensor into another block",
+    )
     # coalesced all_reduce of several shapes
     shapes = [(torch.float32, 6, (2, 3)), (torch.float32, 5, None), (torch.float32, 0, None)]
     ts = [data(rank, dt, k, shp) for dt, k, shp in shapes]
     dist.all_reduce_coalesced(ts)
     for t, (dt, k, shp) in zip(ts, shapes):
-        c.eq(t, torch.stack([data(r, dt, k, shp) for r in range(n)]).sum(0).to(dt), f"all_reduce_coalesced {dt}")
+        c.eq(
+            t,
+            torch.stack([data(r, dt, k, shp) for r in range(n)]).sum(0).to(dt),
+            f"all_reduce_coalesced {dt}",
+        )
     # 0-d and empty tensors
     z = torch.tensor(float(rank + 1))
     dist.all_reduce(z, op=R.MAX)
@@ -172,10 +208,16 @@ def movement(rank, n, store_dir):
     c = Checker(rank)
     for dt in FLOATS + INTS + UINTS + COMPLEX + [torch.bool, torch.float8_e4m3fn]:
         what = str(dt)
-        mk = (lambda r, k=N: data(r, dt, k)) if dt != torch.float8_e4m3fn else \
-            (lambda r, k=N: data(r, torch.float32, k).to(dt))
-        eqv = (lambda a, b: (a.view(torch.uint8), b.view(torch.uint8))) if dt == torch.float8_e4m3fn \
+        mk = (
+            (lambda r, k=N, dt=dt: data(r, dt, k))
+            if dt != torch.float8_e4m3fn
+            else (lambda r, k=N, dt=dt: data(r, torch.float32, k).to(dt))
+        )
+        eqv = (
+            (lambda a, b: (a.view(torch.uint8), b.view(torch.uint8)))
+            if dt == torch.float8_e4m3fn
             else (lambda a, b: (a, b))
+        )
         # broadcast from the last rank, in place
         b = mk(rank)
         dist.broadcast(b, src=n - 1)
@@ -189,8 +231,8 @@ def movement(rank, n, store_dir):
         dist.all_gather_into_tensor(flat, mk(rank))
         c.eq(*eqv(flat, torch.cat([mk(r) for r in range(n)])), "all_gather_into_tensor " + what)
         flat2 = torch.empty(n * N, dtype=dt)
-        flat2[rank * N:(rank + 1) * N] = mk(rank)
-        dist.all_gather_into_tensor(flat2, flat2[rank * N:(rank + 1) * N])
+        flat2[rank * N : (rank + 1) * N] = mk(rank)
+        dist.all_gather_into_tensor(flat2, flat2[rank * N : (rank + 1) * N])
         c.eq(*eqv(flat2, torch.cat([mk(r) for r in range(n)])), "in-place all_gather_into_tensor " + what)
         # all_to_all_single, even: block j of rank r's input is mk(10*r + j)
         src = torch.cat([mk(10 * rank + j) for j in range(n)])
@@ -198,7 +240,9 @@ def movement(rank, n, store_dir):
         dist.all_to_all_single(out, src)
         c.eq(*eqv(out, torch.cat([mk(10 * j + rank) for j in range(n)])), "all_to_all_single " + what)
         dist.all_to_all_single(src, src)  # in place
-        c.eq(*eqv(src, torch.cat([mk(10 * j + rank) for j in range(n)])), "in-place all_to_all_single " + what)
+        c.eq(
+            *eqv(src, torch.cat([mk(10 * j + rank) for j in range(n)])), "in-place all_to_all_single " + what
+        )
         # gather / scatter to and from rank 0
         gl = [torch.empty(N, dtype=dt) for _ in range(n)] if rank == 0 else None
         dist.gather(mk(rank), gl, dst=0)
@@ -212,17 +256,28 @@ def movement(rank, n, store_dir):
     rows = lambda r, j: r + j + 1  # noqa: E731
     ins = [torch.full((rows(rank, j), 3), 100 * rank + j, dtype=torch.int32) for j in range(n)]
     out = torch.empty((sum(rows(j, rank) for j in range(n)), 3), dtype=torch.int32)
-    dist.all_to_all_single(out, torch.cat(ins), output_split_sizes=[rows(j, rank) for j in range(n)],
-                           input_split_sizes=[rows(rank, j) for j in range(n)])
-    c.eq(out, torch.cat([torch.full((rows(j, rank), 3), 100 * j + rank, dtype=torch.int32) for j in range(n)]),
-         "uneven all_to_all_single")
+    dist.all_to_all_single(
+        out,
+        torch.cat(ins),
+        output_split_sizes=[rows(j, rank) for j in range(n)],
+        input_split_sizes=[rows(rank, j) for j in range(n)],
+    )
+    c.eq(
+        out,
+        torch.cat([torch.full((rows(j, rank), 3), 100 * j + rank, dtype=torch.int32) for j in range(n)]),
+        "uneven all_to_all_single",
+    )
     # uneven, with zero-row splits and async
     zs = [0 if (rank + j) % 2 else 2 for j in range(n)]
     zr = [0 if (j + rank) % 2 else 2 for j in range(n)]
     src = torch.cat([torch.full((zs[j],), float(rank * 10 + j)) for j in range(n)])
     out = torch.empty(sum(zr))
     dist.all_to_all_single(out, src, zr, zs, async_op=True).wait()
-    c.eq(out, torch.cat([torch.full((zr[j],), float(j * 10 + rank)) for j in range(n)]), "zero-split all_to_all_single")
+    c.eq(
+        out,
+        torch.cat([torch.full((zr[j],), float(j * 10 + rank)) for j in range(n)]),
+        "zero-split all_to_all_single",
+    )
     # all_to_all with lists of different sizes
     ins = [torch.full((j + 1,), float(rank * 10 + j)) for j in range(n)]
     outs = [torch.empty(rank + 1) for j in range(n)]
@@ -249,8 +304,10 @@ def movement(rank, n, store_dir):
     if n > 1:
         nxt, prv = (rank + 1) % n, (rank - 1) % n
         got = torch.empty(5, dtype=torch.float64)
-        reqs = [dist.isend(torch.full((5,), rank + 0.5, dtype=torch.float64), nxt, tag=7),
-                dist.irecv(got, prv, tag=7)]
+        reqs = [
+            dist.isend(torch.full((5,), rank + 0.5, dtype=torch.float64), nxt, tag=7),
+            dist.irecv(got, prv, tag=7),
+        ]
         for q in reqs:
             q.wait()
         c.eq(got, torch.full((5,), prv + 0.5, dtype=torch.float64), "isend/irecv")
@@ -283,7 +340,9 @@ def movement(rank, n, store_dir):
     # coalesced all_gather of different dtypes (old API), barrier, async barrier
     outs = [[torch.empty(2), torch.empty(3, dtype=torch.int8)] for _ in range(n)]
     pg = dist.group.WORLD
-    pg.allgather_coalesced(outs, [torch.full((2,), rank + 0.25), torch.full((3,), rank, dtype=torch.int8)]).wait()
+    pg.allgather_coalesced(
+        outs, [torch.full((2,), rank + 0.25), torch.full((3,), rank, dtype=torch.int8)]
+    ).wait()
     for r in range(n):
         c.eq(outs[r][0], torch.full((2,), r + 0.25), f"allgather_coalesced[{r}][0]")
         c.eq(outs[r][1], torch.full((3,), r, dtype=torch.int8), f"allgather_coalesced[{r}][1]")
@@ -334,11 +393,13 @@ def old_names_and_coalesced(c, rank, n):
     c.eq(y, torch.full((2,), float(n)), "coalesced reduce_scatter_tensor[1]")
     # overlapping outputs of different gathers must not corrupt each other: two views of one buffer
     buf = torch.zeros(4 * n)
-    w1 = dist.all_gather_into_tensor(buf[:2 * n], torch.full((2,), rank + 1.0), async_op=True)
-    w2 = dist.all_gather_into_tensor(buf[2 * n:], torch.full((2,), -rank - 1.0), async_op=True)
+    w1 = dist.all_gather_into_tensor(buf[: 2 * n], torch.full((2,), rank + 1.0), async_op=True)
+    w2 = dist.all_gather_into_tensor(buf[2 * n :], torch.full((2,), -rank - 1.0), async_op=True)
     w2.wait(timeout=__import__("datetime").timedelta(seconds=30))
     w1.wait()
-    want = torch.cat([torch.arange(1.0, n + 1).repeat_interleave(2), -torch.arange(1.0, n + 1).repeat_interleave(2)])
+    want = torch.cat(
+        [torch.arange(1.0, n + 1).repeat_interleave(2), -torch.arange(1.0, n + 1).repeat_interleave(2)]
+    )
     c.eq(buf, want, "two gathers into halves of one buffer")
 
 

@@ -3,6 +3,7 @@
 Everything the two backends share runs on both in test_torch_backend.py, test_torch_collectives.py
 and test_torch_faults.py (conftest.torch_impl); these tests are about the native one.
 """
+
 import os
 import subprocess
 import sys
@@ -11,12 +12,14 @@ import time
 import pytest
 
 torch = pytest.importorskip("torch")
-import plait
-import plait.torch
-import torch.distributed as dist
-from test_torch_backend import ROOT, init_pg, run_torch
+import plait  # noqa: E402 - after the importorskip
+import plait.torch  # noqa: E402 - after the importorskip
+import torch.distributed as dist  # noqa: E402 - after the importorskip
+from test_torch_backend import ROOT, init_pg, run_torch  # noqa: E402 - after the importorskip
 
-pytestmark = pytest.mark.skipif(not plait.torch.native(), reason="the native torch backend did not build here")
+pytestmark = pytest.mark.skipif(
+    not plait.torch.native(), reason="the native torch backend did not build here"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -90,8 +93,9 @@ def test_future_callbacks_may_issue_and_wait(tmp_path):
 def _probe(env):
     code = "import plait.torch as t; print('native' if t.native() else 'python')"
     e = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), **env)
-    return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=600,
-                          check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=600, check=False
+    )
 
 
 def test_fallback_when_it_cannot_build(tmp_path):
@@ -110,6 +114,7 @@ def test_fallback_when_it_cannot_build(tmp_path):
 def _coalesced(rank, n, store_dir):
     init_pg("plait", rank, n, store_dir)
     from torch.distributed.distributed_c10d import _coalescing_manager
+
     c = torch.arange(5, dtype=torch.float32) * 10
     if rank == 0:
         # two coalesced allreduces are one plait call: it matches rank 1's single 5-element one
@@ -131,12 +136,19 @@ def _coalesced(rank, n, store_dir):
     bo = dist.BroadcastOptions()
     bo.rootRank = 1
     pg._start_coalescing(torch.device("cpu"))
-    works = [pg.allreduce([x]), pg.allreduce([y], dist.ReduceOp.MAX), pg.broadcast([g], bo),
-             pg.allreduce([z]), pg.allreduce([z.clone()])]
+    works = [
+        pg.allreduce([x]),
+        pg.allreduce([y], dist.ReduceOp.MAX),
+        pg.broadcast([g], bo),
+        pg.allreduce([z]),
+        pg.allreduce([z.clone()]),
+    ]
     pg._end_coalescing(torch.device("cpu")).wait()
     assert all(w.is_completed() for w in works)
     s = n * (n + 1) // 2
-    assert torch.equal(x, torch.full((4,), s, dtype=torch.int64)) and torch.equal(y, torch.full((3,), float(n)))
+    assert torch.equal(x, torch.full((4,), s, dtype=torch.int64)) and torch.equal(
+        y, torch.full((3,), float(n))
+    )
     assert torch.equal(z, torch.full((2,), float(s))) and torch.equal(g, torch.full((2,), 1.0))
     return True
 
@@ -214,6 +226,7 @@ def _sparse(rank, n, store_dir, backend, steps):
     assert torch.equal(dense, want), dense
     # DDP over a sparse embedding
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     torch.manual_seed(0)
     emb = torch.nn.Embedding(50, 4, sparse=True)
     model = DDP(emb)
@@ -238,6 +251,7 @@ def _fsdp2_alloc(rank, n, store_dir, backend, steps):
     from test_torch_backend import _mlp, _train
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh("cpu", (n,))
     model = _mlp(0)
     for layer in (model[0], model[2], model[4]):
@@ -248,7 +262,8 @@ def _fsdp2_alloc(rank, n, store_dir, backend, steps):
     shared = None
     if backend == "plait":
         t = dist.group.WORLD._get_backend(torch.device("cpu")).allocate_tensor(
-            1000, dtype=torch.float32, device=torch.device("cpu"))
+            1000, dtype=torch.float32, device=torch.device("cpu")
+        )
         shared = plait._C.is_shared(t.data_ptr(), t.numel() * 4)
         del t
     _train(model, rank, steps)

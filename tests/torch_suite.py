@@ -9,6 +9,7 @@ at module level for them. Prints each outcome and the pass / fail / error / skip
 pytest file (its name does not start with test_): it is a report, and many of torch's tests
 assume gloo or NCCL (names, CUDA, gloo-only APIs).
 """
+
 import os
 import sys
 import tempfile
@@ -41,8 +42,10 @@ def main():
     skipped = len(result.skipped)
     failed, errors = len(result.failures), len(result.errors)
     passed = result.testsRun - skipped - failed - errors - len(result.expectedFailures)
-    print(f"torch distributed_test against plait: {result.testsRun} run, {passed} passed, {failed} failed, "
-          f"{errors} errors, {skipped} skipped")
+    print(
+        f"torch distributed_test against plait: {result.testsRun} run, {passed} passed, {failed} failed, "
+        f"{errors} errors, {skipped} skipped"
+    )
     return 0 if result.wasSuccessful() else 1
 
 

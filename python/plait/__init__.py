@@ -7,6 +7,7 @@
 Collectives run over shared memory between the processes of one host; see docs/api.md.
 This module is the facade: joining lives in _bootstrap, the communicators in _comm and _hier.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -21,11 +22,35 @@ from ._errors import InvalidArgument, MismatchError, PeerLostError, PlaitError, 
 from ._shared import empty, is_shared, zeros
 
 __all__ = [
-    "init", "finalize", "get_default", "is_initialized", "algorithms", "build_info",
-    "cuda_available", "Communicator", "HierCommunicator", "Handle",
-    "allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "send", "recv",
-    "barrier", "split", "PlaitError", "InvalidArgument", "MismatchError", "TimeoutError",
-    "PeerLostError", "empty", "zeros", "is_shared", "dump",
+    "init",
+    "finalize",
+    "get_default",
+    "is_initialized",
+    "algorithms",
+    "build_info",
+    "cuda_available",
+    "Communicator",
+    "HierCommunicator",
+    "Handle",
+    "allreduce",
+    "reduce_scatter",
+    "allgather",
+    "broadcast",
+    "reduce",
+    "alltoall",
+    "send",
+    "recv",
+    "barrier",
+    "split",
+    "PlaitError",
+    "InvalidArgument",
+    "MismatchError",
+    "TimeoutError",
+    "PeerLostError",
+    "empty",
+    "zeros",
+    "is_shared",
+    "dump",
 ]
 __version__ = "0.1.0"
 
@@ -68,9 +93,16 @@ def cuda_available() -> bool:
     return _cuda.compiled() and _cuda.device_count() > 0
 
 
-def init(rank: Optional[int] = None, size: Optional[int] = None, *, store: Any = None,
-         timeout: Optional[float] = None, buffer_bytes: Optional[int] = None,
-         init_timeout: Optional[float] = None, set_default: bool = True) -> Communicator | HierCommunicator:
+def init(
+    rank: Optional[int] = None,
+    size: Optional[int] = None,
+    *,
+    store: Any = None,
+    timeout: Optional[float] = None,
+    buffer_bytes: Optional[int] = None,
+    init_timeout: Optional[float] = None,
+    set_default: bool = True,
+) -> Communicator | HierCommunicator:
     """Joins (creates) a communicator of `size` ranks and makes it the default.
 
     rank/size default to RANK/WORLD_SIZE (plait-run, torchrun, mpirun). store: None (PLAIT_STORE,
@@ -80,8 +112,9 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, *, store: Any =
     HierCommunicator with the same methods.
     """
     global _default
-    comm = _bootstrap.connect(rank, size, store=store, timeout=timeout, buffer_bytes=buffer_bytes,
-                              init_timeout=init_timeout)
+    comm = _bootstrap.connect(
+        rank, size, store=store, timeout=timeout, buffer_bytes=buffer_bytes, init_timeout=init_timeout
+    )
     if set_default:
         if _default is not None and not _default.closed:
             _default.finalize()

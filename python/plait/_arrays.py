@@ -6,6 +6,7 @@ __cuda_array_interface__, torch CUDA tensors) become a GpuArray: pointer, bytes,
 and the stream to order the work on, holding the array so it outlives the call. torch and cupy
 are imported lazily, only when such an object is passed.
 """
+
 import numpy as np
 
 from . import _errors
@@ -13,8 +14,17 @@ from . import _errors
 # The one dtype table: plait's name -> the numpy typestr of the buffer plait reads (bfloat16, which
 # numpy lacks, travels as its uint16 bits with the name passed beside it). Everything else (item
 # sizes, torch's dtypes, __cuda_array_interface__ typestrs) is derived from it.
-DTYPES = {"float16": "<f2", "bfloat16": "<u2", "float32": "<f4", "float64": "<f8", "int8": "|i1",
-          "uint8": "|u1", "int32": "<i4", "int64": "<i8", "bool": "|b1"}
+DTYPES = {
+    "float16": "<f2",
+    "bfloat16": "<u2",
+    "float32": "<f4",
+    "float64": "<f8",
+    "int8": "|i1",
+    "uint8": "|u1",
+    "int32": "<i4",
+    "int64": "<i8",
+    "bool": "|b1",
+}
 ITEMSIZE = {name: np.dtype(ts).itemsize for name, ts in DTYPES.items()}
 # typestr -> name for device arrays; either byte-order mark for single bytes; bfloat16 is told
 # apart from uint16 by the array's own dtype (see gpu_array).
@@ -46,8 +56,12 @@ class _TensorWindow:
 
     def __init__(self, t, typestr):
         self._owner = t
-        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (t.numel(),),
-                                    "typestr": typestr, "version": 3}
+        self.__array_interface__ = {
+            "data": (t.data_ptr(), False),
+            "shape": (t.numel(),),
+            "typestr": typestr,
+            "version": 3,
+        }
 
 
 def _torch_typestr(torch, dtype):
@@ -62,23 +76,25 @@ def to_numpy(obj, name):
     mod = _module_of(obj)
     if mod == "torch":
         import torch
+
         if obj.device.type != "cpu":
             raise _errors.InvalidArgument(
-                f"{name} is a torch tensor on {obj.device}: plait takes CPU tensors and CUDA tensors")
+                f"{name} is a torch tensor on {obj.device}: plait takes CPU tensors and CUDA tensors"
+            )
         if not obj.is_contiguous():
             raise _errors.InvalidArgument(f"{name} is not contiguous (call .contiguous() first)")
         typestr = _torch_typestr(torch, obj.dtype)
         if typestr is None:
             raise _errors.InvalidArgument(f"{name} has unsupported dtype {obj.dtype}")
-        view = (np.asarray(_TensorWindow(obj, typestr)) if obj.numel()
-                else np.empty(0, dtype=typestr))
+        view = np.asarray(_TensorWindow(obj, typestr)) if obj.numel() else np.empty(0, dtype=typestr)
         return view, "bfloat16" if obj.dtype == torch.bfloat16 else ""
     if is_gpu(obj):
         raise _errors.InvalidArgument(f"{name} is a GPU array where a host array was expected")
     if isinstance(obj, np.ndarray):
         return obj, ""
     raise _errors.InvalidArgument(
-        f"{name} must be a numpy array or a torch CPU tensor, got {type(obj).__name__}")
+        f"{name} must be a numpy array or a torch CPU tensor, got {type(obj).__name__}"
+    )
 
 
 def empty_like(x, shape=None):
@@ -88,19 +104,25 @@ def empty_like(x, shape=None):
     mod = _module_of(x)
     if mod == "torch":
         import torch
+
         return torch.empty(tuple(x.shape) if shape is None else shape, dtype=x.dtype, device=x.device)
     if mod == "cupy":
         import cupy
+
         with x.device:
             return cupy.empty(x.shape if shape is None else shape, dtype=x.dtype)
     if is_gpu(x):
         raise _errors.InvalidArgument(
-            f"cannot allocate an output like a {type(x).__name__}: pass out= (a cupy array or a torch CUDA tensor)")
+            f"cannot allocate an output like a {type(x).__name__}: "
+            "pass out= (a cupy array or a torch CUDA tensor)"
+        )
     return np.empty(x.shape if shape is None else shape, dtype=x.dtype)
 
 
 def size_of(x):
-    return int(x.size) if type(x) is np.ndarray else int(x.numel()) if _module_of(x) == "torch" else int(x.size)
+    return (
+        int(x.size) if type(x) is np.ndarray else int(x.numel()) if _module_of(x) == "torch" else int(x.size)
+    )
 
 
 # -- device arrays ------------------------------------------------------------------------------
@@ -158,11 +180,20 @@ def gpu_array(obj, name, pointer_device):
     mod = _module_of(obj)
     if mod == "torch":
         import torch
+
         if not obj.is_contiguous():
             raise _errors.InvalidArgument(f"{name} is not contiguous (call .contiguous() first)")
         dev = obj.device.index if obj.device.index is not None else torch.cuda.current_device()
-        return GpuArray(obj.data_ptr(), obj.numel() * obj.element_size(), obj.element_size(), dev,
-                        torch_dtypes(torch).get(obj.dtype), torch.cuda.current_stream(dev).cuda_stream, obj, "torch")
+        return GpuArray(
+            obj.data_ptr(),
+            obj.numel() * obj.element_size(),
+            obj.element_size(),
+            dev,
+            torch_dtypes(torch).get(obj.dtype),
+            torch.cuda.current_stream(dev).cuda_stream,
+            obj,
+            "torch",
+        )
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
         ptr, _readonly = cai["data"]
@@ -179,6 +210,7 @@ def gpu_array(obj, name, pointer_device):
             dtype = "bfloat16"
         if mod == "cupy":
             import cupy
+
             device = int(obj.device.id)
             with cupy.cuda.Device(device):  # the current stream of the array's device, not the current one's
                 stream = cupy.cuda.get_current_stream().ptr
@@ -189,4 +221,5 @@ def gpu_array(obj, name, pointer_device):
         return GpuArray(ptr, count * itemsize, itemsize, device, dtype, stream, obj, mod)
     raise _errors.InvalidArgument(
         f"{name} is a CUDA array that offers only DLPack ({type(obj).__name__}); plait reads cupy arrays, "
-        f"torch CUDA tensors and objects with __cuda_array_interface__")
+        f"torch CUDA tensors and objects with __cuda_array_interface__"
+    )

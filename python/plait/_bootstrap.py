@@ -3,6 +3,7 @@ rendezvous store (named, launcher's, served by rank 0, or over MPI), the shared 
 choice between the flat and the hierarchical communicator. `plait.init` is the public face of
 `connect`; `split` and the hierarchical communicator come back here for their own rendezvous.
 """
+
 import json
 import os
 
@@ -24,8 +25,12 @@ def _env_int(name):
 def connect(rank=None, size=None, *, store=None, timeout=None, buffer_bytes=None, init_timeout=None):
     """A new communicator (flat or hierarchical) of this process; arguments as plait.init's."""
     if "OMPI_COMM_WORLD_SIZE" in os.environ:  # under mpirun: its ranks, unless a launcher set ours
-        for ours, theirs in (("RANK", "RANK"), ("WORLD_SIZE", "SIZE"), ("LOCAL_RANK", "LOCAL_RANK"),
-                             ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")):
+        for ours, theirs in (
+            ("RANK", "RANK"),
+            ("WORLD_SIZE", "SIZE"),
+            ("LOCAL_RANK", "LOCAL_RANK"),
+            ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"),
+        ):
             if f"OMPI_COMM_WORLD_{theirs}" in os.environ:
                 os.environ.setdefault(ours, os.environ[f"OMPI_COMM_WORLD_{theirs}"])
     rank = _env_int("RANK") if rank is None else int(rank)
@@ -62,8 +67,16 @@ def connect(rank=None, size=None, *, store=None, timeout=None, buffer_bytes=None
             host, port = store
         client = _store.Store(host, port, timeout=init_timeout)
         keep.append(client)
-    return init_in(client, "plait", rank, size, timeout=float(timeout), init_timeout=float(init_timeout),
-                   buffer_bytes=buffer_bytes, keep=keep)
+    return init_in(
+        client,
+        "plait",
+        rank,
+        size,
+        timeout=float(timeout),
+        init_timeout=float(init_timeout),
+        buffer_bytes=buffer_bytes,
+        keep=keep,
+    )
 
 
 def _join_shm(client, prefix, rank, size, timeout, init_timeout, buffer_bytes, oversubscribed):
@@ -86,8 +99,9 @@ def _join_shm(client, prefix, rank, size, timeout, init_timeout, buffer_bytes, o
             cls = cls if isinstance(cls, type) and issubclass(cls, PlaitError) else PlaitError
             raise cls(f"rank {rank}: rank 0 could not create the communicator: {info['error']}")
         seg = _comm.open_segment(info)
-    native = _C.Communicator(seg, rank, float(timeout), os.environ.get("PLAIT_ALGO", ""),
-                             oversubscribed, float(init_timeout))
+    native = _C.Communicator(
+        seg, rank, float(timeout), os.environ.get("PLAIT_ALGO", ""), oversubscribed, float(init_timeout)
+    )
     return native, info
 
 
@@ -100,17 +114,32 @@ def init_in(client, prefix, rank, size, *, timeout, init_timeout, buffer_bytes, 
         base = f"{prefix}/{gen}"
         ids = _hosts.exchange(client, base, rank, size, init_timeout) if size > 1 else None
         if ids is None or len({h for h, _ in ids}) == 1:
-            native, info = _join_shm(client, base, rank, size, timeout, init_timeout, buffer_bytes,
-                                     size > _comm._cpus())
-            return Communicator(native, timeout=timeout, buffer_bytes=info["staging"], world_size=size,
-                                keep=keep)
+            native, info = _join_shm(
+                client, base, rank, size, timeout, init_timeout, buffer_bytes, size > _comm._cpus()
+            )
+            return Communicator(
+                native, timeout=timeout, buffer_bytes=info["staging"], world_size=size, keep=keep
+            )
 
         def join_local(pfx, lrank, lsize, oversubscribed):
-            native, info = _join_shm(client, pfx, lrank, lsize, timeout, init_timeout, buffer_bytes,
-                                     oversubscribed)
+            native, info = _join_shm(
+                client, pfx, lrank, lsize, timeout, init_timeout, buffer_bytes, oversubscribed
+            )
             return Communicator(native, timeout=timeout, buffer_bytes=info["staging"], world_size=lsize)
-        return _hier.create(client, base, rank, size, ids, timeout=timeout, init_timeout=init_timeout,
-                            buffer_bytes=buffer_bytes, keep=keep, ctx=ctx, join_local=join_local)
+
+        return _hier.create(
+            client,
+            base,
+            rank,
+            size,
+            ids,
+            timeout=timeout,
+            init_timeout=init_timeout,
+            buffer_bytes=buffer_bytes,
+            keep=keep,
+            ctx=ctx,
+            join_local=join_local,
+        )
     except BaseException:
         for k in keep:
             k.close()
@@ -133,24 +162,34 @@ def _serve_for_good(host, port):
 def _mpirun_store(rank):
     """Under mpirun with no store named: (host, port, bind address) of a store rank 0 serves on a
     free port, its address broadcast with mpi4py. None when not under mpirun or a store is named."""
-    if "OMPI_COMM_WORLD_SIZE" not in os.environ or os.environ.get("PLAIT_STORE") or \
-            os.environ.get("MASTER_PORT"):
+    if (
+        "OMPI_COMM_WORLD_SIZE" not in os.environ
+        or os.environ.get("PLAIT_STORE")
+        or os.environ.get("MASTER_PORT")
+    ):
         return None
     try:
         from mpi4py import MPI
     except ImportError:
-        raise InvalidArgument("plait under mpirun without PLAIT_STORE or MASTER_ADDR/MASTER_PORT needs "
-                              "mpi4py to share the store's address (pip install mpi4py)") from None
+        raise InvalidArgument(
+            "plait under mpirun without PLAIT_STORE or MASTER_ADDR/MASTER_PORT needs "
+            "mpi4py to share the store's address (pip install mpi4py)"
+        ) from None
     import socket
+
     addr = None
     if MPI.COMM_WORLD.Get_rank() == 0:
         import contextlib
+
         with contextlib.closing(socket.socket()) as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
         host = os.environ.get("MASTER_ADDR") or (
-            "127.0.0.1" if int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", 0) or 0) ==
-            int(os.environ["OMPI_COMM_WORLD_SIZE"]) else socket.gethostname())
+            "127.0.0.1"
+            if int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", 0) or 0)
+            == int(os.environ["OMPI_COMM_WORLD_SIZE"])
+            else socket.gethostname()
+        )
         addr = (host, port)
     host, port = MPI.COMM_WORLD.bcast(addr, root=0)
     return host, port, "0.0.0.0" if rank == 0 else False

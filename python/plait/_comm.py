@@ -1,4 +1,5 @@
 """Communicator: the Python face of one native communicator (validation and data movement are C++)."""
+
 from __future__ import annotations
 
 import json
@@ -59,18 +60,26 @@ def flight_slots():
 
 def new_segment_info(size, buffer_bytes):
     staging, pair_slot = segment_params(size, buffer_bytes)
-    return {"name": _shm.segment_name(), "size": size, "staging": staging, "pair_slot": pair_slot,
-            "token": [secrets.randbits(64), secrets.randbits(64)], "flight": flight_slots()}
+    return {
+        "name": _shm.segment_name(),
+        "size": size,
+        "staging": staging,
+        "pair_slot": pair_slot,
+        "token": [secrets.randbits(64), secrets.randbits(64)],
+        "flight": flight_slots(),
+    }
 
 
 def create_segment(info):
-    return _C.create_segment(info["name"], info["size"], info["staging"], info["pair_slot"], *info["token"],
-                             info.get("flight", 0))
+    return _C.create_segment(
+        info["name"], info["size"], info["staging"], info["pair_slot"], *info["token"], info.get("flight", 0)
+    )
 
 
 def open_segment(info):
-    return _C.open_segment(info["name"], info["size"], info["staging"], info["pair_slot"], *info["token"],
-                           info.get("flight", 0))
+    return _C.open_segment(
+        info["name"], info["size"], info["staging"], info["pair_slot"], *info["token"], info.get("flight", 0)
+    )
 
 
 def close_all(things):
@@ -95,8 +104,13 @@ class Handle:
         `timeout` bounds only this wait (the call keeps its own deadline): when it passes first,
         plait.TimeoutError is raised and the call goes on.
         """
-        wait_s = None if timeout is None else _errors.seconds(
-            timeout, "Handle.wait: timeout", "only look whether the call is done; None waits for it")
+        wait_s = (
+            None
+            if timeout is None
+            else _errors.seconds(
+                timeout, "Handle.wait: timeout", "only look whether the call is done; None waits for it"
+            )
+        )
         if not self._task.wait(wait_s):
             raise _errors.TimeoutError(f"the call is still running after {timeout} s of waiting")
         self._keep = None
@@ -125,8 +139,12 @@ class Communicator:
 
     # -- internals ---------------------------------------------------------------------------
     def _call(self, code, x, out, op, root, peer, tag, algorithm, timeout, async_op, dtype, result):
-        if type(root) is not int or type(peer) is not int or type(tag) is not int or not (
-                -(1 << 31) <= root < 1 << 31 and -(1 << 31) <= peer < 1 << 31):
+        if (
+            type(root) is not int
+            or type(peer) is not int
+            or type(tag) is not int
+            or not (-(1 << 31) <= root < 1 << 31 and -(1 << 31) <= peer < 1 << 31)
+        ):
             root, peer, tag = self._int(root, "root"), self._int(peer, "peer"), self._int(tag, "tag")
         if timeout is not None:
             # The type here; the value (NaN, negative) is checked with the other arguments in C++.
@@ -135,8 +153,9 @@ class Communicator:
             except _errors.InvalidArgument as e:
                 self._c.fail(f"rank {self.rank}: {_NAME[code]}: {e}")
         if _gpu.wants_gpu(x, out):
-            return _gpu.call(self, _NAME[code], x, out, op, algorithm, timeout, async_op, dtype, result,
-                             root, peer, tag)
+            return _gpu.call(
+                self, _NAME[code], x, out, op, algorithm, timeout, async_op, dtype, result, root, peer, tag
+            )
         xo = out_o = None
         if x is not None and type(x) is not np.ndarray:
             xo = x
@@ -159,8 +178,10 @@ class Communicator:
         """A fresh output for x; input that is no array aborts the call on every rank."""
         if type(x) is not _ndarray:
             if not hasattr(x, "shape"):
-                self._c.fail(f"rank {self.rank}: input must be a numpy array or a torch CPU tensor, "
-                             f"got {type(x).__name__}")
+                self._c.fail(
+                    f"rank {self.rank}: input must be a numpy array or a torch CPU tensor, "
+                    f"got {type(x).__name__}"
+                )
             if _gpu.wants_gpu(x, None):
                 _gpu.check_input(self, coll, x)
                 try:
@@ -185,81 +206,185 @@ class Communicator:
             self._c.fail(f"rank {self.rank}: {e}")
 
     # -- collectives -------------------------------------------------------------------------
-    def allreduce(self, x: Array, out: Optional[Array] = None, *, op: str = "sum", algorithm: str = "auto",
-                  timeout: Timeout = None, async_op: bool = False, dtype: Optional[str] = None) -> Union[Array, Handle]:
+    def allreduce(
+        self,
+        x: Array,
+        out: Optional[Array] = None,
+        *,
+        op: str = "sum",
+        algorithm: str = "auto",
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: Optional[str] = None,
+    ) -> Union[Array, Handle]:
         """out = x reduced over all ranks with `op`; `out=x` works in place."""
         if out is None:
             out = self._new_out(x, "allreduce")
-        if type(x) is _ndarray and type(out) is _ndarray and not async_op and dtype is None and timeout is None:
+        if (
+            type(x) is _ndarray
+            and type(out) is _ndarray
+            and not async_op
+            and dtype is None
+            and timeout is None
+        ):
             # The small-message path: one Python frame, then C++ without pybind11's dispatch.
             _fast_call(self._c, _ALLREDUCE, x, out, op, algorithm)
             return out
         return self._call(_ALLREDUCE, x, out, op, 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
-    def reduce_scatter(self, x: Array, out: Optional[Array] = None, *, op: str = "sum", algorithm: str = "auto",
-                       timeout: Timeout = None, async_op: bool = False,
-                       dtype: Optional[str] = None) -> Union[Array, Handle]:
+    def reduce_scatter(
+        self,
+        x: Array,
+        out: Optional[Array] = None,
+        *,
+        op: str = "sum",
+        algorithm: str = "auto",
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: Optional[str] = None,
+    ) -> Union[Array, Handle]:
         """Block r of the reduced x (x holds `size` equal blocks) lands in rank r's out."""
         if out is None:
             out = self._new_out(x, "reduce_scatter", lambda: (_arrays.size_of(x) // self.size,))
-        if type(x) is _ndarray and type(out) is _ndarray and not async_op and dtype is None and timeout is None:
+        if (
+            type(x) is _ndarray
+            and type(out) is _ndarray
+            and not async_op
+            and dtype is None
+            and timeout is None
+        ):
             _fast_call(self._c, _REDUCE_SCATTER, x, out, op, algorithm)
             return out
         return self._call(_REDUCE_SCATTER, x, out, op, 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
-    def allgather(self, x: Array, out: Optional[Array] = None, *, algorithm: str = "auto", timeout: Timeout = None,
-                  async_op: bool = False, dtype: Optional[str] = None) -> Union[Array, Handle]:
+    def allgather(
+        self,
+        x: Array,
+        out: Optional[Array] = None,
+        *,
+        algorithm: str = "auto",
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: Optional[str] = None,
+    ) -> Union[Array, Handle]:
         """out[r] = rank r's x; default out shape (size, *x.shape)."""
         if out is None:
             out = self._new_out(x, "allgather", lambda: (self.size,) + tuple(x.shape))
-        if type(x) is _ndarray and type(out) is _ndarray and not async_op and dtype is None and timeout is None:
+        if (
+            type(x) is _ndarray
+            and type(out) is _ndarray
+            and not async_op
+            and dtype is None
+            and timeout is None
+        ):
             _fast_call(self._c, _ALLGATHER, x, out, "sum", algorithm)
             return out
         return self._call(_ALLGATHER, x, out, "sum", 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
-    def broadcast(self, x: Array, root: int = 0, *, out: Optional[Array] = None, algorithm: str = "auto",
-                  timeout: Timeout = None, async_op: bool = False,
-                  dtype: Optional[str] = None) -> Union[Array, Handle]:
+    def broadcast(
+        self,
+        x: Array,
+        root: int = 0,
+        *,
+        out: Optional[Array] = None,
+        algorithm: str = "auto",
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: Optional[str] = None,
+    ) -> Union[Array, Handle]:
         """The root's x lands in every rank's out (x itself when out is None)."""
         if out is None:
             out = x
-        if (type(x) is _ndarray and type(out) is _ndarray and not async_op and dtype is None
-                and timeout is None and type(root) is int and -(1 << 31) <= root < 1 << 31):
+        if (
+            type(x) is _ndarray
+            and type(out) is _ndarray
+            and not async_op
+            and dtype is None
+            and timeout is None
+            and type(root) is int
+            and -(1 << 31) <= root < 1 << 31
+        ):
             _fast_call(self._c, _BROADCAST, x, out, "sum", algorithm, root)
             return out
         return self._call(_BROADCAST, x, out, "sum", root, -1, 0, algorithm, timeout, async_op, dtype, out)
 
-    def reduce(self, x: Array, root: int = 0, *, out: Optional[Array] = None, op: str = "sum",
-               algorithm: str = "auto", timeout: Timeout = None, async_op: bool = False,
-               dtype: Optional[str] = None) -> Union[Array, Handle, None]:
+    def reduce(
+        self,
+        x: Array,
+        root: int = 0,
+        *,
+        out: Optional[Array] = None,
+        op: str = "sum",
+        algorithm: str = "auto",
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: Optional[str] = None,
+    ) -> Union[Array, Handle, None]:
         """The reduced x lands in the root's out; other ranks get None."""
         if self.rank == root and out is None:
             out = self._new_out(x, "reduce")
         if self.rank != root:
             out = None
-        if (type(x) is _ndarray and (out is None or type(out) is _ndarray) and not async_op
-                and dtype is None and timeout is None and type(root) is int and -(1 << 31) <= root < 1 << 31):
+        if (
+            type(x) is _ndarray
+            and (out is None or type(out) is _ndarray)
+            and not async_op
+            and dtype is None
+            and timeout is None
+            and type(root) is int
+            and -(1 << 31) <= root < 1 << 31
+        ):
             _fast_call(self._c, _REDUCE, x, out, op, algorithm, root)
             return out
         return self._call(_REDUCE, x, out, op, root, -1, 0, algorithm, timeout, async_op, dtype, out)
 
-    def alltoall(self, x: Array, out: Optional[Array] = None, *, algorithm: str = "auto", timeout: Timeout = None,
-                 async_op: bool = False, dtype: Optional[str] = None) -> Union[Array, Handle]:
+    def alltoall(
+        self,
+        x: Array,
+        out: Optional[Array] = None,
+        *,
+        algorithm: str = "auto",
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: Optional[str] = None,
+    ) -> Union[Array, Handle]:
         """Block j of x goes to rank j; block j of out came from rank j."""
         if out is None:
             out = self._new_out(x, "alltoall")
-        if type(x) is _ndarray and type(out) is _ndarray and not async_op and dtype is None and timeout is None:
+        if (
+            type(x) is _ndarray
+            and type(out) is _ndarray
+            and not async_op
+            and dtype is None
+            and timeout is None
+        ):
             _fast_call(self._c, _ALLTOALL, x, out, "sum", algorithm)
             return out
         return self._call(_ALLTOALL, x, out, "sum", 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
-    def send(self, x: Array, peer: int, *, tag: int = 0, timeout: Timeout = None, async_op: bool = False,
-             dtype: Optional[str] = None) -> Optional[Handle]:
+    def send(
+        self,
+        x: Array,
+        peer: int,
+        *,
+        tag: int = 0,
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: Optional[str] = None,
+    ) -> Optional[Handle]:
         """Sends x to `peer`; matched in order with that peer's recv of the same size and tag."""
         return self._call(_SEND, x, None, "sum", 0, peer, tag, "", timeout, async_op, dtype, None)
 
-    def recv(self, out: Array, peer: int, *, tag: int = 0, timeout: Timeout = None, async_op: bool = False,
-             dtype: Optional[str] = None) -> Union[Array, Handle]:
+    def recv(
+        self,
+        out: Array,
+        peer: int,
+        *,
+        tag: int = 0,
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: Optional[str] = None,
+    ) -> Union[Array, Handle]:
         """Receives into out from `peer`."""
         return self._call(_RECV, None, out, "sum", 0, peer, tag, "", timeout, async_op, dtype, out)
 
@@ -267,8 +392,9 @@ class Communicator:
         return self._call(_BARRIER, None, None, "sum", 0, -1, 0, "auto", timeout, async_op, "", None)
 
     # -- groups ------------------------------------------------------------------------------
-    def split(self, color: Optional[int], key: int = 0, *,
-              buffer_bytes: Optional[int] = None) -> Optional[Communicator]:
+    def split(
+        self, color: Optional[int], key: int = 0, *, buffer_bytes: Optional[int] = None
+    ) -> Optional[Communicator]:
         """MPI_Comm_split: ranks with the same color form a communicator, ordered by (key, rank).
 
         Collective over this communicator. color None or < 0: this rank joins none (returns None).
@@ -287,7 +413,7 @@ class Communicator:
             info = new_segment_info(len(members), buffer_bytes or self._buffer_bytes)
             seg = create_segment(info)
             blob = json.dumps(info).encode()
-            record[:len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+            record[: len(blob)] = np.frombuffer(blob, dtype=np.uint8)
         records = self.allgather(record)
         if c < 0:
             return None
@@ -295,10 +421,20 @@ class Communicator:
             blob = records[leader].tobytes().rstrip(b"\0")
             seg = open_segment(json.loads(blob))
         new_rank = [r for _, r in members].index(self.rank)
-        native = _C.Communicator(seg, new_rank, self.timeout, os.environ.get("PLAIT_ALGO", ""),
-                                 self._world_size > _cpus(), self.timeout)
-        return Communicator(native, timeout=self.timeout, buffer_bytes=buffer_bytes or self._buffer_bytes,
-                            world_size=self._world_size)
+        native = _C.Communicator(
+            seg,
+            new_rank,
+            self.timeout,
+            os.environ.get("PLAIT_ALGO", ""),
+            self._world_size > _cpus(),
+            self.timeout,
+        )
+        return Communicator(
+            native,
+            timeout=self.timeout,
+            buffer_bytes=buffer_bytes or self._buffer_bytes,
+            world_size=self._world_size,
+        )
 
     # -- lifetime ----------------------------------------------------------------------------
     @property

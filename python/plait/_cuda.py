@@ -4,12 +4,22 @@ Nothing here imports a GPU library. NCCL is found in the nvidia-nccl-cu13 wheel
 (site-packages/nvidia/nccl/lib/libnccl.so.2) through importlib, else left to the system loader
 ("" lets dlopen search LD_LIBRARY_PATH and ld.so.cache); PLAIT_NCCL_PATH overrides both.
 """
+
 import importlib.util
 import os
 
 from . import _C, _errors
 
-GPU_COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "send", "recv")
+GPU_COLLECTIVES = (
+    "allreduce",
+    "reduce_scatter",
+    "allgather",
+    "broadcast",
+    "reduce",
+    "alltoall",
+    "send",
+    "recv",
+)
 # The collectives the CUDA IPC transport runs; the others need NCCL (one GPU per rank).
 IPC_COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 _nccl_version = None  # cached after the first successful load

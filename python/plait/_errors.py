@@ -1,4 +1,5 @@
 """plait's exception classes; the C++ binding raises these, matched one-to-one to plait::ErrorKind."""
+
 import builtins
 import numbers
 

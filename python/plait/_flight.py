@@ -4,6 +4,7 @@ A report (csrc/core/flight.cc builds it) is a dict: the reading rank, the error,
 rank its state, what it waits on, its last calls (oldest first) and anything in its ring that
 was not trusted.
 """
+
 import glob
 import json
 import os
@@ -60,8 +61,10 @@ def side_by_side(reports, directory="", last=4, width=28, max_ranks=8):
     view = reports[min(reports)]
     ranks = view.get("ranks", [])
     where = f" in {directory}" if directory else ""
-    lines = [f"flight recorder: {len(reports)} report(s){where}; rank {view.get('rank')}'s view of "
-             + f"{view.get('label', '?')}:"]
+    lines = [
+        f"flight recorder: {len(reports)} report(s){where}; rank {view.get('rank')}'s view of "
+        + f"{view.get('label', '?')}:"
+    ]
     for r, rep in sorted(reports.items()):
         lines.append(f"  rank {r} raised: {message_only(str(rep.get('error', ''))).splitlines()[0][:200]}")
     for info in ranks:

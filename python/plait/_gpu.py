@@ -14,6 +14,7 @@ HierCommunicator; the GPU communicator's abort coupling is the host-local CPU co
 hosts learn of an error through NCCL's errors and the call's deadline). The CUDA IPC transport
 reaches one host only, so it is refused there.
 """
+
 import os
 import zlib
 
@@ -24,8 +25,12 @@ from . import _C, _arrays, _cuda, _errors
 DEFAULT_CHUNK_BYTES = 4 << 20  # PLAIT_GPU_CHUNK_BYTES; a guess until measured on a GPU
 _ITEMSIZE = _arrays.ITEMSIZE
 DEFAULT_IPC_BYTES = 8 << 20  # PLAIT_GPU_IPC_BYTES: staging per rank of the IPC transport; a guess too
-_CODES = {c: i for i, c in enumerate(("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce",
-                                      "alltoall", "barrier"))}
+_CODES = {
+    c: i
+    for i, c in enumerate(
+        ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "barrier")
+    )
+}
 _OP_CODES = {o: i for i, o in enumerate(("sum", "prod", "min", "max", "avg"))}
 
 
@@ -42,8 +47,13 @@ class GpuHandle:
 
         `timeout` bounds only this wait; the call's own deadline aborts it with TimeoutError.
         """
-        wait_s = -1.0 if timeout is None else _errors.seconds(
-            timeout, "Handle.wait: timeout", "only look whether the call is done; None waits for it")
+        wait_s = (
+            -1.0
+            if timeout is None
+            else _errors.seconds(
+                timeout, "Handle.wait: timeout", "only look whether the call is done; None waits for it"
+            )
+        )
         if not self._event.wait(wait_s):
             raise _errors.TimeoutError(f"the GPU call is still running after {timeout} s of waiting")
         self._keep = None
@@ -60,8 +70,9 @@ class GpuHandle:
 
 
 def wants_gpu(x, out):
-    return ((x is not None and type(x) is not np.ndarray and _arrays.is_gpu(x))
-            or (out is not None and type(out) is not np.ndarray and _arrays.is_gpu(out)))
+    return (x is not None and type(x) is not np.ndarray and _arrays.is_gpu(x)) or (
+        out is not None and type(out) is not np.ndarray and _arrays.is_gpu(out)
+    )
 
 
 def _array(comm, obj, name, coll):
@@ -82,9 +93,11 @@ def _transport(comm, head):
     if transport not in ("auto", "nccl", "ipc"):
         comm.fail(f"{head}: PLAIT_GPU_TRANSPORT={transport!r} (auto, nccl or ipc)")
     if transport == "ipc" and _hierarchical(comm):
-        comm.fail(f"{head}: PLAIT_GPU_TRANSPORT=ipc, but this communicator's ranks span "
-                     f"{comm.layout.nhosts} hosts and the CUDA IPC transport reaches one host only; "
-                     f"unset it (or set nccl): NCCL runs GPU collectives across hosts")
+        comm.fail(
+            f"{head}: PLAIT_GPU_TRANSPORT=ipc, but this communicator's ranks span "
+            f"{comm.layout.nhosts} hosts and the CUDA IPC transport reaches one host only; "
+            f"unset it (or set nccl): NCCL runs GPU collectives across hosts"
+        )
     return transport
 
 
@@ -92,16 +105,21 @@ def check_usable(comm, coll, what):
     """Fails the call on every rank when this build or process cannot run GPU work."""
     head = f"rank {comm.rank}: {coll} ({what})"
     if coll not in _cuda.GPU_COLLECTIVES:
-        comm.fail(f"{head}: GPU arrays are taken by {', '.join(_cuda.GPU_COLLECTIVES)} only in this "
-                     f"version; pass host arrays")
+        comm.fail(
+            f"{head}: GPU arrays are taken by {', '.join(_cuda.GPU_COLLECTIVES)} only in this "
+            f"version; pass host arrays"
+        )
     if _hierarchical(comm):
         _transport(comm, head)  # a setting no rank can run is refused before any device check
     if not _cuda.compiled():
-        comm.fail(f"{head}: this plait build has no CUDA path (plait.build_info()['cuda'] is False); "
-                     f"rebuild with nvcc on PATH and PLAIT_CUDA=ON")
+        comm.fail(
+            f"{head}: this plait build has no CUDA path (plait.build_info()['cuda'] is False); "
+            f"rebuild with nvcc on PATH and PLAIT_CUDA=ON"
+        )
     if _cuda.device_count() == 0:
-        comm.fail(f"{head}: no CUDA device is visible to this process "
-                     f"(plait.build_info()['cuda_devices'] == 0)")
+        comm.fail(
+            f"{head}: no CUDA device is visible to this process (plait.build_info()['cuda_devices'] == 0)"
+        )
 
 
 def check_input(comm, coll, x):
@@ -125,8 +143,15 @@ def _check_calls(comm, head, coll, dt, count, op, root, algorithm, timeout):
         return
     seq = getattr(comm, "_gpu_calls", 0) + 1
     comm._gpu_calls = seq
-    codes = (seq, _CODES.get(coll, 99), int(count), sorted(_ITEMSIZE).index(dt), _OP_CODES.get(op, -1),
-             root, zlib.crc32((algorithm or "auto").encode()))
+    codes = (
+        seq,
+        _CODES.get(coll, 99),
+        int(count),
+        sorted(_ITEMSIZE).index(dt),
+        _OP_CODES.get(op, -1),
+        root,
+        zlib.crc32((algorithm or "auto").encode()),
+    )
     v = np.array(codes + tuple(-c for c in codes), dtype=np.int64)
     comm.allreduce(v, v, op="max", timeout=timeout)
     k = len(codes)
@@ -134,8 +159,10 @@ def _check_calls(comm, head, coll, dt, count, op, root, algorithm, timeout):
     if (hi == lo).all():
         return
     diff = ", ".join(f"{f} ({lo[j]}..{hi[j]})" for j, f in enumerate(_FIELDS) if hi[j] != lo[j])
-    msg = (f"{head}: mismatched GPU calls: ranks disagree on {diff} (this rank: {coll} #{seq}, "
-           f"count={count}, dtype={dt}, op={op}, algorithm={algorithm})")
+    msg = (
+        f"{head}: mismatched GPU calls: ranks disagree on {diff} (this rank: {coll} #{seq}, "
+        f"count={count}, dtype={dt}, op={op}, algorithm={algorithm})"
+    )
     comm.fail(msg, "mismatch")  # aborts the communicator on every rank and raises
 
 
@@ -144,11 +171,17 @@ def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result, ro
     fail = comm.fail
     head = f"rank {comm.rank}: {coll} ({(gx or go).describe()})"
     # reduce has no output on a non-root, send none, recv no input (all None by then).
-    if (gx is None and x is not None) or (go is None and out is not None) or (
-            x is None and coll != "recv") or (out is None and coll not in ("send", "reduce")):
+    if (
+        (gx is None and x is not None)
+        or (go is None and out is not None)
+        or (x is None and coll != "recv")
+        or (out is None and coll not in ("send", "reduce"))
+    ):
         host, obj = ("input", x) if gx is None else ("output", out)
-        fail(f"{head}: the {host} is a host array ({type(obj).__name__}) and the other a GPU array; "
-             f"pass both on the same GPU")
+        fail(
+            f"{head}: the {host} is a host array ({type(obj).__name__}) and the other a GPU array; "
+            f"pass both on the same GPU"
+        )
     ga = gx or go
     check_usable(comm, coll, ga.describe())
     if gx is not None and go is not None and gx.device != go.device:
@@ -157,20 +190,28 @@ def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result, ro
     if dtype is None and gx is not None and go is not None and go.dtype != gx.dtype:
         fail(f"{head}: input is {gx.dtype}, output is {go.dtype}")
     if dt not in _ITEMSIZE:
-        fail(f"{head}: unsupported dtype {dt} (float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool)")
+        fail(
+            f"{head}: unsupported dtype {dt} "
+            "(float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool)"
+        )
     if any(a is not None and a.itemsize != _ITEMSIZE[dt] for a in (gx, go)):
-        fail(f"{head}: dtype={dt!r} needs {_ITEMSIZE[dt]}-byte elements, the arrays have "
-             f"{' and '.join(str(a.itemsize) for a in (gx, go) if a is not None)}")
+        fail(
+            f"{head}: dtype={dt!r} needs {_ITEMSIZE[dt]}-byte elements, the arrays have "
+            f"{' and '.join(str(a.itemsize) for a in (gx, go) if a is not None)}"
+        )
     if coll in ("send", "recv"):
         if tag != 0:
-            fail(f"{head}: tag {tag}: GPU send/recv run over NCCL, which has no tags; they match in issue "
-                 f"order per pair of ranks (pass tag=0)")
+            fail(
+                f"{head}: tag {tag}: GPU send/recv run over NCCL, which has no tags; they match in issue "
+                f"order per pair of ranks (pass tag=0)"
+            )
         if comm._gpu is None and comm.size > 2:
             # Creating the GPU communicator is a collective: two ranks of a larger world cannot.
             raise _errors.InvalidArgument(
                 f"{head}: the first GPU call of a communicator of {comm.size} ranks must be a collective "
                 f"(it creates the GPU communicator on every rank); make one, e.g. a broadcast of a GPU "
-                f"array, before GPU send/recv")
+                f"array, before GPU send/recv"
+            )
     if timeout is not None:  # the GPU communicators take any value < 0 as "the default"
         try:
             timeout = _errors.seconds(timeout, "timeout", "fail at once if a peer is not there")
@@ -189,8 +230,18 @@ def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result, ro
             except _errors.InvalidArgument as e:
                 fail(f"{head}: {e}")
         _check_calls(comm, head, coll, dt, ga.nbytes // _ITEMSIZE[dt], op, root, algo, timeout)
-    g.call(coll, None if gx is None else (gx.ptr, gx.nbytes, gx.device),
-           None if go is None else (go.ptr, go.nbytes, go.device), dt, op, algorithm, ga.stream, t, root, peer)
+    g.call(
+        coll,
+        None if gx is None else (gx.ptr, gx.nbytes, gx.device),
+        None if go is None else (go.ptr, go.nbytes, go.device),
+        dt,
+        op,
+        algorithm,
+        ga.stream,
+        t,
+        root,
+        peer,
+    )
     if async_op:
         return GpuHandle(g.record(ga.stream, t), (x, out), result, ga.device)
     _record_streams(ga.stream, gx, go)
@@ -204,6 +255,7 @@ def _record_streams(stream, *arrays):
     for a in arrays:
         if a is not None and a.kind == "torch" and stream:  # the default stream needs none
             import torch
+
             a.owner.record_stream(torch.cuda.current_stream(a.device))
 
 
@@ -211,8 +263,10 @@ def _communicator(comm, device, timeout, head):
     g = comm._gpu
     if g is not None:
         if g.device != device:
-            comm.fail(f"{head}: this communicator's GPU work runs on GPU {g.device}; every GPU array "
-                         f"of a rank must be on one GPU")
+            comm.fail(
+                f"{head}: this communicator's GPU work runs on GPU {g.device}; every GPU array "
+                f"of a rank must be on one GPU"
+            )
         return g
     t = comm.timeout if timeout is None else float(timeout)
     transport = _transport(comm, head)
@@ -243,16 +297,20 @@ def _communicator(comm, device, timeout, head):
             raise _errors.InvalidArgument(
                 f"{head}: ranks {shared[0]} and {shared[1]} use the same GPU (uuid {shared[2]}); across "
                 f"hosts GPU collectives run over NCCL, which refuses two ranks on one GPU: give each "
-                f"rank its own GPU")
+                f"rank its own GPU"
+            )
         if shared is not None:
             raise _errors.InvalidArgument(
                 f"{head}: ranks {shared[0]} and {shared[1]} use the same GPU (uuid {shared[2]}) and "
                 f"PLAIT_GPU_TRANSPORT=nccl; NCCL refuses two ranks on one GPU (use the IPC transport: "
-                f"PLAIT_GPU_TRANSPORT=auto or ipc)")
+                f"PLAIT_GPU_TRANSPORT=auto or ipc)"
+            )
         bad = [r for r in range(comm.size) if not table[r][0]]
         if bad:
-            raise _errors.PlaitError(f"{head}: rank(s) {bad} could not load NCCL"
-                                     + (f": {err}" if err else " (their own errors say why)"))
+            raise _errors.PlaitError(
+                f"{head}: rank(s) {bad} could not load NCCL"
+                + (f": {err}" if err else " (their own errors say why)")
+            )
         g = _nccl_communicator(comm, device, t, head)
     comm._gpu = g
     return g
@@ -268,11 +326,20 @@ def _nccl_communicator(comm, device, t, head):
     comm.broadcast(uid, 0, timeout=t)
     chunk = int(os.environ.get("PLAIT_GPU_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
     if _hierarchical(comm):
-        return _C.GpuCommunicator(comm.local._c, uid.tobytes(), device, t, chunk,
-                                  os.environ.get("PLAIT_GPU_ALGO", ""), _cuda.nccl_path(), rank=comm.rank,
-                                  size=comm.size)
-    return _C.GpuCommunicator(comm._c, uid.tobytes(), device, t, chunk, os.environ.get("PLAIT_GPU_ALGO", ""),
-                              _cuda.nccl_path())
+        return _C.GpuCommunicator(
+            comm.local._c,
+            uid.tobytes(),
+            device,
+            t,
+            chunk,
+            os.environ.get("PLAIT_GPU_ALGO", ""),
+            _cuda.nccl_path(),
+            rank=comm.rank,
+            size=comm.size,
+        )
+    return _C.GpuCommunicator(
+        comm._c, uid.tobytes(), device, t, chunk, os.environ.get("PLAIT_GPU_ALGO", ""), _cuda.nccl_path()
+    )
 
 
 def _ipc_communicator(comm, device, t, head):

@@ -23,6 +23,7 @@ leader, leaders' allreduce, local broadcast.
 GPU arrays skip all of this: they go to one flat NCCL communicator of all ranks (plait._gpu), which
 does its own steps inside and between hosts.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -36,6 +37,7 @@ import numpy as np
 from . import _C, _comm, _errors, _gpu, _inter
 from ._comm import Array, Handle, Timeout
 from ._hosts import Layout
+
 
 class _Task:
     """What plait.Handle needs of a call in flight, over a concurrent.futures.Future."""
@@ -79,6 +81,7 @@ def _aborts_on_error(method):
             if self._error is None and not self._closed:
                 self._abort_all(e)
             raise
+
     return wrapper
 
 
@@ -102,8 +105,10 @@ class HierCommunicator:
 
     # -- plumbing ------------------------------------------------------------------------------
     def __repr__(self):
-        return (f"<plait.HierCommunicator rank {self.rank} of {self.size}, host {self.layout.h} of "
-                f"{self.layout.nhosts}, {self.engine} between hosts{' (finalized)' if self.closed else ''}>")
+        return (
+            f"<plait.HierCommunicator rank {self.rank} of {self.size}, host {self.layout.h} of "
+            f"{self.layout.nhosts}, {self.engine} between hosts{' (finalized)' if self.closed else ''}>"
+        )
 
     def fail(self, message: str, kind: str = "invalid") -> None:
         """As Communicator.fail: aborts on every rank of every host and raises."""
@@ -118,7 +123,9 @@ class HierCommunicator:
         if self._error is None:
             self._error = f"{type(err).__name__}: {err}"
             text = str(err)
-            self._abort.set(err, text if text.startswith(f"rank {self.rank}") else f"rank {self.rank}: {text}")
+            self._abort.set(
+                err, text if text.startswith(f"rank {self.rank}") else f"rank {self.rank}: {text}"
+            )
             try:
                 self.local.fail(f"rank {self.rank} (hierarchical communicator): {err}")
             except _errors.PlaitError:
@@ -131,8 +138,13 @@ class HierCommunicator:
         if self._closed:
             raise _errors.PlaitError(f"{name}: the communicator is finalized")
         # Raised here, a bad timeout aborts the call on every host (_aborts_on_error).
-        budget = self.timeout if timeout is None else _errors.seconds(
-            timeout, f"rank {self.rank}: {name}: timeout", "fail at once if a peer is not there")
+        budget = (
+            self.timeout
+            if timeout is None
+            else _errors.seconds(
+                timeout, f"rank {self.rank}: {name}: timeout", "fail at once if a peer is not there"
+            )
+        )
 
         def call():
             deadline = time.monotonic() + budget  # from when the call starts, as the flat path
@@ -149,15 +161,21 @@ class HierCommunicator:
                     first = self._abort.origin()
                     if first is not None and not first[1].startswith(f"rank {self.rank}:"):
                         e = first[0](f"rank {self.rank}: {name}: another rank failed: {first[1]}")
-                if isinstance(e, _errors.PlaitError) and "inter-host" not in str(e) and \
-                        "another rank failed" not in str(e):
+                if (
+                    isinstance(e, _errors.PlaitError)
+                    and "inter-host" not in str(e)
+                    and "another rank failed" not in str(e)
+                ):
                     lay = self.layout  # the local communicator names its own ranks
-                    e = type(e)(f"{e} [host {lay.h}: local ranks 0..{len(lay.hosts[lay.h]) - 1} are "
-                                f"global ranks {lay.hosts[lay.h]}]")
+                    e = type(e)(
+                        f"{e} [host {lay.h}: local ranks 0..{len(lay.hosts[lay.h]) - 1} are "
+                        f"global ranks {lay.hosts[lay.h]}]"
+                    )
                 self._abort_all(e)
                 if isinstance(e, _errors.PlaitError):
                     raise e
                 raise _errors.PlaitError(f"rank {self.rank}: {name}: {type(e).__name__}: {e}") from e
+
         if not async_op and self._pending == 0:
             return call()
         with self._lock:
@@ -169,6 +187,7 @@ class HierCommunicator:
         if not async_op:
             return fut.result()
         from ._comm import Handle
+
         return Handle(_Task(fut), keep, None), fut
 
     def _done(self, _):
@@ -201,7 +220,8 @@ class HierCommunicator:
         raise _errors.MismatchError(
             f"rank {self.rank}: mismatched calls across hosts: this rank (host {self.layout.h}) called "
             f"{name} #{fp[0]} (count={fp[2]}, dtype code {fp[3]}, op {fp[4]}, root {fp[5]}) but a rank "
-            f"of another host in its {self.engine} group disagrees in {diff}")
+            f"of another host in its {self.engine} group disagrees in {diff}"
+        )
 
     def _async(self, name, fn, timeout, async_op, result, keep, fp=None):
         if fp is not None:
@@ -221,6 +241,7 @@ class HierCommunicator:
     def _arr(self, obj, name, dtype=None, writable=False):
         """(flat numpy view, dtype name for the local comm, bf16) of a numpy array / torch tensor."""
         from . import _arrays
+
         a, d = _arrays.to_numpy(obj, name)
         bf16 = (dtype or d) == "bfloat16" or a.dtype.name == "bfloat16"
         if a.dtype.name == "bfloat16":
@@ -233,14 +254,17 @@ class HierCommunicator:
 
     def _new_out(self, x, shape):
         from . import _arrays
+
         if type(x) is not np.ndarray and not hasattr(x, "shape"):
-            raise _errors.InvalidArgument(f"rank {self.rank}: input must be a numpy array or a torch CPU "
-                                          f"tensor, got {type(x).__name__}")
+            raise _errors.InvalidArgument(
+                f"rank {self.rank}: input must be a numpy array or a torch CPU tensor, got {type(x).__name__}"
+            )
         return _arrays.empty_like(x, shape)
 
     def _gpu_out(self, x, coll, shape=None):
         """A fresh output like a GPU input, after the checks that input must pass first."""
         from . import _arrays
+
         _gpu.check_input(self, coll, x)
         try:
             return _arrays.empty_like(x, shape)
@@ -253,13 +277,23 @@ class HierCommunicator:
             raise _errors.PlaitError(f"{coll}: the communicator is finalized")
         if self._error is not None:
             raise _errors.PlaitError(f"communicator aborted after an earlier error: {self._error}")
-        return _gpu.call(self, coll, x, out, op, algorithm, timeout, async_op, dtype, result, root=root,
-                         peer=peer, tag=tag)
+        return _gpu.call(
+            self, coll, x, out, op, algorithm, timeout, async_op, dtype, result, root=root, peer=peer, tag=tag
+        )
 
     # -- collectives ---------------------------------------------------------------------------
     @_aborts_on_error
-    def allreduce(self, x: Array, out: Array = None, *, op: str = "sum", algorithm: str = "auto",
-                  timeout: Timeout = None, async_op: bool = False, dtype: str | None = None) -> Array | Handle:
+    def allreduce(
+        self,
+        x: Array,
+        out: Array = None,
+        *,
+        op: str = "sum",
+        algorithm: str = "auto",
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: str | None = None,
+    ) -> Array | Handle:
         if _gpu.wants_gpu(x, out):
             out = self._gpu_out(x, "allreduce") if out is None else out
             return self._on_gpu("allreduce", x, out, op, algorithm, timeout, async_op, dtype, out)
@@ -268,12 +302,19 @@ class HierCommunicator:
         xa, dt, bf16 = self._arr(x, "input", dtype)
         oa = self._arr(out, "output", dtype, writable=True)[0]
         if oa.size != xa.size or oa.dtype != xa.dtype:
-            raise _errors.InvalidArgument(f"rank {self.rank}: allreduce: output has {oa.size} {oa.dtype}, "
-                                          f"input {xa.size} {xa.dtype}")
+            raise _errors.InvalidArgument(
+                f"rank {self.rank}: allreduce: output has {oa.size} {oa.dtype}, input {xa.size} {xa.dtype}"
+            )
         _check_float(op, xa.dtype, bf16, f"rank {self.rank}: allreduce")
-        return self._async("allreduce", lambda d: self._allreduce(xa, oa, op, dt, bf16, d),
-                           timeout, async_op, out, (x, out),
-                           self._fingerprint("allreduce", xa.size, xa.dtype, bf16, op))
+        return self._async(
+            "allreduce",
+            lambda d: self._allreduce(xa, oa, op, dt, bf16, d),
+            timeout,
+            async_op,
+            out,
+            (x, out),
+            self._fingerprint("allreduce", xa.size, xa.dtype, bf16, op),
+        )
 
     def _allreduce(self, x, out, op, dt, bf16, deadline):
         n, L, lay = x.size, self.local.size, self.layout
@@ -286,7 +327,7 @@ class HierCommunicator:
             if buf is not out:
                 buf[:n] = x
             src = x if buf is out else buf
-            shard = buf[lay.i * c:(lay.i + 1) * c]
+            shard = buf[lay.i * c : (lay.i + 1) * c]
             self.local.reduce_scatter(src, shard, op=red, dtype=dt, timeout=self._left(deadline))
             self.inter.allreduce(shard, red, deadline, bf16)
             if op == "avg":
@@ -297,7 +338,9 @@ class HierCommunicator:
             return out
         else:
             leader = lay.i == 0
-            self.local.reduce(x, 0, out=out if leader else None, op=red, dtype=dt, timeout=self._left(deadline))
+            self.local.reduce(
+                x, 0, out=out if leader else None, op=red, dtype=dt, timeout=self._left(deadline)
+            )
             if leader:
                 self.inter.allreduce(out, red, deadline, bf16)
                 if op == "avg":
@@ -306,10 +349,19 @@ class HierCommunicator:
             return out
 
     @_aborts_on_error
-    def reduce_scatter(self, x: Array, out: Array = None, *, op: str = "sum", algorithm: str = "auto",
-                       timeout: Timeout = None, async_op: bool = False,
-                       dtype: str | None = None) -> Array | Handle:
+    def reduce_scatter(
+        self,
+        x: Array,
+        out: Array = None,
+        *,
+        op: str = "sum",
+        algorithm: str = "auto",
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: str | None = None,
+    ) -> Array | Handle:
         from . import _arrays
+
         if _gpu.wants_gpu(x, out):
             if out is None:
                 out = self._gpu_out(x, "reduce_scatter", (_arrays.size_of(x) // self.size,))
@@ -321,11 +373,18 @@ class HierCommunicator:
         if xa.size != oa.size * self.size or oa.dtype != xa.dtype:
             raise _errors.InvalidArgument(
                 f"rank {self.rank}: reduce_scatter: input has {xa.size} {xa.dtype}, output {oa.size} "
-                f"{oa.dtype}; the input needs size ({self.size}) x output elements")
+                f"{oa.dtype}; the input needs size ({self.size}) x output elements"
+            )
         _check_float(op, xa.dtype, bf16, f"rank {self.rank}: reduce_scatter")
-        return self._async("reduce_scatter", lambda d: self._reduce_scatter(xa, oa, op, dt, bf16, d),
-                           timeout, async_op, out, (x, out),
-                           self._fingerprint("reduce_scatter", oa.size, xa.dtype, bf16, op))
+        return self._async(
+            "reduce_scatter",
+            lambda d: self._reduce_scatter(xa, oa, op, dt, bf16, d),
+            timeout,
+            async_op,
+            out,
+            (x, out),
+            self._fingerprint("reduce_scatter", oa.size, xa.dtype, bf16, op),
+        )
 
     def _reduce_scatter(self, x, out, op, dt, bf16, deadline):
         m, lay = out.size, self.layout
@@ -341,19 +400,27 @@ class HierCommunicator:
             # The engines have no reduce-scatter in our interface: allreduce all H blocks, keep ours
             # (H x the bytes of an inter-host reduce-scatter; see docs/api.md).
             self.inter.allreduce(z, red, deadline, bf16)
-            mine = z[lay.h * m:(lay.h + 1) * m]
+            mine = z[lay.h * m : (lay.h + 1) * m]
         else:
             full = np.empty_like(x)
             self._allreduce(x, full, red, dt, bf16, deadline)
-            mine = full[self.rank * m:(self.rank + 1) * m]
+            mine = full[self.rank * m : (self.rank + 1) * m]
         if op == "avg":
             _divide(mine, self.size, bf16)
         out[...] = mine
         return out
 
     @_aborts_on_error
-    def allgather(self, x: Array, out: Array = None, *, algorithm: str = "auto", timeout: Timeout = None,
-                  async_op: bool = False, dtype: str | None = None) -> Array | Handle:
+    def allgather(
+        self,
+        x: Array,
+        out: Array = None,
+        *,
+        algorithm: str = "auto",
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: str | None = None,
+    ) -> Array | Handle:
         if _gpu.wants_gpu(x, out):
             if out is None:
                 out = self._gpu_out(x, "allgather", (self.size,) + tuple(x.shape))
@@ -363,10 +430,19 @@ class HierCommunicator:
         xa = self._arr(x, "input", dtype)[0]
         oa = self._arr(out, "output", dtype, writable=True)[0]
         if oa.size != xa.size * self.size or oa.dtype != xa.dtype:
-            raise _errors.InvalidArgument(f"rank {self.rank}: allgather: output has {oa.size} {oa.dtype}, "
-                                          f"input {xa.size} {xa.dtype}; the output needs size x input")
-        return self._async("allgather", lambda d: self._allgather(xa.view(np.uint8), oa.view(np.uint8), d),
-                           timeout, async_op, out, (x, out), self._fingerprint("allgather", xa.size, xa.dtype))
+            raise _errors.InvalidArgument(
+                f"rank {self.rank}: allgather: output has {oa.size} {oa.dtype}, "
+                f"input {xa.size} {xa.dtype}; the output needs size x input"
+            )
+        return self._async(
+            "allgather",
+            lambda d: self._allgather(xa.view(np.uint8), oa.view(np.uint8), d),
+            timeout,
+            async_op,
+            out,
+            (x, out),
+            self._fingerprint("allgather", xa.size, xa.dtype),
+        )
 
     def _allgather(self, x, out, deadline):
         n, lay, H = x.size, self.layout, self.layout.nhosts
@@ -376,26 +452,34 @@ class HierCommunicator:
         if lay.uniform:
             L = self.local.size
             a = np.empty(H * n, dtype=np.uint8)
-            self.inter.allgather(x, a, deadline)               # a[h] = x of rank (h, i)
+            self.inter.allgather(x, a, deadline)  # a[h] = x of rank (h, i)
             b = np.empty(L * H * n, dtype=np.uint8)
             self.local.allgather(a, b, timeout=self._left(deadline))  # b[i, h] = x of rank (h, i)
             out.reshape(self.size, n)[lay.perm] = b.reshape(L * H, n)
             return out
         lmax = max(len(m) for m in lay.hosts)
         mine = np.zeros(lmax * n, dtype=np.uint8)
-        self.local.allgather(x, mine[:self.local.size * n], timeout=self._left(deadline))
+        self.local.allgather(x, mine[: self.local.size * n], timeout=self._left(deadline))
         every = np.empty(H * lmax * n, dtype=np.uint8)
         if lay.i == 0:
             self.inter.allgather(mine, every, deadline)
         self.local.broadcast(every, 0, timeout=self._left(deadline))
         rows, dst = every.reshape(H, lmax, n), out.reshape(self.size, n)
         for h, members in enumerate(lay.hosts):
-            dst[members] = rows[h, :len(members)]
+            dst[members] = rows[h, : len(members)]
         return out
 
     @_aborts_on_error
-    def broadcast(self, x: Array, root: int = 0, *, out: Array = None, timeout: Timeout = None,
-                  async_op: bool = False, dtype: str | None = None) -> Array | Handle:
+    def broadcast(
+        self,
+        x: Array,
+        root: int = 0,
+        *,
+        out: Array = None,
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: str | None = None,
+    ) -> Array | Handle:
         if out is None:
             out = x
         root = self._peer(root, "root", allow_self=True)
@@ -404,11 +488,18 @@ class HierCommunicator:
         xa = self._arr(x, "input", dtype)[0]
         oa = self._arr(out, "output", dtype, writable=True)[0]
         if oa.size != xa.size or oa.dtype != xa.dtype:
-            raise _errors.InvalidArgument(f"rank {self.rank}: broadcast: output has {oa.size} {oa.dtype}, "
-                                          f"input {xa.size} {xa.dtype}")
-        return self._async("broadcast", lambda d: self._broadcast(xa.view(np.uint8), oa.view(np.uint8),
-                                                                  root, d), timeout, async_op, out, (x, out),
-                           self._fingerprint("broadcast", xa.size, xa.dtype, root=root))
+            raise _errors.InvalidArgument(
+                f"rank {self.rank}: broadcast: output has {oa.size} {oa.dtype}, input {xa.size} {xa.dtype}"
+            )
+        return self._async(
+            "broadcast",
+            lambda d: self._broadcast(xa.view(np.uint8), oa.view(np.uint8), root, d),
+            timeout,
+            async_op,
+            out,
+            (x, out),
+            self._fingerprint("broadcast", xa.size, xa.dtype, root=root),
+        )
 
     def _broadcast(self, x, out, root, deadline):
         lay = self.layout
@@ -432,8 +523,17 @@ class HierCommunicator:
         return out
 
     @_aborts_on_error
-    def reduce(self, x: Array, root: int = 0, *, out: Array = None, op: str = "sum", timeout: Timeout = None,
-               async_op: bool = False, dtype: str | None = None) -> Array | Handle | None:
+    def reduce(
+        self,
+        x: Array,
+        root: int = 0,
+        *,
+        out: Array = None,
+        op: str = "sum",
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: str | None = None,
+    ) -> Array | Handle | None:
         root = self._peer(root, "root", allow_self=True)
         if self.rank == root and out is None:
             out = self._new_out(x, None)
@@ -444,8 +544,9 @@ class HierCommunicator:
         xa, dt, bf16 = self._arr(x, "input", dtype)
         oa = self._arr(out, "output", dtype, writable=True)[0] if out is not None else None
         if oa is not None and (oa.size != xa.size or oa.dtype != xa.dtype):
-            raise _errors.InvalidArgument(f"rank {self.rank}: reduce: output has {oa.size} {oa.dtype}, "
-                                          f"input {xa.size} {xa.dtype}")
+            raise _errors.InvalidArgument(
+                f"rank {self.rank}: reduce: output has {oa.size} {oa.dtype}, input {xa.size} {xa.dtype}"
+            )
         _check_float(op, xa.dtype, bf16, f"rank {self.rank}: reduce")
 
         def run(d):
@@ -454,12 +555,27 @@ class HierCommunicator:
             if oa is not None:
                 oa[...] = tmp
             return out
-        return self._async("reduce", run, timeout, async_op, out, (x, out),
-                           self._fingerprint("reduce", xa.size, xa.dtype, bf16, op, root))
+
+        return self._async(
+            "reduce",
+            run,
+            timeout,
+            async_op,
+            out,
+            (x, out),
+            self._fingerprint("reduce", xa.size, xa.dtype, bf16, op, root),
+        )
 
     @_aborts_on_error
-    def alltoall(self, x: Array, out: Array = None, *, timeout: Timeout = None, async_op: bool = False,
-                 dtype: str | None = None) -> Array | Handle:
+    def alltoall(
+        self,
+        x: Array,
+        out: Array = None,
+        *,
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: str | None = None,
+    ) -> Array | Handle:
         if _gpu.wants_gpu(x, out):
             out = self._gpu_out(x, "alltoall") if out is None else out
             return self._on_gpu("alltoall", x, out, "sum", "auto", timeout, async_op, dtype, out)
@@ -468,8 +584,10 @@ class HierCommunicator:
         xa = self._arr(x, "input", dtype)[0]
         oa = self._arr(out, "output", dtype, writable=True)[0]
         if oa.size != xa.size or xa.size % self.size or oa.dtype != xa.dtype:
-            raise _errors.InvalidArgument(f"rank {self.rank}: alltoall: input {xa.size} {xa.dtype}, output "
-                                          f"{oa.size} {oa.dtype}; sizes must match and divide by {self.size}")
+            raise _errors.InvalidArgument(
+                f"rank {self.rank}: alltoall: input {xa.size} {xa.dtype}, output "
+                f"{oa.size} {oa.dtype}; sizes must match and divide by {self.size}"
+            )
 
         def run(d):
             src = xa.view(np.uint8)
@@ -477,27 +595,58 @@ class HierCommunicator:
                 src = src.copy()
             self.world.alltoall(src, oa.view(np.uint8), d)
             return out
-        return self._async("alltoall", run, timeout, async_op, out, (x, out),
-                           self._fingerprint("alltoall", xa.size, xa.dtype))
+
+        return self._async(
+            "alltoall",
+            run,
+            timeout,
+            async_op,
+            out,
+            (x, out),
+            self._fingerprint("alltoall", xa.size, xa.dtype),
+        )
 
     @_aborts_on_error
-    def send(self, x: Array, peer: int, *, tag: int = 0, timeout: Timeout = None, async_op: bool = False,
-             dtype: str | None = None) -> Handle | None:
+    def send(
+        self,
+        x: Array,
+        peer: int,
+        *,
+        tag: int = 0,
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: str | None = None,
+    ) -> Handle | None:
         peer = self._peer(peer, "peer")
         if _gpu.wants_gpu(x, None):
-            return self._on_gpu("send", x, None, "sum", "", timeout, async_op, dtype, None, peer=peer, tag=tag)
+            return self._on_gpu(
+                "send", x, None, "sum", "", timeout, async_op, dtype, None, peer=peer, tag=tag
+            )
         xa, dt, _ = self._arr(x, "input", dtype)
-        return self._async("send", lambda d: self._p2p(True, xa, dt, peer, tag, d), timeout, async_op, None, (x,))
+        return self._async(
+            "send", lambda d: self._p2p(True, xa, dt, peer, tag, d), timeout, async_op, None, (x,)
+        )
 
     @_aborts_on_error
-    def recv(self, out: Array, peer: int, *, tag: int = 0, timeout: Timeout = None, async_op: bool = False,
-             dtype: str | None = None) -> Array | Handle:
+    def recv(
+        self,
+        out: Array,
+        peer: int,
+        *,
+        tag: int = 0,
+        timeout: Timeout = None,
+        async_op: bool = False,
+        dtype: str | None = None,
+    ) -> Array | Handle:
         peer = self._peer(peer, "peer")
         if _gpu.wants_gpu(None, out):
-            return self._on_gpu("recv", None, out, "sum", "", timeout, async_op, dtype, out, peer=peer, tag=tag)
+            return self._on_gpu(
+                "recv", None, out, "sum", "", timeout, async_op, dtype, out, peer=peer, tag=tag
+            )
         oa, dt, _ = self._arr(out, "output", dtype, writable=True)
-        return self._async("recv", lambda d: self._p2p(False, oa, dt, peer, tag, d), timeout, async_op, out,
-                           (out,))
+        return self._async(
+            "recv", lambda d: self._p2p(False, oa, dt, peer, tag, d), timeout, async_op, out, (out,)
+        )
 
     def _p2p(self, sending, a, dt, peer, tag, deadline):
         lay = self.layout
@@ -511,11 +660,16 @@ class HierCommunicator:
         return None
 
     def _peer(self, v, name, allow_self=False):
-        if not isinstance(v, (int, np.integer)) or not 0 <= int(v) < self.size or \
-                (not allow_self and int(v) == self.rank):
-            err = _errors.InvalidArgument(f"rank {self.rank}: {name} {v!r} is not another rank of {self.size}"
-                                          if not allow_self else f"rank {self.rank}: {name} {v!r} is not a "
-                                          f"rank of {self.size}")
+        if (
+            not isinstance(v, (int, np.integer))
+            or not 0 <= int(v) < self.size
+            or (not allow_self and int(v) == self.rank)
+        ):
+            err = _errors.InvalidArgument(
+                f"rank {self.rank}: {name} {v!r} is not another rank of {self.size}"
+                if not allow_self
+                else f"rank {self.rank}: {name} {v!r} is not a rank of {self.size}"
+            )
             self._abort_all(err)
             raise err
         return int(v)
@@ -526,10 +680,15 @@ class HierCommunicator:
             if self.inter is not None:
                 self.inter.barrier(d)
             self.local.barrier(timeout=self._left(d))
-        return self._async("barrier", run, timeout, async_op, None, (), self._fingerprint("barrier", 0, np.uint8))
+
+        return self._async(
+            "barrier", run, timeout, async_op, None, (), self._fingerprint("barrier", 0, np.uint8)
+        )
 
     # -- groups and lifetime -------------------------------------------------------------------
-    def split(self, color: int | None, key: int = 0, *, buffer_bytes: int | None = None) -> HierCommunicator | None:
+    def split(
+        self, color: int | None, key: int = 0, *, buffer_bytes: int | None = None
+    ) -> HierCommunicator | None:
         """MPI_Comm_split over the hosts: the new communicator is flat when its ranks share a host."""
         if self.closed:
             raise _errors.PlaitError("communicator is finalized; split needs a live one")
@@ -541,15 +700,25 @@ class HierCommunicator:
         ctx = dict(self._ctx)
         if self.engine == "mpi":
             from mpi4py import MPI
+
             sub = self._ctx["mpi_world"].Split(c if c >= 0 else MPI.UNDEFINED, int(key))
             ctx["mpi_world"] = sub
         if c < 0:
             return None
         from ._bootstrap import init_in
+
         new_rank = [r for _, r in members].index(self.rank)
-        return init_in(ctx["client"], f"{ctx['prefix']}/split{n}/{c}", new_rank, len(members),
-                       timeout=self.timeout, init_timeout=max(self.timeout, 60.0),
-                       buffer_bytes=buffer_bytes or ctx.get("buffer_bytes"), keep=[], ctx=ctx)
+        return init_in(
+            ctx["client"],
+            f"{ctx['prefix']}/split{n}/{c}",
+            new_rank,
+            len(members),
+            timeout=self.timeout,
+            init_timeout=max(self.timeout, 60.0),
+            buffer_bytes=buffer_bytes or ctx.get("buffer_bytes"),
+            keep=[],
+            ctx=ctx,
+        )
 
     @property
     def closed(self) -> bool:
@@ -609,18 +778,26 @@ def create(client, prefix, rank, size, ids, *, timeout, init_timeout, buffer_byt
                 store = ctx.get("c10d_store") or _inter.c10d_store_for(client, rank, prefix, init_timeout)
                 ctx["c10d_store"] = store
             from torch._C._distributed_c10d import PrefixStore
+
             store = PrefixStore(prefix, store)
             world = _inter.GlooGroup(store, "world", rank, size, range(size), abort, timeout)
-            inter = None if inter_rank is None else _inter.GlooGroup(
-                store, inter_name, inter_rank, len(inter_ranks), inter_ranks, abort, timeout)
+            inter = (
+                None
+                if inter_rank is None
+                else _inter.GlooGroup(
+                    store, inter_name, inter_rank, len(inter_ranks), inter_ranks, abort, timeout
+                )
+            )
         else:
             from mpi4py import MPI
+
             wcomm = ctx.get("mpi_world") or MPI.COMM_WORLD
             if wcomm.Get_size() != size or wcomm.Get_rank() != rank:
                 raise _errors.InvalidArgument(
                     f"rank {rank}: the MPI engine needs plait's ranks to be MPI's (MPI rank "
                     f"{wcomm.Get_rank()} of {wcomm.Get_size()}, plait rank {rank} of {size}); "
-                    f"set PLAIT_INTER=gloo or leave RANK/WORLD_SIZE to mpirun")
+                    f"set PLAIT_INTER=gloo or leave RANK/WORLD_SIZE to mpirun"
+                )
             ctx["mpi_world"] = wcomm
             world = _inter.MpiGroup(wcomm.Dup(), range(size), abort, "world")
             sub = wcomm.Split(lay.i if lay.uniform else (0 if lay.i == 0 else MPI.UNDEFINED), lay.h)
@@ -628,5 +805,6 @@ def create(client, prefix, rank, size, ids, *, timeout, init_timeout, buffer_byt
     except BaseException:
         local.finalize()
         raise
-    return HierCommunicator(rank, size, lay, local, inter, world, abort, timeout=timeout, engine=engine,
-                            ctx=ctx, keep=keep)
+    return HierCommunicator(
+        rank, size, lay, local, inter, world, abort, timeout=timeout, engine=engine, ctx=ctx, keep=keep
+    )

@@ -1,4 +1,5 @@
 """Which ranks share a host: identities exchanged at rendezvous, and the layout derived from them."""
+
 import json
 import os
 import socket
@@ -27,7 +28,7 @@ class Layout:
 
     def __init__(self, ids, rank):
         order = []
-        for r, hid in enumerate(ids):
+        for hid in ids:
             if hid not in order:
                 order.append(hid)
         self.hosts = [[r for r, x in enumerate(ids) if x == hid] for hid in order]
@@ -37,8 +38,11 @@ class Layout:
         self.uniform = len({len(m) for m in self.hosts}) == 1
         L, H = len(self.hosts[0]), len(self.hosts)
         # perm[i * H + h] = global rank of local rank i on host h (uniform layout only)
-        self.perm = np.array([self.hosts[h][i] for i in range(L) for h in range(H)], dtype=np.int64) \
-            if self.uniform else None
+        self.perm = (
+            np.array([self.hosts[h][i] for i in range(L) for h in range(H)], dtype=np.int64)
+            if self.uniform
+            else None
+        )
 
     @property
     def nhosts(self):

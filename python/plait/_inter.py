@@ -13,6 +13,7 @@ Element types an engine lacks are handled here: bool travels as uint8 (sum/max =
 min); for MPI, float16/bfloat16 shards are allgathered and reduced by numpy in host order, so every
 rank computes the same bytes.
 """
+
 import os
 import socket
 import threading
@@ -36,15 +37,17 @@ class Abort:
         try:
             n = self._client.add(self._key, 0)
         except _errors.PlaitError as e:
-            raise _errors.PeerLostError(f"{what}: the rendezvous store is unreachable ({e}); "
-                                        f"the rank serving it is probably gone") from None
+            raise _errors.PeerLostError(
+                f"{what}: the rendezvous store is unreachable ({e}); the rank serving it is probably gone"
+            ) from None
         if n > 0:
             try:
                 msg = self._client.get(self._key + "/msg", timeout=5).decode()
             except _errors.PlaitError:
                 msg = "(no message)"
-            raise _errors.PeerLostError(f"{what}: aborted because another rank failed: "
-                                        f"{msg.partition('|')[2]}")
+            raise _errors.PeerLostError(
+                f"{what}: aborted because another rank failed: {msg.partition('|')[2]}"
+            )
 
     def origin(self):
         """(error class, message) of the first failure recorded, or None."""
@@ -55,7 +58,9 @@ class Abort:
         except _errors.PlaitError:
             return None
         cls = getattr(_errors, kind, _errors.PlaitError)
-        return (cls if isinstance(cls, type) and issubclass(cls, _errors.PlaitError) else _errors.PlaitError), msg
+        return (
+            cls if isinstance(cls, type) and issubclass(cls, _errors.PlaitError) else _errors.PlaitError
+        ), msg
 
     def set(self, err, msg):
         kind = type(err).__name__ if isinstance(err, _errors.PlaitError) else "PlaitError"
@@ -86,8 +91,9 @@ class _Group:
         while not done():
             now = time.monotonic()
             if now >= deadline:
-                raise _errors.TimeoutError(f"{self._what(coll)}: deadline passed waiting for the "
-                                           f"other hosts' ranks")
+                raise _errors.TimeoutError(
+                    f"{self._what(coll)}: deadline passed waiting for the other hosts' ranks"
+                )
             if now >= next_check:
                 self._abort.raise_if_set(self._what(coll))
                 next_check = now + _ABORT_CHECK_S
@@ -122,6 +128,7 @@ class GlooGroup(_Group):
         import torch
         import torch.distributed as dist
         from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
+
         self._torch, self._dist = torch, dist
         opts = ProcessGroupGloo._Options()
         opts._timeout = timedelta(seconds=timeout_s)
@@ -129,9 +136,15 @@ class GlooGroup(_Group):
         try:
             self._pg = ProcessGroupGloo(PrefixStore(f"plait-gloo/{name}", c10d_store), rank, size, opts)
         except RuntimeError as e:
-            raise _errors.PeerLostError(f"creating the inter-host gloo group {name} (ranks {ranks}): {e}") from None
-        self._ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
-                     "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+            raise _errors.PeerLostError(
+                f"creating the inter-host gloo group {name} (ranks {ranks}): {e}"
+            ) from None
+        self._ops = {
+            "sum": dist.ReduceOp.SUM,
+            "prod": dist.ReduceOp.PRODUCT,
+            "min": dist.ReduceOp.MIN,
+            "max": dist.ReduceOp.MAX,
+        }
 
     def _t(self, a, bf16=False):
         t = self._torch.from_numpy(a.reshape(-1))
@@ -227,13 +240,15 @@ def c10d_store_for(client, rank, prefix, timeout_s):
     plait's store. The address is the one rank 0's own connection to plait's store came from,
     which the other hosts can therefore reach (MASTER_ADDR when plait's store is not a socket)."""
     from torch._C._distributed_c10d import TCPStore
+
     key = f"{prefix}/gloo-store"
     to = timedelta(seconds=timeout_s)
     if rank == 0:
         sock = getattr(client, "_sock", None)
         host = sock.getsockname()[0] if sock is not None else os.environ.get("MASTER_ADDR", "127.0.0.1")
-        st = TCPStore(host if host not in ("0.0.0.0", "::") else "127.0.0.1", 0, None, True, to,
-                      wait_for_workers=False)
+        st = TCPStore(
+            host if host not in ("0.0.0.0", "::") else "127.0.0.1", 0, None, True, to, wait_for_workers=False
+        )
         client.set(key, f"{host}:{st.port}".encode())
         return st
     host, _, port = client.get(key, timeout=timeout_s).decode().rpartition(":")
@@ -247,6 +262,7 @@ class MpiGroup(_Group):
     def __init__(self, comm, ranks, abort, label):
         super().__init__(comm.Get_rank(), comm.Get_size(), ranks, abort, label)
         from mpi4py import MPI
+
         self._c, self._MPI = comm, MPI
         self._ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
 
@@ -307,12 +323,15 @@ def _buf(a):
 
 
 # -- choice ----------------------------------------------------------------------------------------
-_INSTALL = ("install an inter-host engine: `pip install torch` (gloo), or `apt-get install openmpi-bin "
-            "libopenmpi-dev && pip install mpi4py` and run under mpirun")
+_INSTALL = (
+    "install an inter-host engine: `pip install torch` (gloo), or `apt-get install openmpi-bin "
+    "libopenmpi-dev && pip install mpi4py` and run under mpirun"
+)
 
 
 def _have(mod):
     import importlib.util
+
     return importlib.util.find_spec(mod) is not None
 
 
@@ -325,8 +344,10 @@ def choose(torch_store=None):
         if want not in ("gloo", "mpi"):
             raise _errors.InvalidArgument(f"PLAIT_INTER={want!r}: choose gloo or mpi")
         if want == "mpi" and not mpi_ok:
-            raise _errors.InvalidArgument("PLAIT_INTER=mpi needs mpi4py and a job started by mpirun "
-                                          "(OMPI_COMM_WORLD_SIZE is not set or mpi4py is missing)")
+            raise _errors.InvalidArgument(
+                "PLAIT_INTER=mpi needs mpi4py and a job started by mpirun "
+                "(OMPI_COMM_WORLD_SIZE is not set or mpi4py is missing)"
+            )
         if want == "gloo" and not gloo_ok:
             raise _errors.InvalidArgument("PLAIT_INTER=gloo needs torch (pip install torch)")
         return want
@@ -337,7 +358,8 @@ def choose(torch_store=None):
 
 def no_engine_error(rank, hosts):
     return _errors.InvalidArgument(
-        f"rank {rank}: the ranks span {hosts} hosts but no inter-host engine is available: {_INSTALL}")
+        f"rank {rank}: the ranks span {hosts} hosts but no inter-host engine is available: {_INSTALL}"
+    )
 
 
 def hostname():

@@ -5,6 +5,7 @@ plain loads and stores (non-temporal where nobody re-reads it) instead of kernel
 2-core VM a 64 MiB 2-rank allreduce or allgather takes about half the time (bench/RESULTS.md).
 Any other buffer still works; per peer and per buffer, plait falls back to the kernel copy.
 The memory is a memfd (no file in /dev/shm) and is freed when the last array viewing it is."""
+
 import numpy as np
 
 from . import _C
@@ -15,7 +16,9 @@ def _shape(shape):
     try:
         dims = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
     except (TypeError, ValueError):
-        raise InvalidArgument(f"plait.empty: shape must be an int or a sequence of ints, got {shape!r}") from None
+        raise InvalidArgument(
+            f"plait.empty: shape must be an int or a sequence of ints, got {shape!r}"
+        ) from None
     if any(d < 0 for d in dims):
         raise InvalidArgument(f"plait.empty: negative dimension in shape {dims}")
     return dims

@@ -3,6 +3,7 @@
 A segment is /dev/shm/plait-<creator pid>-<32 hex>; the pid in the name is what lets a later run
 tell a leak (creator dead) from a segment in use, without any registry.
 """
+
 import os
 import re
 import secrets
@@ -44,7 +45,7 @@ def _dead(pid):
     except OSError:
         return False
     # The state follows the parenthesised command name, which may itself contain ") ".
-    return line[line.rfind(b")") + 2:][:1] in (b"Z", b"X")
+    return line[line.rfind(b")") + 2 :][:1] in (b"Z", b"X")
 
 
 def sweep_stale(shm_dir="/dev/shm"):

@@ -4,6 +4,7 @@ Wire format, both directions: a u32 frame length, then one code byte (request op
 then fields, each a u32 length and its bytes. Numbers travel as ASCII decimals so that no width
 limit leaks into the protocol; a wait time of "-1" means forever.
 """
+
 import math
 import operator
 import os
@@ -53,7 +54,7 @@ def _recv_frame(sock):
         (k,) = _U32.unpack_from(body, i)
         if i + 4 + k > len(body):
             raise ConnectionResetError("truncated frame")
-        fields.append(body[i + 4:i + 4 + k])
+        fields.append(body[i + 4 : i + 4 + k])
         i += 4 + k
     return body[0], fields
 
@@ -87,8 +88,9 @@ class StoreServer:
         self._cond = threading.Condition()
         self._conns = set()
         self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
-                                        name=f"plait-store-{self.port}")
+        self._thread = threading.Thread(
+            target=self._accept_loop, daemon=True, name=f"plait-store-{self.port}"
+        )
         self._thread.start()
 
     @property
@@ -237,15 +239,17 @@ class Store:
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             try:
-                sock = socket.create_connection((self.host, self.port),
-                                                timeout=None if left is None else max(left, 0.01))
+                sock = socket.create_connection(
+                    (self.host, self.port), timeout=None if left is None else max(left, 0.01)
+                )
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 return sock
             except OSError as e:
                 if left is not None and left <= delay:
-                    raise _errors.TimeoutError(f"could not connect to the plait store at {self._addr} "
-                                               f"within {self.timeout:g} s: {e}") from None
+                    raise _errors.TimeoutError(
+                        f"could not connect to the plait store at {self._addr} within {self.timeout:g} s: {e}"
+                    ) from None
             time.sleep(delay)
             delay = min(2 * delay, 0.5)
 
@@ -257,8 +261,11 @@ class Store:
             if self._sock is None:
                 raise _errors.PlaitError(self._gone or f"the plait store client for {self._addr} is closed")
             try:
-                self._sock.settimeout(None if wait_s is None or self.timeout is None
-                                      else wait_s + max(self.timeout, _REPLY_SLACK_S))
+                self._sock.settimeout(
+                    None
+                    if wait_s is None or self.timeout is None
+                    else wait_s + max(self.timeout, _REPLY_SLACK_S)
+                )
                 self._sock.sendall(_frame(code, fields))
                 status, out = _recv_frame(self._sock)
             except OSError as e:
@@ -274,8 +281,9 @@ class Store:
         return status, out
 
     def _timed_out(self, what, wait_s):
-        raise _errors.TimeoutError(f"timed out after {wait_s:g} s waiting for {what} "
-                                   f"in the plait store at {self._addr}")
+        raise _errors.TimeoutError(
+            f"timed out after {wait_s:g} s waiting for {what} in the plait store at {self._addr}"
+        )
 
     def set(self, key, value):
         if isinstance(value, str):
@@ -356,7 +364,8 @@ def store_from_env(rank=None):
     if not port or not port.isdigit() or not 0 < int(port) < 65535:
         raise _errors.InvalidArgument(
             f"no usable plait store address (MASTER_PORT={port!r}): set PLAIT_STORE=host:port, or "
-            "MASTER_ADDR and MASTER_PORT (plait's store then listens on MASTER_PORT+1)")
+            "MASTER_ADDR and MASTER_PORT (plait's store then listens on MASTER_PORT+1)"
+        )
     if rank is None:
         try:
             rank = int(os.environ.get("RANK", "0"))

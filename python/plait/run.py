@@ -16,6 +16,7 @@ PLAIT_STORE=host:port, the store this launcher serves (node 0's launcher, at MAS
 several nodes). With several nodes every launcher watches a failure flag in that store: a rank
 failing on any node stops the ranks of every node, each launcher naming the node and rank.
 """
+
 import argparse
 import ctypes
 import os
@@ -29,31 +30,70 @@ import time
 from . import _flight, _shm, _store
 
 _PR_SET_PDEATHSIG = 1
-_VALUE_OPTIONS = {"-n", "--nproc", "--nproc-per-node", "--nproc_per_node", "--master-addr",
-                  "--master_addr", "--master-port", "--master_port", "--grace", "--nnodes",
-                  "--node-rank", "--node_rank", "--dump-on-error"}
+_VALUE_OPTIONS = {
+    "-n",
+    "--nproc",
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "--master-addr",
+    "--master_addr",
+    "--master-port",
+    "--master_port",
+    "--grace",
+    "--nnodes",
+    "--node-rank",
+    "--node_rank",
+    "--dump-on-error",
+}
 _FAILED, _DONE = "plait-run/failed", "plait-run/done"  # keys of the multi-node launchers
 
 
 def _parser():
     p = argparse.ArgumentParser(
-        prog="plait-run", usage="%(prog)s -n N [options] [--] (program.py | -m module | executable) [args...]",
-        description="Run N local ranks of a plait (or torch.distributed) program.")
-    p.add_argument("-n", "--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int,
-                   required=True, help="number of ranks")
+        prog="plait-run",
+        usage="%(prog)s -n N [options] [--] (program.py | -m module | executable) [args...]",
+        description="Run N local ranks of a plait (or torch.distributed) program.",
+    )
+    p.add_argument(
+        "-n",
+        "--nproc",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc",
+        type=int,
+        required=True,
+        help="number of ranks",
+    )
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (hosts), one plait-run each")
     p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's index")
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1",
-                   help="address of node 0 (its launcher serves plait's store at MASTER_PORT+1)")
-    p.add_argument("--master-port", "--master_port", type=int, default=None,
-                   help="MASTER_PORT for the ranks (default: a free port)")
+    p.add_argument(
+        "--master-addr",
+        "--master_addr",
+        default="127.0.0.1",
+        help="address of node 0 (its launcher serves plait's store at MASTER_PORT+1)",
+    )
+    p.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=None,
+        help="MASTER_PORT for the ranks (default: a free port)",
+    )
     p.add_argument("-m", "--module", action="store_true", help="the program is a Python module")
     p.add_argument("--tee-prefix", action="store_true", help="prefix each output line with [rank]")
-    p.add_argument("--grace", type=float, default=3.0,
-                   help="seconds between SIGTERM and SIGKILL when taking the ranks down")
-    p.add_argument("--dump-on-error", metavar="DIR", default=None,
-                   help="ranks write their flight recorder report here on a timeout, lost peer or "
-                   "mismatch; the launcher prints one summary of all ranks")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=3.0,
+        help="seconds between SIGTERM and SIGKILL when taking the ranks down",
+    )
+    p.add_argument(
+        "--dump-on-error",
+        metavar="DIR",
+        default=None,
+        help="ranks write their flight recorder report here on a timeout, lost peer or "
+        "mismatch; the launcher prints one summary of all ranks",
+    )
     return p
 
 
@@ -64,7 +104,7 @@ def _parse(argv):
         i += 2 if argv[i] in _VALUE_OPTIONS else 1
     p = _parser()
     args = p.parse_args(argv[:i])
-    rest = argv[i + 1:] if i < len(argv) and argv[i] == "--" else argv[i:]
+    rest = argv[i + 1 :] if i < len(argv) and argv[i] == "--" else argv[i:]
     if not rest:
         p.error("no program given")
     if args.nproc < 1:
@@ -100,6 +140,7 @@ def _die_with_parent():
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:  # the launcher died before prctl took effect
             os._exit(1)
+
     return setup
 
 
@@ -233,15 +274,24 @@ def main(argv=None):
         try:
             nodes = (_store.Store(args.master_addr, args.master_port + 1, timeout=300), args.node_rank)
         except Exception as e:  # noqa: BLE001
-            print(f"plait-run: node {args.node_rank}: cannot reach node 0's store at {store_addr}: {e}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"plait-run: node {args.node_rank}: cannot reach node 0's store at {store_addr}: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
             if server is not None:
                 server.close()
             return 1
-    env = dict(os.environ, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(n), ROLE_WORLD_SIZE=str(world),
-               GROUP_RANK=str(args.node_rank), MASTER_ADDR=args.master_addr,
-               MASTER_PORT=str(args.master_port or _free_port(args.master_addr)),
-               PLAIT_STORE=store_addr)
+    env = dict(
+        os.environ,
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(n),
+        ROLE_WORLD_SIZE=str(world),
+        GROUP_RANK=str(args.node_rank),
+        MASTER_ADDR=args.master_addr,
+        MASTER_PORT=str(args.master_port or _free_port(args.master_addr)),
+        PLAIT_STORE=store_addr,
+    )
     if args.dump_on_error:
         os.makedirs(args.dump_on_error, exist_ok=True)
         env["PLAIT_DUMP_ON_ERROR"] = os.path.abspath(args.dump_on_error)
@@ -266,8 +316,9 @@ def main(argv=None):
             try:
                 # Spawned from this (main) thread on purpose: PDEATHSIG fires when the creating
                 # thread exits, not the process.
-                p = subprocess.Popen(cmd, env=rank_env, stdout=pipe, stderr=pipe, process_group=0,
-                                     preexec_fn=setup)
+                p = subprocess.Popen(
+                    cmd, env=rank_env, stdout=pipe, stderr=pipe, process_group=0, preexec_fn=setup
+                )
             except OSError as e:
                 print(f"plait-run: cannot start rank {rank} ({cmd[0]}): {e}", file=sys.stderr, flush=True)
                 _take_down(procs, args.grace)
@@ -275,8 +326,9 @@ def main(argv=None):
             procs.append(p)
             if args.tee_prefix:
                 for src, dst in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                    t = threading.Thread(target=_pump, args=(src, dst, f"[{rank}] ".encode(), lock),
-                                         daemon=True)
+                    t = threading.Thread(
+                        target=_pump, args=(src, dst, f"[{rank}] ".encode(), lock), daemon=True
+                    )
                     t.start()
                     pumps.append(t)
         code = _supervise(procs, args.grace, first, nodes, args.grace if args.dump_on_error else 0.0)

@@ -1,6 +1,7 @@
 """Helpers for the GPU tests: how many devices (asked in a subprocess, so this process never
 initialises CUDA before run_ranks spawns ranks), device arrays through torch or cupy, and the
 closed-form data and expected values the collectives are checked against."""
+
 import os
 import subprocess
 import sys
@@ -14,12 +15,15 @@ OPS = ("sum", "prod", "min", "max", "avg")
 
 
 def _probe():
-    code = ("import plait, importlib.util as u\n"
-            "print(int(plait.build_info()['cuda']), plait._C.cuda_device_count(),"
-            " int(u.find_spec('torch') is not None), int(u.find_spec('cupy') is not None))")
+    code = (
+        "import plait, importlib.util as u\n"
+        "print(int(plait.build_info()['cuda']), plait._C.cuda_device_count(),"
+        " int(u.find_spec('torch') is not None), int(u.find_spec('cupy') is not None))"
+    )
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                             env=dict(os.environ)).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=dict(os.environ)
+        ).stdout.split()
         return tuple(int(v) for v in out)
     except Exception:  # noqa: BLE001 - no answer means no GPU for these tests
         return (0, 0, 0, 0)
@@ -45,6 +49,7 @@ def ops_for(dtype):
 def _np_dtype(dtype):
     if dtype == "bfloat16":
         import ml_dtypes
+
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(dtype)
 
@@ -76,8 +81,13 @@ def expected(dtype, op, n, count):
     if dtype == "bool":
         red = rows.max(0) if op in ("sum", "max") else rows.min(0)
         return red.astype(bool)
-    red = {"sum": rows.sum(0), "prod": rows.prod(0), "min": rows.min(0), "max": rows.max(0),
-           "avg": rows.sum(0) / n}[op]
+    red = {
+        "sum": rows.sum(0),
+        "prod": rows.prod(0),
+        "min": rows.min(0),
+        "max": rows.max(0),
+        "avg": rows.sum(0) / n,
+    }[op]
     return red.astype(_np_dtype(dtype))
 
 
@@ -88,6 +98,7 @@ class Device:
         self.index = index
         try:
             import torch
+
             if not torch.cuda.is_available():
                 raise ImportError
             self.torch = torch
@@ -95,6 +106,7 @@ class Device:
         except ImportError:
             self.torch = None
             import cupy
+
             self.cupy = cupy
             cupy.cuda.Device(index).use()
 

@@ -1,8 +1,10 @@
 """GPU collectives with exact values: every collective x dtype x op x algorithm (nccl, ring, tree
-over NCCL; one_shot, two_shot and ring over CUDA IPC), in place and not, multi-chunk (PLAIT_GPU_CHUNK_BYTES=4096,
-PLAIT_GPU_IPC_BYTES=8192) and unaligned. World size 1 needs one GPU; NCCL with 2-4 ranks needs a
-GPU per rank (NCCL refuses two ranks on one GPU); the IPC transport runs 2-4 ranks on one GPU.
+over NCCL; one_shot, two_shot and ring over CUDA IPC), in place and not, multi-chunk
+(PLAIT_GPU_CHUNK_BYTES=4096, PLAIT_GPU_IPC_BYTES=8192) and unaligned. World size 1 needs one GPU;
+NCCL with 2-4 ranks needs a GPU per rank (NCCL refuses two ranks on one GPU); the IPC transport
+runs 2-4 ranks on one GPU.
 Ranks are spawned, not forked (CUDA)."""
+
 import pytest
 
 from conftest import run_ranks
@@ -20,31 +22,41 @@ def _sweep(rank, n, store, colls, algos, one_gpu=False, counts=COUNTS, dtypes=DT
 
     import plait
     from plait import _C
+
     dev = Device(0 if one_gpu else rank)
     comm = plait.init(rank, n, store=store)
     # Both transports have a "ring": the names this world's transport has.
-    listed = _C.ipc_algorithms if one_gpu or os.environ.get("PLAIT_GPU_TRANSPORT") == "ipc" else _C.gpu_algorithms
+    listed = (
+        _C.ipc_algorithms if one_gpu or os.environ.get("PLAIT_GPU_TRANSPORT") == "ipc" else _C.gpu_algorithms
+    )
     bad, runs = [], 0
     for coll in colls:
         for algo in algos:
             if algo not in listed(coll):
                 continue
             for dtype in dtypes:
-                for op in (ops_for(dtype) if coll != "allgather" else ("sum",)):
+                for op in ops_for(dtype) if coll != "allgather" else ("sum",):
                     for count in counts:
                         for in_place in (False, True):
                             runs += 1
                             what = f"{coll}/{algo}/{dtype}/{op}/count {count}/in_place {in_place}"
                             got, want = _one(comm, dev, coll, algo, dtype, op, count, in_place, rank, n)
                             if got.shape != want.shape or not np.array_equal(got, want):
-                                diff = np.flatnonzero(got.reshape(-1) != want.reshape(-1))[:3] if got.shape == want.shape else []
-                                bad.append(f"rank {rank}: {what}: first differences at {list(diff)}: "
-                                           f"got {got.reshape(-1)[:4]}, want {want.reshape(-1)[:4]}")
+                                diff = (
+                                    np.flatnonzero(got.reshape(-1) != want.reshape(-1))[:3]
+                                    if got.shape == want.shape
+                                    else []
+                                )
+                                bad.append(
+                                    f"rank {rank}: {what}: first differences at {list(diff)}: "
+                                    f"got {got.reshape(-1)[:4]}, want {want.reshape(-1)[:4]}"
+                                )
     return runs, bad[:10]
 
 
 def _one(comm, dev, coll, algo, dtype, op, count, in_place, rank, n):
     import numpy as np
+
     if coll == "allreduce":
         x, dt = dev.put(data(dtype, op, rank, n, count))
         out = x if in_place else dev.empty(x, count)
@@ -54,13 +66,13 @@ def _one(comm, dev, coll, algo, dtype, op, count, in_place, rank, n):
         # Block b of rank r's input is data(..., count) shifted by b, so blocks differ.
         host = np.concatenate([np.roll(data(dtype, op, rank, n, count), b) for b in range(n)])
         x, dt = dev.put(host)
-        out = x[rank * count:(rank + 1) * count] if in_place else dev.empty(x, count)
+        out = x[rank * count : (rank + 1) * count] if in_place else dev.empty(x, count)
         comm.reduce_scatter(x, out=out, op=op, algorithm=algo, dtype=dt)
         return dev.get(out, dtype), np.roll(expected(dtype, op, n, count), rank)
     whole, dt = dev.put(np.zeros(n * count, dtype=data(dtype, op, 0, n, 1).dtype))
     mine = data(dtype, op, rank, n, count)
     if in_place:
-        x = whole[rank * count:(rank + 1) * count]
+        x = whole[rank * count : (rank + 1) * count]
         if isinstance(x, np.ndarray):
             x[:] = mine.view(x.dtype)  # host arrays: lets the harness itself be checked on CPU
         elif hasattr(x, "copy_"):
@@ -85,8 +97,16 @@ def _check(results):
 @pytest.mark.parametrize("transport", ["nccl", "ipc"])
 def test_world_of_one(coll, transport):
     algos = ["nccl", "ring", "tree"] if transport == "nccl" else ["one_shot", "two_shot", "ring"]
-    _check(run_ranks(_sweep, 1, RUN_TIMEOUT, args=([coll], algos), env=dict(ENV, PLAIT_GPU_TRANSPORT=transport),
-                     start_method="spawn"))
+    _check(
+        run_ranks(
+            _sweep,
+            1,
+            RUN_TIMEOUT,
+            args=([coll], algos),
+            env=dict(ENV, PLAIT_GPU_TRANSPORT=transport),
+            start_method="spawn",
+        )
+    )
 
 
 # Every dtype at n = 2; n = 3 and 4 (time-sliced on one GPU, so slower) take one dtype of each
@@ -98,10 +118,22 @@ SHORT_DTYPES = ("float16", "bfloat16", "float32", "int8", "int64", "bool")
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ipc_ranks_sharing_one_gpu(n):
     counts, dtypes = (COUNTS, DTYPES) if n == 2 else ((1, 1027), SHORT_DTYPES)
-    _check(run_ranks(_sweep, n, RUN_TIMEOUT,
-                     args=(["allreduce", "reduce_scatter", "allgather"], ["one_shot", "two_shot", "ring"], True,
-                           counts, dtypes),
-                     env=ENV, start_method="spawn"))
+    _check(
+        run_ranks(
+            _sweep,
+            n,
+            RUN_TIMEOUT,
+            args=(
+                ["allreduce", "reduce_scatter", "allgather"],
+                ["one_shot", "two_shot", "ring"],
+                True,
+                counts,
+                dtypes,
+            ),
+            env=ENV,
+            start_method="spawn",
+        )
+    )
 
 
 @pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
@@ -109,24 +141,45 @@ def test_ipc_ranks_sharing_one_gpu(n):
 def test_ipc_ring_small_counts_and_epoch_handoff(n):
     # Fewer elements than ranks leaves empty allreduce blocks that still post their epochs; the
     # one_shot and two_shot calls between ring calls on one communicator check the epoch handoff.
-    _check(run_ranks(_sweep, n, RUN_TIMEOUT, args=(["allreduce", "reduce_scatter", "allgather"],
-                                                   ["ring", "one_shot", "ring", "two_shot"], True, (0, 1, 2, 3, 7, 2049),
-                                                   SHORT_DTYPES),
-                     env=ENV, start_method="spawn"))
+    _check(
+        run_ranks(
+            _sweep,
+            n,
+            RUN_TIMEOUT,
+            args=(
+                ["allreduce", "reduce_scatter", "allgather"],
+                ["ring", "one_shot", "ring", "two_shot"],
+                True,
+                (0, 1, 2, 3, 7, 2049),
+                SHORT_DTYPES,
+            ),
+            env=ENV,
+            start_method="spawn",
+        )
+    )
 
 
 @pytest.mark.skipif(skip_reason(2) is not None, reason=str(skip_reason(2)))
 @pytest.mark.parametrize("n", sorted({2, min(4, max(DEVICES, 2))}))
 @pytest.mark.parametrize("algo", ["nccl", "ring", "tree"])
 def test_one_gpu_per_rank(n, algo):
-    _check(run_ranks(_sweep, n, RUN_TIMEOUT, args=(["allreduce", "reduce_scatter", "allgather"], [algo]),
-                     env=ENV, start_method="spawn"))
+    _check(
+        run_ranks(
+            _sweep,
+            n,
+            RUN_TIMEOUT,
+            args=(["allreduce", "reduce_scatter", "allgather"], [algo]),
+            env=ENV,
+            start_method="spawn",
+        )
+    )
 
 
 def _unaligned_and_async(rank, n, store):
     import numpy as np
 
     import plait
+
     dev = Device(rank)
     comm = plait.init(rank, n, store=store)
     host = data("float32", "sum", rank, n, 4099)
@@ -146,6 +199,7 @@ def _same_gpu(rank, n, store):
     import numpy as np
 
     import plait
+
     dev = Device(0)
     comm = plait.init(rank, n, store=store)
     x, _ = dev.put(np.ones(8, np.float32))
@@ -158,8 +212,9 @@ def _same_gpu(rank, n, store):
 
 @pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
 def test_nccl_forced_on_one_gpu_is_refused_clearly():
-    for rank, msg in enumerate(run_ranks(_same_gpu, 2, RUN_TIMEOUT, env={"PLAIT_GPU_TRANSPORT": "nccl"},
-                                         start_method="spawn")):
+    for rank, msg in enumerate(
+        run_ranks(_same_gpu, 2, RUN_TIMEOUT, env={"PLAIT_GPU_TRANSPORT": "nccl"}, start_method="spawn")
+    ):
         assert "same GPU" in msg and "ranks 0 and 1" in msg, f"rank {rank}: {msg}"
 
 
@@ -167,6 +222,7 @@ def _mix(rank, n, store, case):
     import numpy as np
 
     import plait
+
     dev = Device(rank)
     comm = plait.init(rank, n, store=store)
     x, _ = dev.put(np.ones(8, np.float32))
@@ -182,7 +238,7 @@ def _mix(rank, n, store, case):
 
 @pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
 def test_host_output_for_gpu_input_is_refused():
-    msg, = run_ranks(_mix, 1, RUN_TIMEOUT, args=("host_out",), start_method="spawn")
+    (msg,) = run_ranks(_mix, 1, RUN_TIMEOUT, args=("host_out",), start_method="spawn")
     assert "host array" in msg and "float32 x 8" in msg, msg
 
 
@@ -204,6 +260,7 @@ def _late(rank, n, store, one_gpu, algo, mode):
 
     import plait
     from gpu_util import gpu_sleep_cycles
+
     dev = Device(0 if one_gpu else rank)
     torch = dev.torch
     comm = plait.init(rank, n, store=store)

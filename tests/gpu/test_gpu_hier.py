@@ -3,6 +3,7 @@ communicator of all ranks, exact values for every GPU collective over NCCL's and
 algorithms, host arrays on the same communicator around them, and the IPC transport refused.
 NCCL needs a GPU per rank: 2 ranks on 2 hosts, or 4 ranks on 2 hosts with 4 GPUs. gloo (torch)
 is the engine host arrays use between the hosts. Ranks are spawned, not forked (CUDA)."""
+
 import importlib.util
 
 import pytest
@@ -21,6 +22,7 @@ def _hier_sweep(rank, n, store, transport):
     import numpy as np
 
     import plait
+
     os.environ["PLAIT_HOST_ID"] = f"host{rank % 2}"  # interleaved: ranks of a host are not contiguous
     if transport:
         os.environ["PLAIT_GPU_TRANSPORT"] = transport

@@ -1,13 +1,13 @@
 """The torch backend with CUDA tensors (one rank on one GPU): all_reduce, reduce_scatter_tensor,
 all_gather_into_tensor, broadcast, reduce and all_to_all(_single) on torch's current stream,
 synchronous and async, exact values; send/recv with a GPU per rank."""
+
 import pytest
 
 from conftest import run_ranks
 from gpu_util import RUN_TIMEOUT, skip_reason
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))]
 
 
 def _torch_cuda(rank, n, store):
@@ -15,6 +15,7 @@ def _torch_cuda(rank, n, store):
     import torch.distributed as dist
 
     import plait.torch  # noqa: F401
+
     torch.cuda.set_device(rank)
     dist.init_process_group("plait", store=dist.HashStore(), rank=rank, world_size=n)
     try:
@@ -45,6 +46,7 @@ def _torch_cuda_more(rank, n, store):
     import torch.distributed as dist
 
     import plait.torch  # noqa: F401
+
     torch.cuda.set_device(rank)
     dist.init_process_group("plait", store=dist.HashStore(), rank=rank, world_size=n)
     try:
@@ -76,6 +78,7 @@ def _torch_cuda_p2p(rank, n, store, port):
     import torch.distributed as dist
 
     import plait.torch  # noqa: F401
+
     torch.cuda.set_device(rank)
     tcp = dist.TCPStore("127.0.0.1", port, n, rank == 0)
     dist.init_process_group("plait", store=tcp, rank=rank, world_size=n)
@@ -94,6 +97,7 @@ def _torch_cuda_p2p(rank, n, store, port):
 @pytest.mark.skipif(skip_reason(2) is not None, reason=str(skip_reason(2)))
 def test_torch_cuda_send_recv_gpu_per_rank():
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -106,6 +110,7 @@ def _torch_stream_order(rank, n, store):
 
     import plait.torch  # noqa: F401
     from gpu_util import gpu_sleep_cycles
+
     torch.cuda.set_device(rank)
     dist.init_process_group("plait", store=dist.HashStore(), rank=rank, world_size=n)
     try:
@@ -121,7 +126,11 @@ def _torch_stream_order(rank, n, store):
         work.wait()  # the current (default) stream waits for the collective; the host does not
         host_went_on = not side.query() and not torch.cuda.current_stream().query()
         doubled = fut.wait()  # CUDA-aware: ordered after the collective on this stream
-        return [host_went_on, torch.equal(x.cpu(), base * n * n), torch.equal(doubled.cpu(), base * n * n * 2)]
+        return [
+            host_went_on,
+            torch.equal(x.cpu(), base * n * n),
+            torch.equal(doubled.cpu(), base * n * n * 2),
+        ]
     finally:
         dist.destroy_process_group()
 

@@ -4,6 +4,7 @@ epoch shows), NaN/inf, integer wrap-around, fp16 avg whose plain sum would overf
 pre-scales as NCCL does), views at odd byte offsets, large counts through the default staging.
 Several processes on one GPU go through the CUDA IPC transport; what needs a GPU per rank says
 so when it skips."""
+
 import pytest
 
 from conftest import run_ranks
@@ -16,6 +17,7 @@ IPC_ALGOS = ("one_shot", "two_shot", "ring")
 def _rows(case, n, count):
     """Every rank's input (float64 or int64 rows), exactly representable in the tested dtype."""
     import numpy as np
+
     i = np.arange(count, dtype=np.int64)
     if case == "distinct":  # < 2^11 per entry: exact in fp16 sums of <= 4 ranks
         return np.stack([((i * 7 + 131 * r) % 509) for r in range(n)]).astype(np.float64)
@@ -35,6 +37,7 @@ def _rows(case, n, count):
 
 def _expect(rows, dtype, op):
     import numpy as np
+
     if dtype == "int8":
         acc = rows.sum(0) if op == "sum" else rows.max(0)
         return acc.astype(np.int64).astype(np.int8)  # two's complement wrap, as the kernels do
@@ -46,6 +49,7 @@ def _values(rank, n, store, cases, shifts=(0,), counts=(1027,), gpu_per_rank=Fal
     import numpy as np
 
     import plait
+
     dev = Device(rank if gpu_per_rank else 0)
     comm = plait.init(rank, n, store=store)
     bad, runs = [], 0
@@ -66,10 +70,17 @@ def _values(rank, n, store, cases, shifts=(0,), counts=(1027,), gpu_per_rank=Fal
                     got = dev.get(out, dtype)
                     same = np.array_equal(got, want, equal_nan=got.dtype.kind == "f")
                     if not same:
-                        diff = np.flatnonzero(~((got == want) | (np.isnan(got) & np.isnan(want))
-                                                if got.dtype.kind == "f" else got == want))[:3]
-                        bad.append(f"rank {rank}: {case}/{dtype}/{op}/{algo}/count {count}/shift {shift}: "
-                                   f"differences at {list(diff)}: got {got[diff]}, want {want[diff]}")
+                        diff = np.flatnonzero(
+                            ~(
+                                (got == want) | (np.isnan(got) & np.isnan(want))
+                                if got.dtype.kind == "f"
+                                else got == want
+                            )
+                        )[:3]
+                        bad.append(
+                            f"rank {rank}: {case}/{dtype}/{op}/{algo}/count {count}/shift {shift}: "
+                            f"differences at {list(diff)}: got {got[diff]}, want {want[diff]}"
+                        )
     return runs, bad[:10]
 
 
@@ -79,35 +90,67 @@ def _check(results):
     assert not bad, "\n".join(bad)
 
 
-CASES = [("distinct", "float32", "sum"), ("distinct", "float16", "sum"), ("distinct", "float32", "max"),
-         ("nan_inf", "float32", "sum"), ("nan_inf", "float16", "max"), ("nan_inf", "float32", "min"),
-         ("wrap", "int8", "sum"), ("avg_overflow", "float16", "avg"), ("avg_overflow", "float32", "avg")]
+CASES = [
+    ("distinct", "float32", "sum"),
+    ("distinct", "float16", "sum"),
+    ("distinct", "float32", "max"),
+    ("nan_inf", "float32", "sum"),
+    ("nan_inf", "float16", "max"),
+    ("nan_inf", "float32", "min"),
+    ("wrap", "int8", "sum"),
+    ("avg_overflow", "float16", "avg"),
+    ("avg_overflow", "float32", "avg"),
+]
 
 
 @pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ipc_values_on_one_gpu(n):
-    _check(run_ranks(_values, n, RUN_TIMEOUT, args=(CASES, (0, 1)),
-                     env={"PLAIT_GPU_IPC_BYTES": "8192"}, start_method="spawn"))
+    _check(
+        run_ranks(
+            _values,
+            n,
+            RUN_TIMEOUT,
+            args=(CASES, (0, 1)),
+            env={"PLAIT_GPU_IPC_BYTES": "8192"},
+            start_method="spawn",
+        )
+    )
 
 
 @pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
 def test_ipc_large_count_default_staging():
     # 2^23 + 5 floats (32 MiB): four windows of the default 8 MiB staging and a ragged last one.
-    _check(run_ranks(_values, 2, RUN_TIMEOUT, args=([("distinct", "float32", "sum")], (0, 1), ((1 << 23) + 5,)),
-                     start_method="spawn"))
+    _check(
+        run_ranks(
+            _values,
+            2,
+            RUN_TIMEOUT,
+            args=([("distinct", "float32", "sum")], (0, 1), ((1 << 23) + 5,)),
+            start_method="spawn",
+        )
+    )
 
 
 @pytest.mark.skipif(skip_reason(2) is not None, reason=f"IPC across GPUs (P2P/NVLink): {skip_reason(2)}")
 def test_ipc_values_across_gpus():
-    _check(run_ranks(_values, 2, RUN_TIMEOUT, args=(CASES, (0, 1), (1027,), True),
-                     env={"PLAIT_GPU_TRANSPORT": "ipc", "PLAIT_GPU_IPC_BYTES": "8192"}, start_method="spawn"))
+    _check(
+        run_ranks(
+            _values,
+            2,
+            RUN_TIMEOUT,
+            args=(CASES, (0, 1), (1027,), True),
+            env={"PLAIT_GPU_TRANSPORT": "ipc", "PLAIT_GPU_IPC_BYTES": "8192"},
+            start_method="spawn",
+        )
+    )
 
 
 def _captured(rank, n, store):
     import numpy as np
 
     import plait
+
     dev = Device(0)
     torch = dev.torch
     comm = plait.init(rank, n, store=store)
@@ -126,5 +169,7 @@ def _captured(rank, n, store):
 @pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
 @pytest.mark.parametrize("transport", ["nccl", "ipc"])
 def test_stream_capture_is_refused_clearly(transport):
-    msg, = run_ranks(_captured, 1, RUN_TIMEOUT, env={"PLAIT_GPU_TRANSPORT": transport}, start_method="spawn")
+    (msg,) = run_ranks(
+        _captured, 1, RUN_TIMEOUT, env={"PLAIT_GPU_TRANSPORT": transport}, start_method="spawn"
+    )
     assert "InvalidArgument" in msg and "captured into a CUDA graph" in msg and "allreduce" in msg, msg

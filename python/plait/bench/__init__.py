@@ -6,6 +6,7 @@
 
 See bench/README.md for the columns. Exit status: 0, 1 when any result was wrong, 2 on bad usage.
 """
+
 from .cli import main
 
 __all__ = ["main"]

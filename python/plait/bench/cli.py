@@ -4,6 +4,7 @@ Without RANK/WORLD_SIZE in the environment, plait-bench starts its own ranks: un
 MPI peer is wanted and works (so plait, gloo and MPI run in the same processes, interleaved), else
 under plait-run. With them (plait-run, torchrun) or under mpirun, this process is one rank.
 """
+
 import argparse
 import json
 import os
@@ -16,9 +17,18 @@ from .collectives import COLLECTIVES, DTYPES, OPS
 from .driver import ENV_SKIPPED, run_rank
 
 DEFAULT_COLLECTIVES = "allreduce,reduce_scatter,allgather"
-_ALIASES = {"all_reduce": "allreduce", "all_gather": "allgather", "reducescatter": "reduce_scatter",
-            "all_to_all": "alltoall", "bcast": "broadcast",
-            "float": "float32", "half": "float16", "double": "float64", "int": "int32", "bf16": "bfloat16"}
+_ALIASES = {
+    "all_reduce": "allreduce",
+    "all_gather": "allgather",
+    "reducescatter": "reduce_scatter",
+    "all_to_all": "alltoall",
+    "bcast": "broadcast",
+    "float": "float32",
+    "half": "float16",
+    "double": "float64",
+    "int": "int32",
+    "bf16": "bfloat16",
+}
 _ENV_CHILD = "PLAIT_BENCH_CHILD"  # set by our own launch: the ranks need not re-check -n
 
 
@@ -56,23 +66,39 @@ def _names(text, known, what):
 
 
 def parser():
-    p = argparse.ArgumentParser(prog="plait-bench", description="nccl-tests-style bandwidth benchmark "
-                                "of plait's collectives, with gloo and MPI side by side.")
+    p = argparse.ArgumentParser(
+        prog="plait-bench",
+        description="nccl-tests-style bandwidth benchmark "
+        "of plait's collectives, with gloo and MPI side by side.",
+    )
     a = p.add_argument
     a("-n", "--nranks", type=int, help="ranks to start (default 2); ignored under a launcher")
     a("-b", "--minbytes", type=parse_size, default=8, help="smallest size (default 8)")
     a("-e", "--maxbytes", type=parse_size, default=8 << 20, help="largest size (default 8M)")
     a("-f", "--stepfactor", type=int, default=4, help="size multiplier between rows (default 4)")
-    a("-c", "--collectives", type=lambda t: _names(t, COLLECTIVES, "collective"),
-      default=DEFAULT_COLLECTIVES.split(","), help=f"comma list or 'all' (default {DEFAULT_COLLECTIVES})")
-    a("-d", "--dtype", type=lambda t: _names(t, DTYPES, "dtype")[0], default="float32",
-      help=f"{', '.join(DTYPES)} (default float32)")
+    a(
+        "-c",
+        "--collectives",
+        type=lambda t: _names(t, COLLECTIVES, "collective"),
+        default=DEFAULT_COLLECTIVES.split(","),
+        help=f"comma list or 'all' (default {DEFAULT_COLLECTIVES})",
+    )
+    a(
+        "-d",
+        "--dtype",
+        type=lambda t: _names(t, DTYPES, "dtype")[0],
+        default="float32",
+        help=f"{', '.join(DTYPES)} (default float32)",
+    )
     a("-o", "--op", choices=OPS, default="sum", help="reduction op (default sum)")
     a("-r", "--root", type=int, default=0, help="root of broadcast and reduce (default 0)")
     a("-a", "--algorithm", default="auto", help="'auto' (default), 'all' or a comma list of algorithms")
-    a("--shared", action="store_true",
-      help="also time plait (auto) over buffers from plait.empty, which peers on the host map instead "
-           "of reaching through kernel copies (row plait+shared; like nccl-tests' registered buffers)")
+    a(
+        "--shared",
+        action="store_true",
+        help="also time plait (auto) over buffers from plait.empty, which peers on the host map instead "
+        "of reaching through kernel copies (row plait+shared; like nccl-tests' registered buffers)",
+    )
     a("-w", "--warmup", type=int, default=2, help="warm-up calls per measurement (default 2)")
     a("--iters", type=int, default=0, help="iterations per trial (default: from --time, 1..1000)")
     a("--trials", type=int, default=5, help="trials per measurement; the median is reported (default 5)")
@@ -81,18 +107,35 @@ def parser():
     g.add_argument("--inplace", action="store_true", help="only in-place calls")
     g.add_argument("--outofplace", action="store_true", help="only out-of-place calls")
     a("--buffer-bytes", type=parse_size, help="plait's staging bytes per rank (plait.init buffer_bytes)")
-    a("--hosts", type=int, default=0, help="also time plait's hierarchical path with the ranks split "
-      "into this many simulated hosts (PLAIT_HOST_ID; consecutive ranks per host), as peer hier-<engine>")
-    a("--peers", type=lambda t: _names(t, ("gloo", "mpi", "deepspeed"), "peer"), default=[],
-      help="gloo,mpi,deepspeed")
+    a(
+        "--hosts",
+        type=int,
+        default=0,
+        help="also time plait's hierarchical path with the ranks split "
+        "into this many simulated hosts (PLAIT_HOST_ID; consecutive ranks per host), as peer hier-<engine>",
+    )
+    a(
+        "--peers",
+        type=lambda t: _names(t, ("gloo", "mpi", "deepspeed"), "peer"),
+        default=[],
+        help="gloo,mpi,deepspeed",
+    )
     a("--json", metavar="FILE", help="write every measurement and the machine info as JSON")
     a("--plot", metavar="FILE.png", help="plot busbw and latency vs size (needs matplotlib)")
     a("--seed", type=int, default=1, help="seed of the check data (default 1)")
     a("--no-pin", action="store_true", help="do not pin ranks to cores")
-    a("--trace", metavar="DIR", help="write a Chrome/Perfetto trace of every plait call per rank into "
-      "DIR (PLAIT_TRACE; open in ui.perfetto.dev or chrome://tracing)")
-    a("--device", choices=("cpu", "cuda"), default="cpu",
-      help="cpu (default) or cuda: GPU arrays, plait's GPU algorithms vs nccl (bench/gpu.py)")
+    a(
+        "--trace",
+        metavar="DIR",
+        help="write a Chrome/Perfetto trace of every plait call per rank into "
+        "DIR (PLAIT_TRACE; open in ui.perfetto.dev or chrome://tracing)",
+    )
+    a(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (default) or cuda: GPU arrays, plait's GPU algorithms vs nccl (bench/gpu.py)",
+    )
     return p
 
 
@@ -106,16 +149,22 @@ def main(argv=None):
         p.error(str(e))
     if args.trials < 1 or args.warmup < 0 or args.iters < 0 or args.time <= 0:
         p.error("need --trials >= 1, -w >= 0, --iters >= 0 and --time > 0")
-    if args.op == "avg" and not args.dtype.startswith(("float", "bfloat")) and \
-            any(COLLECTIVES[c].reduces for c in args.collectives):
+    if (
+        args.op == "avg"
+        and not args.dtype.startswith(("float", "bfloat"))
+        and any(COLLECTIVES[c].reduces for c in args.collectives)
+    ):
         p.error(f"op avg needs a float dtype, not {args.dtype}")
     if args.trace:  # the ranks inherit it from here (launcher) or read it again (each rank)
         os.makedirs(args.trace, exist_ok=True)
         os.environ["PLAIT_TRACE"] = os.path.abspath(args.trace)
     mpi = _under_mpirun()
     if mpi or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        size = int(os.environ.get("WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE")
-                   or os.environ.get("PMI_SIZE"))
+        size = int(
+            os.environ.get("WORLD_SIZE")
+            or os.environ.get("OMPI_COMM_WORLD_SIZE")
+            or os.environ.get("PMI_SIZE")
+        )
         if args.nranks and not os.environ.get(_ENV_CHILD) and args.nranks != size:
             p.error(f"-n {args.nranks} but the launcher started {size} ranks")
     else:
@@ -128,6 +177,7 @@ def main(argv=None):
         p.error("--device cuda compares plait with NCCL only: no --peers, no mpirun")
     if "RANK" in os.environ and args.device == "cuda":
         from .gpu import run_gpu_rank
+
         return run_gpu_rank(args)
     if mpi or "RANK" in os.environ:
         return run_rank(args, argv, mpi)
@@ -151,15 +201,19 @@ def _mpirun_cmd(n):
 def _probe_mpi(n):
     """None when mpirun can start n mpi4py ranks here, else why not."""
     import importlib.util
+
     if importlib.util.find_spec("mpi4py") is None:
-        return ("mpi4py is not installed (pip install mpi4py; it needs an MPI, e.g. "
-                "apt-get install openmpi-bin libopenmpi-dev)")
+        return (
+            "mpi4py is not installed (pip install mpi4py; it needs an MPI, e.g. "
+            "apt-get install openmpi-bin libopenmpi-dev)"
+        )
     if shutil.which("mpirun") is None:
         return "mpirun is not on PATH (apt-get install openmpi-bin)"
     code = "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()"
     try:
-        r = subprocess.run(_mpirun_cmd(n) + [sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=60)
+        r = subprocess.run(
+            _mpirun_cmd(n) + [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
     except subprocess.TimeoutExpired:
         return f"mpirun did not start {n} mpi4py ranks within 60 s"
     if r.returncode:
@@ -179,6 +233,7 @@ def _launch(args, argv, n):
     if "mpi" in args.peers and "mpi" not in skipped:
         return subprocess.run(_mpirun_cmd(n) + module, env=dict(os.environ, **env)).returncode
     from .. import run
+
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # plait-run hands its own environment to the ranks
     try:

@@ -7,14 +7,24 @@ allgather the full output, for alltoall either buffer) and `count` is its elemen
 bytes / time. Data is integer-valued and pseudo-random from a closed formula of (seed, rank,
 index), so every rank can compute every other rank's input and compare exactly.
 """
+
 import numpy as np
 
 from plait._arrays import DTYPES as DTYPE_TABLE
 
 # Largest integer whose sums stay exact (floats) or that fits the type (integers: wrap-around is
 # the same in numpy and in plait, so only the values must fit).
-_EXACT = {"float16": 2048, "bfloat16": 256, "float32": 1 << 24, "float64": 1 << 24, "int8": 127,
-          "uint8": 255, "int32": 1 << 24, "int64": 1 << 24, "bool": 2}
+_EXACT = {
+    "float16": 2048,
+    "bfloat16": 256,
+    "float32": 1 << 24,
+    "float64": 1 << 24,
+    "int8": 127,
+    "uint8": 255,
+    "int32": 1 << 24,
+    "int64": 1 << 24,
+    "bool": 2,
+}
 _STORAGE = {name: np.dtype(ts).type for name, ts in DTYPE_TABLE.items()}  # plait's one table
 DTYPES = tuple(_STORAGE)
 OPS = ("sum", "prod", "min", "max", "avg")
@@ -96,9 +106,9 @@ class Collective:
     """A collective's arithmetic. Subclasses say what goes in, what must come out, and where."""
 
     name = ""
-    reduces = True    # takes an op (otherwise redop prints "none")
-    rooted = False    # has a root (otherwise root prints -1)
-    blocked = False   # the buffer is n equal blocks, so count is rounded down to a multiple of n
+    reduces = True  # takes an op (otherwise redop prints "none")
+    rooted = False  # has a root (otherwise root prints -1)
+    blocked = False  # the buffer is n equal blocks, so count is rounded down to a multiple of n
 
     def busbw_factor(self, n):
         return (n - 1) / n
@@ -149,7 +159,7 @@ class ReduceScatter(Collective):
         if not inplace:
             return send, recv, recv
         m = send.size // n
-        block = send[rank * m:(rank + 1) * m]  # NCCL's in place: the output is my block of x
+        block = send[rank * m : (rank + 1) * m]  # NCCL's in place: the output is my block of x
         return send, block, block
 
 
@@ -167,7 +177,7 @@ class AllGather(Collective):
         if not inplace:
             return send, recv, recv
         m = recv.size // n
-        return recv[rank * m:(rank + 1) * m], recv, recv  # x is my block of out
+        return recv[rank * m : (rank + 1) * m], recv, recv  # x is my block of out
 
 
 class Broadcast(Collective):
@@ -202,5 +212,6 @@ class AllToAll(Collective):
         return np.concatenate([data.values(j, rank * m, m) for j in range(data.n)])
 
 
-COLLECTIVES = {c.name: c for c in (AllReduce(), ReduceScatter(), AllGather(), Broadcast(), Reduce(),
-                                   AllToAll())}
+COLLECTIVES = {
+    c.name: c for c in (AllReduce(), ReduceScatter(), AllGather(), Broadcast(), Reduce(), AllToAll())
+}

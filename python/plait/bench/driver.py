@@ -1,4 +1,5 @@
 """One rank of plait-bench: join plait and the peers, sweep, and (rank 0) print and write it all."""
+
 import json
 import os
 import sys
@@ -15,9 +16,12 @@ def run_rank(args, argv, mpi):
     """Exit status of this rank: 0, or 1 when any result was wrong (every rank agrees)."""
     if mpi:
         from mpi4py import MPI
+
         rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-        local = (int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", rank)),
-                 int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", size)))
+        local = (
+            int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", rank)),
+            int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", size)),
+        )
     else:
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", size))
@@ -26,6 +30,7 @@ def run_rank(args, argv, mpi):
     except BaseException:
         if mpi:  # mpirun would otherwise wait for the other ranks forever
             import traceback
+
             traceback.print_exc()
             sys.stderr.flush()
             MPI.COMM_WORLD.Abort(1)
@@ -50,6 +55,7 @@ def _rendezvous(mpi, rank):
 
     from .. import _store
     from ..run import _free_port
+
     server = _store.StoreServer("127.0.0.1", 0) if rank == 0 else None
     ports = MPI.COMM_WORLD.bcast((server.port, _free_port("127.0.0.1")) if server else None, root=0)
     return ("127.0.0.1", ports[0]), f"tcp://127.0.0.1:{ports[1]}", server
@@ -70,6 +76,7 @@ def _start_peers(names, rank, size, init_method, mpi, skipped):
                 raise Skip("the ranks were not started by mpirun (plait-bench -n N --peers mpi does that)")
             else:
                 from mpi4py import MPI
+
                 peers.append(Mpi(MPI))
         except Skip as e:
             skipped[name] = str(e)
@@ -78,6 +85,7 @@ def _start_peers(names, rank, size, init_method, mpi, skipped):
 
 def _run(args, argv, rank, size, local, mpi):
     import plait
+
     store, init_method, server = _rendezvous(mpi, rank)
     hosts = getattr(args, "hosts", 0)
     if hosts:  # the flat communicator first, on this one machine, then the simulated hosts'
@@ -90,25 +98,41 @@ def _run(args, argv, rank, size, local, mpi):
     core = None if args.no_pin else _pin(*local)
     skipped = dict(json.loads(os.environ.get(ENV_SKIPPED, "{}")))
     peers = _start_peers(args.peers, rank, size, init_method, mpi, skipped)
-    cfg = harness.Config(sizes=args.sizes, dtype=args.dtype, op=args.op, root=args.root,
-                         placements=(IN,) if args.inplace else (OUT,) if args.outofplace else (OUT, IN),
-                         warmup=args.warmup, iters=args.iters, trials=args.trials, time_s=args.time,
-                         seed=args.seed)
+    cfg = harness.Config(
+        sizes=args.sizes,
+        dtype=args.dtype,
+        op=args.op,
+        root=args.root,
+        placements=(IN,) if args.inplace else (OUT,) if args.outofplace else (OUT, IN),
+        warmup=args.warmup,
+        iters=args.iters,
+        trials=args.trials,
+        time_s=args.time,
+        seed=args.seed,
+    )
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"# plait-bench: {size} rank(s){' under mpirun' if mpi else ''}, plait {plait.__version__} "
+    say(
+        f"# plait-bench: {size} rank(s){' under mpirun' if mpi else ''}, plait {plait.__version__} "
         f"({_describe(plait.build_info())}), "
         f"{'rank 0 pinned to core %d' % core if core is not None else 'not pinned'}, "
-        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    say(f"# {','.join(args.collectives)}; sizes {report.human(args.sizes[0])}..{report.human(args.sizes[-1])}"
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
+    )
+    say(
+        f"# {','.join(args.collectives)}; sizes {report.human(args.sizes[0])}..{report.human(args.sizes[-1])}"
         f" x{args.stepfactor}; {args.dtype}; op {args.op}; root {args.root}; {cfg.trials} trials of "
         + (f"{cfg.iters} iterations" if cfg.iters else f"~{cfg.time_s / cfg.trials * 1e3:.0f} ms")
-        + f"; warm-up {cfg.warmup}; algorithm {args.algorithm}")
+        + f"; warm-up {cfg.warmup}; algorithm {args.algorithm}"
+    )
     if hier is not None:
-        say(f"# {hier.name}: plait over {hosts} simulated hosts (PLAIT_HOST_ID=sim<rank*{hosts}//{size}>), "
-            f"{hier.comm.engine} between them: {hier.comm.layout.describe()}")
+        say(
+            f"# {hier.name}: plait over {hosts} simulated hosts (PLAIT_HOST_ID=sim<rank*{hosts}//{size}>), "
+            f"{hier.comm.engine} between them: {hier.comm.layout.describe()}"
+        )
     for p in args.peers:
-        say(f"# peer {p}: " + (f"skipped: {skipped[p]}" if p in skipped else
-                                next(x.version for x in peers if x.name == p)))
+        say(
+            f"# peer {p}: "
+            + (f"skipped: {skipped[p]}" if p in skipped else next(x.version for x in peers if x.name == p))
+        )
     results, skips, summaries = [], [], []
     progress = _Progress(rank == 0, len(args.collectives) * len(args.sizes))
     for cname in args.collectives:
@@ -130,8 +154,11 @@ def _run(args, argv, rank, size, local, mpi):
         extra["affinity"] = cpus  # the mask the rank was given, before pinning
         _write_files(args, argv, results, skipped, skips, summaries, size, extra, cfg)
         if wrong:
-            print(f"plait-bench: {wrong} wrong result elements: see the rows marked WRONG",
-                  file=sys.stderr, flush=True)
+            print(
+                f"plait-bench: {wrong} wrong result elements: see the rows marked WRONG",
+                file=sys.stderr,
+                flush=True,
+            )
     for p in reversed(peers):
         p.close()
     if hier is not None:
@@ -145,6 +172,7 @@ def _run(args, argv, rank, size, local, mpi):
 def _hier_comm(plait, rank, size, store, buffer_bytes, hosts):
     """The hierarchical contender: the same ranks as `hosts` simulated hosts of consecutive ranks."""
     from .peers import Plait
+
     if not 1 < hosts <= size:
         raise SystemExit(f"plait-bench: --hosts {hosts} needs 2..{size} (the number of ranks)")
     os.environ["PLAIT_HOST_ID"] = f"sim{rank * hosts // size}"
@@ -175,17 +203,32 @@ def _sweep(comm, coll, impls, cfg, notes, skips, progress, say):
 
 
 def _describe(build_info):
-    return ", ".join(f"{k} " + ("/".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v))
-                     for k, v in build_info.items())
+    return ", ".join(
+        f"{k} " + ("/".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v))
+        for k, v in build_info.items()
+    )
 
 
 def _write_files(args, argv, results, skipped, skips, summaries, size, extra, cfg):
     if args.json:
-        config = {"nranks": size, "collectives": args.collectives, "sizes": args.sizes, "dtype": cfg.dtype,
-                  "op": cfg.op, "root": cfg.root, "algorithm": args.algorithm,
-                  "placements": list(cfg.placements), "warmup": cfg.warmup, "iters": cfg.iters,
-                  "trials": cfg.trials, "time_s": cfg.time_s, "seed": cfg.seed, "peers": args.peers,
-                  "buffer_bytes": args.buffer_bytes, "pinned": not args.no_pin}
+        config = {
+            "nranks": size,
+            "collectives": args.collectives,
+            "sizes": args.sizes,
+            "dtype": cfg.dtype,
+            "op": cfg.op,
+            "root": cfg.root,
+            "algorithm": args.algorithm,
+            "placements": list(cfg.placements),
+            "warmup": cfg.warmup,
+            "iters": cfg.iters,
+            "trials": cfg.trials,
+            "time_s": cfg.time_s,
+            "seed": cfg.seed,
+            "peers": args.peers,
+            "buffer_bytes": args.buffer_bytes,
+            "pinned": not args.no_pin,
+        }
         skipped_list = [{"impl": k, "reason": v} for k, v in skipped.items()] + skips
         doc = report.document(argv, report.machine_info(extra), config, results, skipped_list, summaries)
         with open(args.json, "w") as f:

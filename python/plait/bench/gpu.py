@@ -9,14 +9,18 @@ synchronisation at the end, after warm-up, median of --trials (iters: --iters, e
 always end at --maxbytes. Rank 0 first times a device-to-device copy of the largest size alone
 (the bound a one-GPU transport's busbw is judged against) and prints an nccl-tests-style table.
 """
+
 import os
 import statistics
 import time
 
 import numpy as np
 
-BUSBW = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-         "allgather": lambda n: (n - 1) / n}
+BUSBW = {
+    "allreduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+}
 
 
 class _Arrays:
@@ -25,11 +29,13 @@ class _Arrays:
     def __init__(self, device):
         try:
             import cupy
+
             cupy.cuda.Device(device).use()
             cupy.zeros(1)
             self.cupy, self.torch = cupy, None
         except Exception:  # noqa: BLE001 - no cupy, or a cupy that cannot run here
             import torch
+
             torch.cuda.set_device(device)
             self.cupy, self.torch = None, torch
 
@@ -59,8 +65,10 @@ class _Arrays:
 
 def _case(coll, count, rank, n, dtype):
     """(input, expected output) of `count` elements per block, integer-valued and exact."""
+
     def block(r):
         return ((np.arange(count) % 7) + r).astype(dtype)
+
     if coll == "allgather":
         return block(rank), np.concatenate([block(r) for r in range(n)])
     total = sum(block(r).astype(np.float64) for r in range(n)).astype(dtype)
@@ -101,6 +109,7 @@ def _iters_for(call, x, out, algo, kw, xp, comm, budget_s):
 def run_gpu_rank(args):
     import plait
     from plait import _C
+
     if not plait.build_info()["cuda"]:
         raise SystemExit("plait-bench --device cuda: this plait build has no CUDA path")
     ndev = _C.cuda_device_count()
@@ -130,7 +139,9 @@ def run_gpu_rank(args):
                 for _ in range(max(1, args.warmup)):
                     call(x, out=out, algorithm=algo, **kw)
                 xp.sync()
-                iters = args.iters or _iters_for(call, x, out, algo, kw, xp, comm, args.time / max(1, args.trials))
+                iters = args.iters or _iters_for(
+                    call, x, out, algo, kw, xp, comm, args.time / max(1, args.trials)
+                )
                 times = []
                 for _ in range(args.trials):
                     comm.barrier()
@@ -145,12 +156,18 @@ def run_gpu_rank(args):
                 algbw = size / t / 1e9
                 rows.append((coll, size, algo, t * 1e6, algbw, algbw * BUSBW[coll](n), wrong))
     if rank == 0:
-        print(f"# plait-bench --device cuda: {n} rank(s) on {min(n, ndev)} GPU(s), "
-              f"{'CUDA IPC' if ipc else 'NCCL ' + str(plait.build_info()['nccl'])}, {args.dtype}")
-        print(f"# copy limit: device-to-device copy of {max(sizes)} bytes on one GPU: {limit:.1f} GB/s "
-              f"(bytes copied per second; each byte is read and written)")
-        print(f"{'collective':>15} {'bytes':>12} {'algorithm':>9} {'time(us)':>10} {'algbw(GB/s)':>12} "
-              f"{'busbw(GB/s)':>12} {'#wrong':>7}")
+        print(
+            f"# plait-bench --device cuda: {n} rank(s) on {min(n, ndev)} GPU(s), "
+            f"{'CUDA IPC' if ipc else 'NCCL ' + str(plait.build_info()['nccl'])}, {args.dtype}"
+        )
+        print(
+            f"# copy limit: device-to-device copy of {max(sizes)} bytes on one GPU: {limit:.1f} GB/s "
+            f"(bytes copied per second; each byte is read and written)"
+        )
+        print(
+            f"{'collective':>15} {'bytes':>12} {'algorithm':>9} {'time(us)':>10} {'algbw(GB/s)':>12} "
+            f"{'busbw(GB/s)':>12} {'#wrong':>7}"
+        )
         for coll, size, algo, us, algbw, busbw, wrong in rows:
             print(f"{coll:>15} {size:>12} {algo:>9} {us:>10.1f} {algbw:>12.2f} {busbw:>12.2f} {wrong:>7}")
     comm.finalize()

@@ -7,6 +7,7 @@ order, and each reported time is the median over trials of the slowest rank's pe
 (gathered with plait's own allreduce op=max, outside the timed loop). Iterations per trial come
 from a warm-up estimate, so a 64 MiB size runs a few iterations and an 8 B size up to 1000.
 """
+
 import math
 import sys
 import time
@@ -28,9 +29,9 @@ class Config:
     root: int = 0
     placements: tuple = (OUT, IN)
     warmup: int = 2
-    iters: int = 0          # fixed iterations per trial; 0: from the time budget
+    iters: int = 0  # fixed iterations per trial; 0: from the time budget
     trials: int = 5
-    time_s: float = 0.2     # budget per measurement (all its trials together)
+    time_s: float = 0.2  # budget per measurement (all its trials together)
     seed: int = 1
 
 
@@ -70,9 +71,13 @@ def nb_of(count, cfg):
 def _complain(comm, coll, cfg, nbytes, v, exp, wrong):
     got = v.result.reshape(-1)
     first = int(np.flatnonzero(got != exp.reshape(-1))[0])
-    print(f"plait-bench: rank {comm.rank}: WRONG RESULT: {coll.name} {v.impl.name} {cfg.dtype} "
-          f"op {cfg.op} {nbytes} B {v.placement}: {wrong} of {got.size} elements differ, first at "
-          f"[{first}]: got {got[first]}, expected {exp.reshape(-1)[first]}", file=sys.stderr, flush=True)
+    print(
+        f"plait-bench: rank {comm.rank}: WRONG RESULT: {coll.name} {v.impl.name} {cfg.dtype} "
+        f"op {cfg.op} {nbytes} B {v.placement}: {wrong} of {got.size} elements differ, first at "
+        f"[{first}]: got {got[first]}, expected {exp.reshape(-1)[first]}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def measure(comm, coll, nbytes, impls, cfg):
@@ -90,6 +95,7 @@ def measure(comm, coll, nbytes, impls, cfg):
     bufs = {False: (send, recv)}
     if any(getattr(i, "shared", False) for i in impls):
         import plait
+
         bufs[True] = (plait.empty(send.shape, send.dtype), plait.empty(recv.shape, recv.dtype))
 
     variants, skips = [], []
@@ -148,11 +154,24 @@ def measure(comm, coll, nbytes, impls, cfg):
     for i, v in enumerate(variants):
         us = float(np.median(times[i]))
         algbw = nb / (us * 1e-6) / 1e9 if us > 0 else math.inf
-        records.append({
-            "collective": coll.name, "impl": v.impl.name, "algorithm": getattr(v.impl, "algorithm", None),
-            "placement": v.placement, "bytes": nb, "count": count, "dtype": cfg.dtype,
-            "op": cfg.op if coll.reduces else "none", "root": cfg.root if coll.rooted else -1,
-            "nranks": n, "time_us": us, "trials_us": [float(x) for x in times[i]], "iters": v.iters,
-            "algbw_GBps": algbw, "busbw_GBps": algbw * coll.busbw_factor(n), "wrong": int(wrong[i]),
-        })
+        records.append(
+            {
+                "collective": coll.name,
+                "impl": v.impl.name,
+                "algorithm": getattr(v.impl, "algorithm", None),
+                "placement": v.placement,
+                "bytes": nb,
+                "count": count,
+                "dtype": cfg.dtype,
+                "op": cfg.op if coll.reduces else "none",
+                "root": cfg.root if coll.rooted else -1,
+                "nranks": n,
+                "time_us": us,
+                "trials_us": [float(x) for x in times[i]],
+                "iters": v.iters,
+                "algbw_GBps": algbw,
+                "busbw_GBps": algbw * coll.busbw_factor(n),
+                "wrong": int(wrong[i]),
+            }
+        )
     return records, skips

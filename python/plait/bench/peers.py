@@ -1,8 +1,10 @@
 """The implementations a sweep times: plait (one per algorithm) and its peers, torch.distributed's
-gloo, MPI through mpi4py, and DeepSpeed's shared-memory allreduce. Each turns (collective, x, out) into a zero-argument call over the
-harness's numpy buffers, so every implementation runs under the same timing loop and the same
-result check. A peer that cannot start raises Skip with the reason, which the report prints.
+gloo, MPI through mpi4py, and DeepSpeed's shared-memory allreduce. Each turns (collective, x, out)
+into a zero-argument call over the harness's numpy buffers, so every implementation runs under the
+same timing loop and the same result check. A peer that cannot start raises Skip with the reason,
+which the report prints.
 """
+
 import os
 
 import numpy as np
@@ -56,8 +58,11 @@ def plait_impls(comm, collective, choice, algorithms):
     if choice == "all":
         return [Plait(comm)] + [Plait(comm, a) for a in names], []
     wanted = [a for a in choice.split(",") if a]
-    notes = [f"plait:{a}: not an algorithm of {collective} ({', '.join(names)})"
-             for a in wanted if a not in names and a != "auto"]
+    notes = [
+        f"plait:{a}: not an algorithm of {collective} ({', '.join(names)})"
+        for a in wanted
+        if a not in names and a != "auto"
+    ]
     return [Plait(comm, a) for a in wanted if a in names or a == "auto"], notes
 
 
@@ -65,8 +70,14 @@ class Gloo:
     """torch.distributed over gloo; only the placements torch's API has natively."""
 
     name = "gloo"
-    _NATIVE = {"allreduce": IN, "broadcast": IN, "reduce": IN, "reduce_scatter": OUT,
-               "allgather": OUT, "alltoall": OUT}
+    _NATIVE = {
+        "allreduce": IN,
+        "broadcast": IN,
+        "reduce": IN,
+        "reduce_scatter": OUT,
+        "allgather": OUT,
+        "alltoall": OUT,
+    }
 
     def __init__(self, torch, dist):
         self.torch, self.dist = torch, dist
@@ -193,14 +204,18 @@ class DeepSpeed:
         return None
 
     def prepare(self, coll, x, out, dtype, op, root):
-        t = self.torch.from_numpy(x.view(np.int16)).view(self.torch.bfloat16) if dtype == "bfloat16" \
+        t = (
+            self.torch.from_numpy(x.view(np.int16)).view(self.torch.bfloat16)
+            if dtype == "bfloat16"
             else self.torch.from_numpy(x)
+        )
         f, sop = self.dcomm.inference_all_reduce, self.dcomm.ReduceOp.SUM
         return lambda: f(t, sop)
 
     def close(self):
         # DeepSpeed never unlinks its segments (deepspeed_allreduce_buffer_<...>_<addr>_<port>_<rank>).
         import glob
+
         for path in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*_%s_*" % self._shm_tag):
             try:
                 os.unlink(path)
@@ -220,13 +235,14 @@ def start_deepspeed(rank, size, init_method):
     except Exception as e:  # noqa: BLE001
         raise Skip(f"deepspeed does not import ({type(e).__name__}: {e}); pip install deepspeed") from None
     if init_method and init_method.startswith("tcp://"):
-        host, port = init_method[len("tcp://"):].rsplit(":", 1)
+        host, port = init_method[len("tcp://") :].rsplit(":", 1)
         os.environ.setdefault("MASTER_ADDR", host)
         os.environ.setdefault("MASTER_PORT", port)
     if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
         raise Skip("MASTER_ADDR/MASTER_PORT are not set for DeepSpeed")
     os.environ["LOCAL_SIZE"] = str(size)  # its shared-memory path is taken only when all are local
     import torch.distributed as dist
+
     own_group = not dist.is_initialized()
     if own_group:
         torch.set_num_threads(1)

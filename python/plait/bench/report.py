@@ -1,5 +1,6 @@
 """What rank 0 prints and writes: nccl-tests' table (one row per size and implementation), the
 peer comparison, the closing summary, the JSON file and the plot."""
+
 import datetime
 import os
 import platform
@@ -8,8 +9,24 @@ import sys
 from .peers import IN, OUT, SHARED
 
 SCHEMA = "plait-bench/1"
-RECORD_KEYS = ("collective", "impl", "algorithm", "placement", "bytes", "count", "dtype", "op", "root",
-               "nranks", "time_us", "trials_us", "iters", "algbw_GBps", "busbw_GBps", "wrong")
+RECORD_KEYS = (
+    "collective",
+    "impl",
+    "algorithm",
+    "placement",
+    "bytes",
+    "count",
+    "dtype",
+    "op",
+    "root",
+    "nranks",
+    "time_us",
+    "trials_us",
+    "iters",
+    "algbw_GBps",
+    "busbw_GBps",
+    "wrong",
+)
 JSON_KEYS = ("schema", "date", "command", "machine", "config", "results", "skipped", "summary")
 _LEFT = "%12s  %12s  %8s  %6s  %6s  %-16s"
 _CELL = "  %8s  %7s  %7s  %6s"
@@ -47,8 +64,12 @@ def rows(records, placements):
         line = _LEFT % (r0["bytes"], r0["count"], r0["dtype"], r0["op"], r0["root"], impl)
         for p in placements:
             r = cells.get(p)
-            line += _CELL % ("n/a", "n/a", "n/a", "n/a") if r is None else _CELL % (
-                fmt_time(r["time_us"]), "%.2f" % r["algbw_GBps"], "%.2f" % r["busbw_GBps"], r["wrong"])
+            line += (
+                _CELL % ("n/a", "n/a", "n/a", "n/a")
+                if r is None
+                else _CELL
+                % (fmt_time(r["time_us"]), "%.2f" % r["algbw_GBps"], "%.2f" % r["busbw_GBps"], r["wrong"])
+            )
         lines.append(line + ("   <-- WRONG" if any(r["wrong"] for r in cells.values()) else ""))
     return lines
 
@@ -71,15 +92,20 @@ def comparison(coll, records):
         return []
     refs = [("plait", None)] + ([("shared", SHARED)] if SHARED in impls else [])
     cols = [(f"{tag}/{p}", key, p) for tag, key in refs for p in peers]
-    lines = [f"# {coll}: time (us), each implementation at its faster of {OUT}/{IN}; "
-             f"plait/peer = plait (auto) time / peer time"
-             + (f", shared/peer = {SHARED} time / peer time" if len(refs) > 1 else "") + ", < 1: plait faster",
-             "#" + ("%11s" % "size") + "".join(" %*s" % (max(14, len(i)), i) for i in impls)
-             + "".join(" %*s" % (max(12, len(c) ), c) for c, _, _ in cols)]
+    lines = [
+        f"# {coll}: time (us), each implementation at its faster of {OUT}/{IN}; "
+        f"plait/peer = plait (auto) time / peer time"
+        + (f", shared/peer = {SHARED} time / peer time" if len(refs) > 1 else "")
+        + ", < 1: plait faster",
+        "#"
+        + ("%11s" % "size")
+        + "".join(" %*s" % (max(14, len(i)), i) for i in impls)
+        + "".join(" %*s" % (max(12, len(c)), c) for c, _, _ in cols),
+    ]
     for nb in sorted({k[0] for k in best}):
         line = "#%11s" % human(nb) + "".join(
-            " %*s" % (max(14, len(i)), fmt_time(best[(nb, i)]) if (nb, i) in best else "-")
-            for i in impls)
+            " %*s" % (max(14, len(i)), fmt_time(best[(nb, i)]) if (nb, i) in best else "-") for i in impls
+        )
         for c, key, p in cols:
             ref = _plait_ref(best, nb) if key is None else best.get((nb, key))
             ok = ref is not None and (nb, p) in best and best[(nb, p)] > 0
@@ -116,15 +142,22 @@ def _algorithm_parts(best, sizes, algos):
         if runs:
             cross.append(f"{runs[-1][0][6:]}->{w[6:]} at {human(nb)}")
         runs.append([w, nb, nb])
-    parts = ["best " + ", ".join(f"{w[6:]} {human(a)}..{human(b)}" for w, a, b in runs),
-             "crossovers " + (", ".join(cross) if cross else "none")]
+    parts = [
+        "best " + ", ".join(f"{w[6:]} {human(a)}..{human(b)}" for w, a, b in runs),
+        "crossovers " + (", ".join(cross) if cross else "none"),
+    ]
     fastest = {nb: min(best.get((nb, a), float("inf")) for a in algos) for nb in sizes}
-    auto = [(best[(nb, "plait")] / fastest[nb], nb) for nb in sizes
-            if (nb, "plait") in best and fastest[nb] < float("inf")]
+    auto = [
+        (best[(nb, "plait")] / fastest[nb], nb)
+        for nb in sizes
+        if (nb, "plait") in best and fastest[nb] < float("inf")
+    ]
     if auto:
         worst = max(auto)
-        parts.append(f"auto within 10% of the best at {sum(q <= 1.1 for q, _ in auto)}/{len(auto)} sizes"
-                     + (f" (worst {worst[0]:.2f}x at {human(worst[1])})" if worst[0] > 1.1 else ""))
+        parts.append(
+            f"auto within 10% of the best at {sum(q <= 1.1 for q, _ in auto)}/{len(auto)} sizes"
+            + (f" (worst {worst[0]:.2f}x at {human(worst[1])})" if worst[0] > 1.1 else "")
+        )
     return parts
 
 
@@ -139,12 +172,18 @@ def summary(coll, records):
         bw = max(r["busbw_GBps"] for r in records if r["impl"] == "plait")
         parts.append(f"plait {fmt_time(mine[0][1])} us at {human(mine[0][0])}, peak busbw {bw:.2f} GB/s")
     for p in sorted({i for (_, i) in best if not i.startswith("plait")}):
-        q = [_plait_ref(best, nb) / best[(nb, p)] for nb in sizes
-             if (nb, p) in best and _plait_ref(best, nb) is not None and best[(nb, p)] > 0]
+        q = [
+            _plait_ref(best, nb) / best[(nb, p)]
+            for nb in sizes
+            if (nb, p) in best and _plait_ref(best, nb) is not None and best[(nb, p)] > 0
+        ]
         if q:
             parts.append(f"plait/{p} {min(q):.3g}x..{max(q):.3g}x")
-        q = [best[(nb, SHARED)] / best[(nb, p)] for nb in sizes
-             if (nb, p) in best and (nb, SHARED) in best and best[(nb, p)] > 0]
+        q = [
+            best[(nb, SHARED)] / best[(nb, p)]
+            for nb in sizes
+            if (nb, p) in best and (nb, SHARED) in best and best[(nb, p)] > 0
+        ]
         if q:
             parts.append(f"shared/{p} {min(q):.3g}x..{max(q):.3g}x")
     return f"# summary {coll}: " + ("; ".join(parts) if parts else "nothing measured")
@@ -159,10 +198,19 @@ def machine_info(extra=None):
         pass
     import numpy
     import plait
-    info = {"cpu": cpu, "cores": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
-            "kernel": platform.release(), "platform": platform.platform(), "python": sys.version.split()[0],
-            "loadavg": _loadavg(), "numpy": numpy.__version__, "plait": plait.__version__,
-            "build_info": plait.build_info()}
+
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "kernel": platform.release(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "loadavg": _loadavg(),
+        "numpy": numpy.__version__,
+        "plait": plait.__version__,
+        "build_info": plait.build_info(),
+    }
     info.update(extra or {})
     return info
 
@@ -177,15 +225,23 @@ def _loadavg():
 
 def document(argv, machine, config, results, skipped, summaries):
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return {"schema": SCHEMA, "date": now,
-            "command": ["plait-bench", *argv], "machine": machine, "config": config, "results": results,
-            "skipped": skipped, "summary": summaries}
+    return {
+        "schema": SCHEMA,
+        "date": now,
+        "command": ["plait-bench", *argv],
+        "machine": machine,
+        "config": config,
+        "results": results,
+        "skipped": skipped,
+        "summary": summaries,
+    }
 
 
 def plot(path, results):
     """busbw and latency vs size, one line per implementation; one row of panels per collective."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

@@ -13,18 +13,38 @@ Errors are torch.distributed.DistBackendError subclasses that are also plait's c
 `plait.torch.empty(*size, dtype=None)` (alias `zeros`) gives a CPU tensor in plait shared memory
 (see plait.empty): collectives on it reach peers through mappings instead of kernel copies.
 """
+
 import atexit
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _CBackend
 
-from ._errors import (PlaitBackendError, PlaitInvalidArgument, PlaitMismatchError,  # noqa: F401
-                      PlaitPeerLostError, PlaitTimeoutError, PlaitUnsupportedError)
+from ._errors import (
+    PlaitBackendError,
+    PlaitInvalidArgument,
+    PlaitMismatchError,  # noqa: F401
+    PlaitPeerLostError,
+    PlaitTimeoutError,
+    PlaitUnsupportedError,
+)
 from . import _native
 from ._group import Options, ProcessGroupPlait, shutdown_all
 
-__all__ = ["ProcessGroupPlait", "Options", "BACKEND", "communicator", "native", "empty", "zeros", "PlaitBackendError", "PlaitInvalidArgument",
-           "PlaitMismatchError", "PlaitTimeoutError", "PlaitPeerLostError", "PlaitUnsupportedError"]
+__all__ = [
+    "ProcessGroupPlait",
+    "Options",
+    "BACKEND",
+    "communicator",
+    "native",
+    "empty",
+    "zeros",
+    "PlaitBackendError",
+    "PlaitInvalidArgument",
+    "PlaitMismatchError",
+    "PlaitTimeoutError",
+    "PlaitPeerLostError",
+    "PlaitUnsupportedError",
+]
 
 BACKEND = "plait"
 
@@ -37,6 +57,7 @@ def empty(*size, dtype=None):
     import torch
 
     from .. import _shared
+
     shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else tuple(size)
     dtype = dtype or torch.get_default_dtype()
     esize = torch.empty((), dtype=dtype).element_size()
@@ -57,8 +78,15 @@ def _create(opts, pg_options):
         if isinstance(made, _CBackend):
             return made
         comm = made  # a communicator only the Python backend drives
-    return ProcessGroupPlait(opts.store, opts.group_rank, opts.group_size, opts.timeout,
-                             group_id=opts.group_id, options=pg_options, comm=comm)
+    return ProcessGroupPlait(
+        opts.store,
+        opts.group_rank,
+        opts.group_size,
+        opts.timeout,
+        group_id=opts.group_id,
+        options=pg_options,
+        comm=comm,
+    )
 
 
 def communicator(group=None):
@@ -68,6 +96,7 @@ def communicator(group=None):
     if comm is not None:
         return comm
     import torch
+
     return pg._get_backend(torch.device("cpu"))._comm
 
 
@@ -77,6 +106,7 @@ def native():
 
 
 if BACKEND.upper() not in dist.Backend._plugins:
-    dist.Backend.register_backend(BACKEND, _create, extended_api=True,
-                                  devices=["cpu"] if native() else ["cpu", "cuda"])
+    dist.Backend.register_backend(
+        BACKEND, _create, extended_api=True, devices=["cpu"] if native() else ["cpu", "cuda"]
+    )
 atexit.register(shutdown_all)

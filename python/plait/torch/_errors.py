@@ -4,6 +4,7 @@ Each class is both a torch.distributed.DistBackendError (what c10d backends rais
 torch's own error handling catches) and the plait class it stands for, so `except
 plait.TimeoutError` and `except dist.DistBackendError` both work. The message is plait's.
 """
+
 import torch.distributed as dist
 
 import plait
@@ -57,11 +58,13 @@ def to_torch(e, where=""):
 
 def mapped(fn):
     """Raises plait errors out of a group method as torch errors naming the group and the call."""
+
     def method(self, *args, **kwargs):
         try:
             return fn(self, *args, **kwargs)
         except plait.PlaitError as e:
             raise to_torch(e, f"plait {fn.__name__} on {self._label}") from None
+
     method.__name__ = fn.__name__
     method.__doc__ = fn.__doc__
     return method

@@ -6,6 +6,7 @@ turns torch's arguments into plait calls issued in program order on the caller's
 runs them in that order on its progress thread (or inline, for a synchronous call), and the
 group's completion thread (_work.py) completes each Work and its Future.
 """
+
 import itertools
 import weakref
 from datetime import timedelta
@@ -71,8 +72,18 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
         self._coalesce_from = None
         buffer_bytes = options.buffer_bytes if isinstance(options, Options) else None
         try:
-            self._comm = comm if comm is not None else plait.init(rank, size, store=TorchStore(store, secs), timeout=secs,
-                                    buffer_bytes=buffer_bytes, set_default=False)
+            self._comm = (
+                comm
+                if comm is not None
+                else plait.init(
+                    rank,
+                    size,
+                    store=TorchStore(store, secs),
+                    timeout=secs,
+                    buffer_bytes=buffer_bytes,
+                    set_default=False,
+                )
+            )
         except plait.PlaitError as e:
             raise _errors.to_torch(e, f"plait: creating {self._label}") from None
         self._name_comm()
@@ -212,8 +223,10 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
         if red is not None:
             fast = _reduce.FAST.get((red.kind.value, x.dtype))
             if fast is None:
-                raise PlaitUnsupportedError(f"{op.where}: {red} on {x.dtype} CUDA tensors (plait's GPU path "
-                                            f"reduces sum/prod/min/max, avg on floats, of its dtypes)")
+                raise PlaitUnsupportedError(
+                    f"{op.where}: {red} on {x.dtype} CUDA tensors (plait's GPU path "
+                    f"reduces sum/prod/min/max, avg on floats, of its dtypes)"
+                )
             kwargs["op"] = fast[0]
         self._add(op, getattr(self._comm, coll)(x, y, **kwargs))
 
@@ -225,8 +238,10 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
             raise PlaitUnsupportedError(f"{op.where}: non-contiguous CUDA tensors (call .contiguous())")
         fast = _reduce.FAST.get((red.kind.value, x.dtype))
         if fast is None:
-            raise PlaitUnsupportedError(f"{op.where}: {red} on {x.dtype} CUDA tensors (plait's GPU path "
-                                        f"reduces sum/prod/min/max, avg on floats, of its dtypes)")
+            raise PlaitUnsupportedError(
+                f"{op.where}: {red} on {x.dtype} CUDA tensors (plait's GPU path "
+                f"reduces sum/prod/min/max, avg on floats, of its dtypes)"
+            )
         out = y.reshape(-1) if self._rank == root else None
         self._add(op, self._comm.reduce(x.reshape(-1), root, out=out, op=fast[0], **kw))
 
@@ -280,15 +295,20 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
             r = _reduce.gathered(stack, red)
             if scatter:
                 m = y.numel()
-                r = r.reshape(-1)[rank * m:(rank + 1) * m]
+                r = r.reshape(-1)[rank * m : (rank + 1) * m]
             y.copy_(r.view(y.shape))
+
         op.after.append(finish)
 
     def allreduce(self, tensors, opts=None):
         # The fast path (one contiguous CPU tensor of a plait dtype, an op plait has): what DDP
         # buckets and most dist.all_reduce calls are. Everything else goes through plan().
-        if type(opts) is _AllreduceOptions and type(tensors) is list and len(tensors) == 1 \
-                and self._comm is not None:
+        if (
+            type(opts) is _AllreduceOptions
+            and type(tensors) is list
+            and len(tensors) == 1
+            and self._comm is not None
+        ):
             t = tensors[0]
             fast = _reduce.FAST.get((opts.reduceOp.op.value, t.dtype))
             if fast is not None and t.is_cpu and t.is_contiguous():
@@ -298,8 +318,14 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
                 secs = opts.timeout.total_seconds()
                 self._seq += 1
                 try:
-                    h = self._comm.allreduce(x, x, op=name, dtype=dt, async_op=not sync,
-                                             timeout=secs if secs > 0 else self._timeout_s)
+                    h = self._comm.allreduce(
+                        x,
+                        x,
+                        op=name,
+                        dtype=dt,
+                        async_op=not sync,
+                        timeout=secs if secs > 0 else self._timeout_s,
+                    )
                 except plait.PlaitError as e:
                     raise _errors.to_torch(e, f"plait allreduce on {self._label}") from None
                 if sync:
@@ -343,8 +369,10 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
 
     def _reduce_scatter_one(self, op, output, input, red, kw):
         if input.numel() != output.numel() * self._size:
-            self._fail(f"reduce_scatter: input has {input.numel()} elements, output {output.numel()}; "
-                       f"the input needs group size ({self._size}) x output elements")
+            self._fail(
+                f"reduce_scatter: input has {input.numel()} elements, output {output.numel()}; "
+                f"the input needs group size ({self._size}) x output elements"
+            )
         x = _tensors.source(input).reshape(-1)
         if output.is_contiguous():
             self._reduce_into(op, x, output.reshape(-1), red, kw, scatter=True)
@@ -414,17 +442,20 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
     def _allgather_one(self, op, output, input, kw):
         if input.is_cuda:
             if output.numel() != input.numel() * self._size:
-                self._fail(f"all_gather: output has {output.numel()} elements, input {input.numel()}; "
-                           f"the output needs group size ({self._size}) x input elements")
+                self._fail(
+                    f"all_gather: output has {output.numel()} elements, input {input.numel()}; "
+                    f"the output needs group size ({self._size}) x input elements"
+                )
             return self._gpu_call(op, "allgather", input.reshape(-1), output.reshape(-1), kw)
         _tensors.check_cpu(input, op.where)
         if output.numel() != input.numel() * self._size:
-            self._fail(f"all_gather: output has {output.numel()} elements, input {input.numel()}; "
-                       f"the output needs group size ({self._size}) x input elements")
+            self._fail(
+                f"all_gather: output has {output.numel()} elements, input {input.numel()}; "
+                f"the output needs group size ({self._size}) x input elements"
+            )
         dst = _tensors.sink(output, op)
         src = _tensors.source(input)
-        if (src is input and _tensors.overlaps(src, dst)
-                and not _tensors.is_block(src, dst, self._rank)):
+        if src is input and _tensors.overlaps(src, dst) and not _tensors.is_block(src, dst, self._rank):
             src = src.clone()
         self._add(op, self._comm.allgather(_tensors.bytes_of(src), _tensors.bytes_of(dst), **kw))
 
@@ -477,8 +508,9 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
             for r, outs in enumerate(output_lists):
                 off = 0
                 for o, p in zip(outs, parts):
-                    _tensors.write_bytes(o, stack[r, off:off + p.numel()])
+                    _tensors.write_bytes(o, stack[r, off : off + p.numel()])
                     off += p.numel()
+
         op.after.append(unpack)
         return self._launch(op, kw)
 

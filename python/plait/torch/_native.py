@@ -9,6 +9,7 @@ plait._C's C API (bindings/capi.h), so there is one core in the process.
 PLAIT_TORCH_NATIVE: unset = native when it builds (else the Python backend, with a one-line
 note); 0 = always the Python backend; 1 = native or an error.
 """
+
 import fcntl
 import hashlib
 import os
@@ -36,6 +37,7 @@ def _build():
     from torch.utils import cpp_extension
 
     import plait
+
     src = _csrc()
     if src is None:
         raise RuntimeError("the backend's C++ sources are not installed with plait")
@@ -51,11 +53,20 @@ def _build():
     with open(os.path.join(build_dir, "build.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(os.path.join(build_dir, name + ".so")):
-            print(f"plait.torch: compiling the native backend for torch {torch.__version__} into {build_dir} "
-                  "(once)", file=sys.stderr, flush=True)
-        return cpp_extension.load(name=name, sources=[os.path.join(src, f) for f in _SOURCES],
-                                  extra_include_paths=[src], build_directory=build_dir,
-                                  extra_cflags=["-O2"], verbose=False)
+            print(
+                f"plait.torch: compiling the native backend for torch {torch.__version__} into {build_dir} "
+                "(once)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return cpp_extension.load(
+            name=name,
+            sources=[os.path.join(src, f) for f in _SOURCES],
+            extra_include_paths=[src],
+            build_directory=build_dir,
+            extra_cflags=["-O2"],
+            verbose=False,
+        )
 
 
 def load():
@@ -71,6 +82,7 @@ def load():
         import torch
 
         import plait
+
         if plait.build_info()["cuda"] and torch.cuda.is_available():
             return None  # CUDA tensors take plait's GPU path, which only the Python backend has yet
     try:
@@ -79,8 +91,12 @@ def load():
         if want == "1":
             raise RuntimeError(f"plait.torch: the native backend did not build: {e}") from e
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"plait.torch: native backend unavailable ({first}); using the Python backend "
-              "(PLAIT_TORCH_NATIVE=0 silences this)", file=sys.stderr, flush=True)
+        print(
+            f"plait.torch: native backend unavailable ({first}); using the Python backend "
+            "(PLAIT_TORCH_NATIVE=0 silences this)",
+            file=sys.stderr,
+            flush=True,
+        )
     return _module
 
 
@@ -92,18 +108,26 @@ def create(opts, buffer_bytes):
 
     from . import _errors
     from ._store import TorchStore
+
     secs = opts.timeout.total_seconds() if opts.timeout is not None else None
     try:
-        comm = plait.init(opts.group_rank, opts.group_size, store=TorchStore(opts.store, secs), timeout=secs,
-                          buffer_bytes=buffer_bytes, set_default=False)
+        comm = plait.init(
+            opts.group_rank,
+            opts.group_size,
+            store=TorchStore(opts.store, secs),
+            timeout=secs,
+            buffer_bytes=buffer_bytes,
+            set_default=False,
+        )
     except plait.PlaitError as e:
         raise _errors.to_torch(e, f"plait: creating group {opts.group_id!r}") from None
     native = getattr(comm, "_c", None)
     if not isinstance(native, _C.Communicator):
         return comm
     comm.label = f"pg:{opts.group_id}"  # flight reports and PLAIT_TRACE tracks name the group
-    backend = _module.create(_C._capi, _C._comm_capsule(native), comm, opts.group_rank, opts.group_size,
-                             secs if secs else 300.0)
+    backend = _module.create(
+        _C._capi, _C._comm_capsule(native), comm, opts.group_rank, opts.group_size, secs if secs else 300.0
+    )
     _comms[str(opts.group_id)] = comm
     return backend
 
@@ -114,10 +138,12 @@ def split(store, rank, size, timeout_s, group_name):
 
     class _Opts:
         pass
+
     opts = _Opts()
     opts.store, opts.group_rank, opts.group_size = store, rank, size
     opts.timeout, opts.group_id = timedelta(seconds=timeout_s), group_name
     from torch._C._distributed_c10d import Backend
+
     made = create(opts, None)
     if not isinstance(made, Backend):
         raise RuntimeError("plait: split_group needs a communicator the native backend drives")

@@ -6,6 +6,7 @@ plait progresses consecutive asynchronous sends and receives together, so issuin
 exchange's sends and receives before waiting on any cannot deadlock, whatever their order.
 These ops are always asynchronous (an inline send could wait for a receive not yet issued).
 """
+
 import torch
 
 from . import _errors, _tensors
@@ -37,9 +38,11 @@ class Exchanges:
         out_rows = _splits(output, output_split_sizes, n)
         in_rows = _splits(input, input_split_sizes, n)
         if out_rows is None or in_rows is None:
-            self._fail(f"all_to_all_single: {_nrows(output)} output rows split {list(output_split_sizes)}, "
-                       f"{_nrows(input)} input rows split {list(input_split_sizes)}: not {n} splits "
-                       "covering the rows (or, without splits, rows that divide evenly)")
+            self._fail(
+                f"all_to_all_single: {_nrows(output)} output rows split {list(output_split_sizes)}, "
+                f"{_nrows(input)} input rows split {list(input_split_sizes)}: not {n} splits "
+                "covering the rows (or, without splits, rows that divide evenly)"
+            )
         even = len(set(out_rows)) == 1 and out_rows == in_rows
         kw = self._kw(opts, even and self._sync(opts))  # send/recv never run inline
         if input.is_cuda or output.is_cuda:
@@ -69,7 +72,9 @@ class Exchanges:
             if cuda != {True}:
                 self._fail("all_to_all: CUDA and CPU tensors mixed; pass all on one device")
             if not even:
-                raise PlaitUnsupportedError(f"{op.where}: uneven CUDA tensors (plait's GPU alltoall moves equal blocks)")
+                raise PlaitUnsupportedError(
+                    f"{op.where}: uneven CUDA tensors (plait's GPU alltoall moves equal blocks)"
+                )
         if even:
             src = torch.cat([_tensors.raw(_tensors.source(t)) for t in inputs])
             flat = torch.empty_like(src)
@@ -78,8 +83,9 @@ class Exchanges:
             else:
                 self._add(op, self._comm.alltoall(_tensors.bytes_of(src), _tensors.bytes_of(flat), **kw))
             nb = flat.numel() // n
-            op.after.append(lambda: [_tensors.write_bytes(o, flat[j * nb:(j + 1) * nb])
-                                     for j, o in enumerate(outputs)])
+            op.after.append(
+                lambda: [_tensors.write_bytes(o, flat[j * nb : (j + 1) * nb]) for j, o in enumerate(outputs)]
+            )
         else:
             dsts = [_tensors.sink(t, op) for t in outputs]
             srcs = [_tensors.source(t) for t in inputs]
@@ -90,10 +96,13 @@ class Exchanges:
     def _cuda_alltoall(self, op, output, input, even, kw):
         """Even all-to-all of CUDA tensors: one plait alltoall on the GPU path (NCCL)."""
         if not (input.is_cuda and output.is_cuda):
-            self._fail(f"all_to_all: input on {input.device}, output on {output.device}; pass both on one device")
+            self._fail(
+                f"all_to_all: input on {input.device}, output on {output.device}; pass both on one device"
+            )
         if not even:
-            raise PlaitUnsupportedError(f"{op.where}: uneven splits of CUDA tensors (plait's GPU alltoall "
-                                        f"moves equal blocks)")
+            raise PlaitUnsupportedError(
+                f"{op.where}: uneven splits of CUDA tensors (plait's GPU alltoall moves equal blocks)"
+            )
         src, dst = self._cuda_bytes(input, op.where), self._cuda_bytes(output, op.where)
         if _tensors.overlaps(src, dst):
             src = src.clone()  # the GPU alltoall cannot run in place
@@ -106,8 +115,10 @@ class Exchanges:
         me = self._rank
         mine_src, mine_dst = srcs[me], dsts[me]
         if mine_src.numel() * mine_src.element_size() != mine_dst.numel() * mine_dst.element_size():
-            self._fail(f"all_to_all: rank {me} sends itself {mine_src.numel()} elements "
-                       f"but expects {mine_dst.numel()}")
+            self._fail(
+                f"all_to_all: rank {me} sends itself {mine_src.numel()} elements "
+                f"but expects {mine_dst.numel()}"
+            )
         comm = self._comm
         for j in range(self._size):
             if j != me:
@@ -161,7 +172,9 @@ class Exchanges:
         op = self._begin(f"send to rank {dstRank}", [t])
         kw = self._kw(None, False)
         if t.is_cuda:
-            self._add(op, self._comm.send(self._cuda_bytes(t, op.where), dstRank, tag=_cuda_tag(tag, op), **kw))
+            self._add(
+                op, self._comm.send(self._cuda_bytes(t, op.where), dstRank, tag=_cuda_tag(tag, op), **kw)
+            )
             return self._launch(op, kw)
         _tensors.check_cpu(t, op.where)
         self._add(op, self._comm.send(_tensors.bytes_of(_tensors.source(t)), dstRank, tag=tag, **kw))
@@ -173,7 +186,9 @@ class Exchanges:
         op = self._begin(f"recv from rank {srcRank}", [t])
         kw = self._kw(None, False)
         if t.is_cuda:
-            self._add(op, self._comm.recv(self._cuda_bytes(t, op.where), srcRank, tag=_cuda_tag(tag, op), **kw))
+            self._add(
+                op, self._comm.recv(self._cuda_bytes(t, op.where), srcRank, tag=_cuda_tag(tag, op), **kw)
+            )
             return self._launch(op, kw)
         _tensors.check_cpu(t, op.where)
         self._add(op, self._comm.recv(_tensors.bytes_of(_tensors.sink(t, op)), srcRank, tag=tag, **kw))
@@ -182,13 +197,16 @@ class Exchanges:
     def recv_anysource(self, tensors, tag=0):
         raise PlaitUnsupportedError(
             "plait: recv from any source is not supported (plait matches messages per sender, in "
-            "order); pass src= to dist.recv / dist.irecv")
+            "order); pass src= to dist.recv / dist.irecv"
+        )
 
 
 def _cuda_tag(tag, op):
     if tag:
-        raise PlaitUnsupportedError(f"{op.where}: tag {tag} on CUDA tensors (GPU send/recv run over NCCL, "
-                                    f"which has no tags; they match in issue order per pair of ranks)")
+        raise PlaitUnsupportedError(
+            f"{op.where}: tag {tag} on CUDA tensors (GPU send/recv run over NCCL, "
+            f"which has no tags; they match in issue order per pair of ranks)"
+        )
     return 0
 
 
@@ -209,6 +227,6 @@ def _rows(t, counts):
     flat = t if t.dim() else t.reshape(1)
     out, start = [], 0
     for c in counts:
-        out.append(flat[start:start + c])
+        out.append(flat[start : start + c])
         start += c
     return out

@@ -5,6 +5,7 @@ PREMUL_SUM multiplies a copy of the input by its factor, then sums; AVG on integ
 then divides (truncating, as NCCL does); BAND/BOR/BXOR, which plait has no kernel for, gather
 every rank's input and reduce locally (the slow path, but exact).
 """
+
 import functools
 
 import torch
@@ -97,8 +98,12 @@ def plan(x, y, red, size, op, inplace_ok):
             raise PlaitUnsupportedError("AVG on bool tensors")
         name = "sum"
         post.insert(0, lambda: dst.div_(size, rounding_mode="trunc"))
-    if (not fresh and dst is not src and _tensors.overlaps(src, dst)
-            and not (_tensors.same_bytes(src, dst) or inplace_ok(src, dst))):
+    if (
+        not fresh
+        and dst is not src
+        and _tensors.overlaps(src, dst)
+        and not (_tensors.same_bytes(src, dst) or inplace_ok(src, dst))
+    ):
         src = src.clone()
     op.after.extend(post)
     return src, dst, name

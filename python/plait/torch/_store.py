@@ -4,6 +4,7 @@ plait.init() takes a plait._store.Store; this is one that forwards to a torch St
 speaking plait's TCP protocol, so every process group rendezvouses through the store torch
 already set up (env://, tcp://, file://, torchrun's TCPStore) and needs no port of its own.
 """
+
 from datetime import timedelta
 
 from plait import _errors, _store
@@ -47,8 +48,9 @@ class TorchStore(_store.Store):
             else:
                 self._torch.wait(keys, timedelta(seconds=wait_s))
         except RuntimeError as e:  # DistStoreError, or FileStore's bare "Wait timeout"
-            raise _errors.TimeoutError(f"timed out after {wait_s:g} s waiting for {keys} in "
-                                       f"torch's store: {e}") from None
+            raise _errors.TimeoutError(
+                f"timed out after {wait_s:g} s waiting for {keys} in torch's store: {e}"
+            ) from None
 
     def delete(self, key):
         return bool(self._torch.delete_key(key))

@@ -10,6 +10,7 @@ int64 and bool. Everything else torch can hand a backend is mapped here:
   the call, so elements of the same storage outside the view are never written;
 - an input overlapping its output other than in plait's in-place forms is copied first.
 """
+
 import numpy as np
 import torch
 
@@ -20,7 +21,7 @@ _WIDEN = {torch.int16: torch.int32}
 for _name, _wide in (("uint16", torch.int32), ("uint32", torch.int64)):
     if hasattr(torch, _name):
         _WIDEN[getattr(torch, _name)] = _wide
-_REINTERPRET = {getattr(torch, "uint64"): torch.int64} if hasattr(torch, "uint64") else {}
+_REINTERPRET = {torch.uint64: torch.int64} if hasattr(torch, "uint64") else {}
 
 
 class _Memory:
@@ -34,8 +35,12 @@ class _Memory:
 
     def __init__(self, t, typestr, n):
         self._owner = t
-        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (n,),
-                                    "typestr": typestr, "version": 3}
+        self.__array_interface__ = {
+            "data": (t.data_ptr(), False),
+            "shape": (n,),
+            "typestr": typestr,
+            "version": 3,
+        }
 
 
 _TYPESTR = {dt: _arrays.DTYPES[name] for dt, name in NATIVE.items()}
@@ -96,10 +101,12 @@ def bytes_of(t):
 def check_cpu(t, where="plait"):
     if not t.is_cpu:
         from ._errors import PlaitUnsupportedError
+
         raise PlaitUnsupportedError(
             f"{where}: tensor on {t.device}; plait takes CUDA tensors in all_reduce, reduce, reduce_scatter, "
             f"broadcast, all_gather, all_to_all (even splits) and send/recv only (contiguous; reductions: "
-            f"plait's dtypes and ops), CPU tensors everywhere")
+            f"plait's dtypes and ops), CPU tensors everywhere"
+        )
 
 
 def source(t):
@@ -153,8 +160,12 @@ def flat_view(tensors):
     ptr = first.data_ptr()
     storage = first.untyped_storage().data_ptr()
     for t in tensors:
-        if (t.dtype != dtype or not t.is_contiguous() or t.data_ptr() != ptr
-                or t.untyped_storage().data_ptr() != storage):
+        if (
+            t.dtype != dtype
+            or not t.is_contiguous()
+            or t.data_ptr() != ptr
+            or t.untyped_storage().data_ptr() != storage
+        ):
             return None
         ptr += t.numel() * t.element_size()
     total = sum(t.numel() for t in tensors)

@@ -24,6 +24,7 @@ for the call's event (cudaStreamWaitEvent), never the host; the Future is CUDA-a
 on their own streams. The GPU communicator's watchdog enforces the deadline and aborts on a dead
 or missing peer; its error is raised by the next call (or Work.wait()).
 """
+
 import queue
 import threading
 import time
@@ -166,8 +167,9 @@ class Work(dist.Work):
         if op._state == _PENDING:
             secs = None if timeout is None else timeout.total_seconds()
             if not op.wait_handles(secs if secs and secs > 0 else None):
-                raise _errors.PlaitTimeoutError(f"{op.where}: Work.wait timed out after {secs:g} s "
-                                                "(the call goes on)")
+                raise _errors.PlaitTimeoutError(
+                    f"{op.where}: Work.wait timed out after {secs:g} s (the call goes on)"
+                )
             op.finish()
             fut = op._fut[1] if op._fut is not None else None
             if fut is not None and not fut.done():  # the completion thread is setting it now

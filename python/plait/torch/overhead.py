@@ -12,6 +12,7 @@
 Prints the best and the median of 7 timed batches on rank 0, and the ratios the issue sets
 targets for (plait native against the direct call, and against gloo).
 """
+
 import argparse
 import os
 import sys
@@ -62,17 +63,20 @@ def _step_fn(model, width, batch):
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
+
     return step
 
 
 def _ddp_step(pg, width, depth, batch):
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     return _step_fn(DDP(_mlp(width, depth), process_group=pg), width, batch)
 
 
 def _fsdp2_step(pg, width, depth, batch, gloo):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+
     mesh = DeviceMesh.from_group(pg, "cpu")
     model = _mlp(width, depth)
     for layer in model:
@@ -104,10 +108,15 @@ def main():
         groups["native"] = _plait_group(True)
     groups["python"] = _plait_group(False)
     for impl, pg in groups.items():
-        rows.append((f"dist.all_reduce, plait {impl}",
-                     _time(lambda pg=pg: dist.all_reduce(t, group=pg), args.iters)))
-        rows.append((f"dist.all_reduce(async_op=True).wait(), plait {impl}",
-                     _time(lambda pg=pg: dist.all_reduce(t, group=pg, async_op=True).wait(), args.iters)))
+        rows.append(
+            (f"dist.all_reduce, plait {impl}", _time(lambda pg=pg: dist.all_reduce(t, group=pg), args.iters))
+        )
+        rows.append(
+            (
+                f"dist.all_reduce(async_op=True).wait(), plait {impl}",
+                _time(lambda pg=pg: dist.all_reduce(t, group=pg, async_op=True).wait(), args.iters),
+            )
+        )
     comm = communicator(next(iter(groups.values())))
     x = np.ones(2, np.float32)
     rows.append(("plait comm.allreduce on numpy", _time(lambda: comm.allreduce(x, out=x), args.iters)))
@@ -128,8 +137,10 @@ def main():
             direct = med["plait comm.allreduce on numpy"]
             sync = med["dist.all_reduce, plait native"]
             asyn = med["dist.all_reduce(async_op=True).wait(), plait native"]
-            print(f"  ratios (medians): sync/direct {sync / direct:.2f} (target <= 2), async+wait/direct "
-                  f"{asyn / direct:.2f} (target <= 3), async+wait/sync {asyn / sync:.2f}")
+            print(
+                f"  ratios (medians): sync/direct {sync / direct:.2f} (target <= 2), async+wait/direct "
+                f"{asyn / direct:.2f} (target <= 3), async+wait/sync {asyn / sync:.2f}"
+            )
         if train:
             w, d, b = args.width, args.depth, args.batch
             print(f"training step of a {d}-layer {w}-wide MLP, batch {b}, us per step (best, median):")
@@ -137,8 +148,10 @@ def main():
                 print(f"  {name:56s} {best:9.0f} {median:9.0f}")
             for kind in ("DDP", "FSDP2"):
                 for impl in groups:
-                    print(f"  {kind} plait {impl} / gloo (medians): "
-                          f"{med[f'{kind} step, plait {impl}'] / med[f'{kind} step, gloo']:.2f} (target <= 0.8)")
+                    print(
+                        f"  {kind} plait {impl} / gloo (medians): "
+                        f"{med[f'{kind} step, plait {impl}'] / med[f'{kind} step, gloo']:.2f} (target <= 0.8)"
+                    )
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # a command, not library code: gloo sometimes aborts at interpreter exit
