@@ -8,6 +8,8 @@ import os
 import shutil
 
 import numpy as np
+import time
+
 import pytest
 
 import plait
@@ -646,6 +648,41 @@ def test_gpu_call_check_over_many_laps_of_its_ring(at):
         assert msg and f"GPU call #{at} " in msg and "op" in msg, (rank, msg)
         assert ncalls <= at, (rank, ncalls)  # nobody got past the mismatched call
     assert any(ncalls == at - 1 for _, ncalls in results)
+
+
+def _gpu_calls_recorded(rank, n, store):
+    p, comm, fake = _fake_gpu(rank, n, store)
+    x, y = FakeCuda(ptr=1 << 20), FakeCuda(ptr=2 << 20)
+    comm.allreduce(x, out=y)
+    comm.broadcast(x, 1)
+    comm.barrier()
+    mine = [c for c in p.dump(comm)["ranks"][rank]["calls"] if c["transport"] != "shm"]
+    if rank == 1:
+        comm.allreduce(x, out=y)  # then never joins the barrier below
+        time.sleep(4)
+        return mine, None
+    try:
+        comm.barrier(timeout=1)
+    except p.TimeoutError as e:
+        return mine, str(e)
+    return mine, "no error"
+
+
+def test_gpu_calls_are_in_the_flight_recorder():
+    # GPU calls are kept as issued (transport, algorithm, "enqueued"), so a survivor's report says
+    # what a peer last handed its GPU, next to its host calls.
+    results = run_ranks(_gpu_calls_recorded, 2, RUN_TIMEOUT)
+    for mine, _ in results:
+        assert [
+            (c["collective"], c["call"], c["count"], c["root"], c["state"], c["transport"]) for c in mine
+        ] == [
+            ("allreduce", 1, 8, -1, "enqueued", "nccl"),
+            ("broadcast", 2, 8, 1, "enqueued", "nccl"),
+        ], mine
+        assert all(c["algorithm"] == "auto" and c["dtype"] == "float32" for c in mine), mine
+    msg = results[0][1]
+    assert "rank 1 last entered allreduce (GPU) #3 (float32, 8, auto over nccl)" in msg, msg
+    assert "enqueued it on its GPU stream" in msg, msg
 
 
 class _ResolvingGpu(_RecordingGpu):

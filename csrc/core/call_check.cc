@@ -54,7 +54,7 @@ uint32_t algo_hash(const std::string& name) {
 }
 
 void Communicator::check_gpu_call(Coll c, DType dtype, RedOp op, int64_t count, int32_t root,
-                                  const std::string& algo, const std::string& head) {
+                                  const std::string& algo, bool ipc, const std::string& head) {
   tp_.throw_if_aborted();  // a mismatch a peer found in an earlier call surfaces here
   const uint64_t seq = gpu_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
   const Fields mine{count, root, algo_hash(algo), uint8_t(c), uint8_t(dtype), uint8_t(op)};
@@ -90,6 +90,13 @@ void Communicator::check_gpu_call(Coll c, DType dtype, RedOp op, int64_t count, 
              std::to_string(p) + ": " +
              describe(theirs, theirs.algo == mine.algo ? algo : "another") + ")");
   }
+  // The flight recorder keeps the call too, as issued (its device-side end is not known here).
+  CallArgs a;
+  a.coll = c, a.dtype = dtype, a.op = op, a.count = count, a.peer = -1, a.tag = 0;
+  a.root = c == Coll::broadcast || c == Coll::reduce ? root : -1;
+  uint8_t idx = 0;
+  while (idx + 1 < kGpuAlgoCount && algo != kGpuAlgoNames[idx]) ++idx;
+  flight_.enqueued(a, seq, idx, ipc ? FlightTransport::ipc : FlightTransport::nccl, mono_ns());
 }
 
 }  // namespace plait

@@ -110,8 +110,9 @@ class Communicator {
   // other ranks without waiting for them (core/call_check.cc); a disagreement aborts the
   // communicator on every rank with MismatchError. `head` starts the message ("rank 0: allreduce
   // (torch float32 x 8 on GPU 0)").
+  // The call is then kept in the flight recorder as enqueued over NCCL (or CUDA IPC when ipc).
   void check_gpu_call(Coll c, DType dtype, RedOp op, int64_t count, int32_t root,
-                      const std::string& algo, const std::string& head);
+                      const std::string& algo, bool ipc, const std::string& head);
   // Throws the communicator-wide abort if any rank recorded one. Reads only the shared segment,
   // so other threads may call it (the GPU communicator polls it while it waits).
   void throw_if_aborted() { tp_.throw_if_aborted(); }

@@ -28,7 +28,7 @@ struct RawRecord {
 };
 static_assert(sizeof(RawRecord) == sizeof(FlightRecord), "RawRecord mirrors FlightRecord");
 
-const char* kStates[] = {"empty", "running", "ok", "failed"};
+const char* kStates[] = {"empty", "running", "ok", "failed", "enqueued"};
 const char* kWaits[] = {"arrival", "post", "ack", "p2p"};
 const char* kTransports[] = {"shm", "nccl", "ipc"};
 
@@ -99,6 +99,14 @@ std::string check(const RawRecord& r, uint64_t want, int n, uint64_t now, const 
   if ((p2p || rooted) ? (r.root < 0 || r.root >= n) : r.root != -1) {
     why << (p2p ? "peer " : "root ") << r.root << " for " << coll_name(c) << " on " << n
         << " ranks";
+  } else if (r.transport != uint8_t(FlightTransport::shm) ||
+             r.state == uint8_t(FlightState::enqueued)) {
+    if (r.transport == uint8_t(FlightTransport::shm) || r.state != uint8_t(FlightState::enqueued))
+      why << "state " << kStates[r.state] << " on transport " << kTransports[r.transport];
+    else if (r.algo >= kGpuAlgoCount)
+      why << "GPU algorithm index " << unsigned(r.algo);
+    else
+      *algo = kGpuAlgoNames[r.algo];
   } else if (!p2p) {
     const auto& algos = algorithms_for(c);
     if (r.algo >= algos.size())
@@ -169,14 +177,15 @@ std::string describe_call(const Call& c) {
   const RawRecord& r = c.r;
   const Coll coll = Coll(r.coll);
   std::ostringstream m;
-  m << coll_name(coll) << " #" << r.call;
+  const bool gpu = r.transport != uint8_t(FlightTransport::shm);
+  m << coll_name(coll) << (gpu ? " (GPU) #" : " #") << r.call;
   if (coll == Coll::send || coll == Coll::recv) {
     m << (coll == Coll::send ? " to rank " : " from rank ") << r.root << " ("
       << dtype_name(DType(r.dtype)) << ", " << r.count << ", tag " << r.tag << ")";
   } else if (coll != Coll::barrier) {
     m << " (" << dtype_name(DType(r.dtype)) << ", " << r.count;
     if (r.root >= 0) m << ", root " << r.root;
-    m << ", " << c.algo << ")";
+    m << ", " << c.algo << (gpu ? std::string(" over ") + kTransports[r.transport] : "") << ")";
   }
   return m.str();
 }
@@ -227,6 +236,8 @@ std::string summary_line(const RankView& v, uint64_t now) {
       m << (v.wait.on ? " and is waiting " + describe_wait(v.wait) : " and is still in it");
     else if (c.r.state == uint8_t(FlightState::ok))
       m << " and finished it" << (c.r.exact ? " in " + dur : "");
+    else if (c.r.state == uint8_t(FlightState::enqueued))
+      m << " and enqueued it on its GPU stream";
     else
       m << " and failed in it after " << dur
         << (v.wait.on ? ", waiting " + describe_wait(v.wait) : "");

@@ -21,7 +21,9 @@ namespace plait {
 
 class Segment;
 
-enum class FlightState : uint8_t { empty = 0, running, ok, failed, kCount };
+// enqueued: a GPU call handed to its stream (the ring records when it was issued, not when the
+// device ran it).
+enum class FlightState : uint8_t { empty = 0, running, ok, failed, enqueued, kCount };
 // What a rank waits for: a peer's arrival in the call, a post (data) or an ack at a step, or a
 // send/recv chunk.
 enum class FlightWait : uint8_t { arrival = 0, post, ack, p2p, kCount };
@@ -47,6 +49,9 @@ struct alignas(64) FlightHead {
 
 constexpr uint64_t kWaitingBit = uint64_t(1) << 63;
 constexpr uint32_t kMaxFlightSlots = 1 << 16;
+// The GPU algorithms a record of transport nccl/ipc can name (its algo byte indexes this).
+constexpr const char* kGpuAlgoNames[] = {"nccl", "ring", "tree", "one_shot", "two_shot", "auto"};
+constexpr uint8_t kGpuAlgoCount = sizeof(kGpuAlgoNames) / sizeof(kGpuAlgoNames[0]);
 
 inline uint64_t mono_ns() {
   timespec ts;
@@ -92,6 +97,17 @@ class FlightRecorder {
     r.ver.store((v | 1) + 1, std::memory_order_release);
     head_->next.store(next_, std::memory_order_release);
     return i;
+  }
+  // A GPU call as it is issued: transport nccl or ipc, algo an index of kGpuAlgoNames.
+  void enqueued(const CallArgs& a, uint64_t call, uint8_t algo, FlightTransport t, uint64_t now) {
+    if (!head_) return;
+    const uint64_t i = begin(a, call, algo, now);
+    FlightRecord& r = ring_[i % slots_];
+    const uint32_t v = r.ver.load(std::memory_order_relaxed);
+    r.ver.store(v | 1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);
+    r.transport = uint8_t(t), r.state = uint8_t(FlightState::enqueued), r.end_ns = now;
+    r.ver.store((v | 1) + 1, std::memory_order_release);
   }
   void end(uint64_t i, bool ok, uint64_t now, bool exact) {
     if (!head_) return;

@@ -131,7 +131,7 @@ def check_input(comm, coll, x):
 _FIELDS = ("GPU call number", "collective", "count", "dtype", "op", "root", "algorithm")
 
 
-def _check_calls(comm, head, coll, dt, count, op, root, algorithm, timeout):
+def _check_calls(comm, head, coll, dt, count, op, root, algorithm, timeout, transport="nccl"):
     """GPU calls are compared across ranks like host calls (NCCL would hang or mix data on a
     mismatch). On one host the native check compares them through the shared segment without
     waiting for anyone (csrc/core/call_check.cc); across hosts, one tiny max-allreduce of the
@@ -139,7 +139,9 @@ def _check_calls(comm, head, coll, dt, count, op, root, algorithm, timeout):
     root = int(root) if coll in ("broadcast", "reduce") else 0
     native = getattr(comm, "_check_gpu_call", None)
     if native is not None:
-        native(coll, dt, op if op in _OP_CODES else "sum", int(count), root, algorithm or "auto", head)
+        native(
+            coll, dt, op if op in _OP_CODES else "sum", int(count), root, algorithm or "auto", transport, head
+        )
         return
     seq = getattr(comm, "_gpu_calls", 0) + 1
     comm._gpu_calls = seq
@@ -229,7 +231,9 @@ def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result, ro
                 algo = resolve(coll, algo)
             except _errors.InvalidArgument as e:
                 fail(f"{head}: {e}")
-        _check_calls(comm, head, coll, dt, ga.nbytes // _ITEMSIZE[dt], op, root, algo, timeout)
+        ipc = getattr(_C, "IpcCommunicator", None)
+        transport = "ipc" if ipc is not None and isinstance(g, ipc) else "nccl"
+        _check_calls(comm, head, coll, dt, ga.nbytes // _ITEMSIZE[dt], op, root, algo, timeout, transport)
     g.call(
         coll,
         None if gx is None else (gx.ptr, gx.nbytes, gx.device),
