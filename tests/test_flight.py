@@ -20,10 +20,10 @@ import numpy as np
 import plait
 import pytest
 from conftest import run_ranks
+from test_run import _ENV
 
 SEED = int(os.environ.get("PLAIT_FLIGHT_SEED", "1414"))
 COLLS = ("allreduce", "allgather", "broadcast", "reduce_scatter")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def plan_call(k, n):
@@ -311,7 +311,7 @@ def test_dump_on_error_launcher_prints_once(tmp_path):
     script = tmp_path / "mismatch.py"
     script.write_text(SCRIPT)
     dump_dir = tmp_path / "dumps"
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
+    env = _ENV  # the plait under test, installed or on PYTHONPATH, not the checkout's sources
     before = set(glob.glob("/dev/shm/plait-*"))
     r = subprocess.run(
         [sys.executable, "-m", "plait.run", "-n", "2", "--dump-on-error", str(dump_dir), str(script)],
@@ -376,7 +376,7 @@ def test_torch_calls_traced_with_group_names(tmp_path):
 
 
 def test_bench_trace(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
+    env = _ENV  # the plait under test, installed or on PYTHONPATH, not the checkout's sources
     r = subprocess.run(
         [
             sys.executable,

@@ -4,7 +4,6 @@ Everything the two backends share runs on both in test_torch_backend.py, test_to
 and test_torch_faults.py (conftest.torch_impl); these tests are about the native one.
 """
 
-import os
 import subprocess
 import sys
 import time
@@ -15,7 +14,8 @@ torch = pytest.importorskip("torch")
 import plait  # noqa: E402 - after the importorskip
 import plait.torch  # noqa: E402 - after the importorskip
 import torch.distributed as dist  # noqa: E402 - after the importorskip
-from test_torch_backend import ROOT, init_pg, run_torch  # noqa: E402 - after the importorskip
+from test_run import _ENV  # noqa: E402 - after the importorskip
+from test_torch_backend import init_pg, run_torch  # noqa: E402 - after the importorskip
 
 pytestmark = pytest.mark.skipif(
     not plait.torch.native(), reason="the native torch backend did not build here"
@@ -92,7 +92,7 @@ def test_future_callbacks_may_issue_and_wait(tmp_path):
 
 def _probe(env):
     code = "import plait.torch as t; print('native' if t.native() else 'python')"
-    e = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), **env)
+    e = dict(_ENV, **env)  # the plait under test, installed or on PYTHONPATH
     return subprocess.run(
         [sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=600, check=False
     )
