@@ -189,6 +189,14 @@ class Backend : public c10d::Backend {
                             bool fusable = false);
   [[noreturn]] void fail(const std::string& msg);  // aborts every rank; InvalidArgument here
   [[noreturn]] void unsupported(const Op& op, const std::string& msg) const;
+  // The checks every single-tensor call makes: one tensor per process, on the CPU.
+  void one_tensor(const Op& op, size_t n) const {
+    if (n != 1) unsupported(op, "one tensor per process (got " + std::to_string(n) + ")");
+  }
+  void cpu_only(const Op& op, const at::Tensor& t) const {
+    if (!t.is_cpu())
+      unsupported(op, "tensor on " + t.device().str() + " (the native backend takes CPU tensors)");
+  }
   struct Red;
   Red red_of(const c10d::ReduceOp& r, const Op& op) const;
   void reduce_into(Op& op, at::Tensor x, at::Tensor y, const Red& red, int root, bool scatter);

@@ -365,8 +365,7 @@ void Backend::flush() {
 // (padded to the largest count), then summed locally (coalesce) into the input tensor.
 Backend::WorkPtr Backend::allreduce_sparse_coo(Tensors& ts, const c10d::AllreduceOptions& o) {
   auto op = begin("allreduce (sparse)", ts, !o.asyncOp, o.timeout);
-  if (ts.size() != 1)
-    unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
+  one_tensor(*op, ts.size());
   if (o.reduceOp.op_ != RT::SUM)
     unsupported(*op,
                 std::string(op_name(o.reduceOp.op_)) + " on sparse tensors (SUM only, as gloo)");
@@ -461,8 +460,7 @@ Backend::WorkPtr Backend::allreduce_coalesced(Tensors& ts,
 
 Backend::WorkPtr Backend::reduce(Tensors& ts, const c10d::ReduceOptions& o) {
   auto op = begin("reduce", ts, !o.asyncOp, o.timeout);
-  if (ts.size() != 1)
-    unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
+  one_tensor(*op, ts.size());
   reduce_into(*op, ts[0], ts[0], red_of(o.reduceOp, *op), int(o.rootRank), false);
   return op->launch();
 }
@@ -498,8 +496,7 @@ Backend::WorkPtr Backend::reduce_scatter_tensor_coalesced(Tensors& outs, Tensors
 Backend::WorkPtr Backend::reduce_scatter(Tensors& outs, TensorLists& ins_lists,
                                          const c10d::ReduceScatterOptions& o) {
   auto op = begin("reduce_scatter", outs, !o.asyncOp, o.timeout);
-  if (outs.size() != 1)
-    unsupported(*op, "one tensor per process (got " + std::to_string(outs.size()) + ")");
+  one_tensor(*op, outs.size());
   at::Tensor out = outs[0];
   const auto& ins = ins_lists.at(0);
   const Red red = red_of(o.reduceOp, *op);
@@ -523,8 +520,7 @@ Backend::WorkPtr Backend::reduce_scatter(Tensors& outs, TensorLists& ins_lists,
 }
 
 void Backend::broadcast_one(Op& op, at::Tensor t, int root) {
-  if (!t.is_cpu())
-    unsupported(op, "tensor on " + t.device().str() + " (the native backend takes CPU tensors)");
+  cpu_only(op, t);
   at::Tensor buf = source(t);
   if (!buf.is_same(t) && getRank() != root) op.after([t, buf]() mutable { t.copy_(buf); });
   op.keep(buf);
@@ -534,15 +530,14 @@ void Backend::broadcast_one(Op& op, at::Tensor t, int root) {
 
 Backend::WorkPtr Backend::broadcast(Tensors& ts, const c10d::BroadcastOptions& o) {
   auto op = begin("broadcast", ts, !o.asyncOp, o.timeout);
-  if (ts.size() != 1)
-    unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
+  one_tensor(*op, ts.size());
   broadcast_one(*op, ts[0], int(o.rootRank));
   return op->launch();
 }
 
 void Backend::allgather_one(Op& op, at::Tensor out, const at::Tensor& in) {
-  if (!in.is_cpu() || !out.is_cpu())
-    unsupported(op, "tensor on " + in.device().str() + " (the native backend takes CPU tensors)");
+  cpu_only(op, in);
+  cpu_only(op, out);  // names the device of the one that is not
   if (out.numel() != in.numel() * getSize())
     fail("all_gather: output has " + std::to_string(out.numel()) + " elements, input " +
          std::to_string(in.numel()) + "; the output needs group size (" +
@@ -675,8 +670,8 @@ Backend::WorkPtr Backend::alltoall_base(at::Tensor& out, at::Tensor& in,
          join(out_splits) + ", " + std::to_string(nrows(in)) + " input rows split " +
          join(in_splits) + ": not " + std::to_string(n) +
          " splits covering the rows (or, without splits, rows that divide evenly)");
-  if (!in.is_cpu() || !out.is_cpu())
-    unsupported(*op, "tensor on " + in.device().str() + " (the native backend takes CPU tensors)");
+  cpu_only(*op, in);
+  cpu_only(*op, out);
   at::Tensor dst = sink(*op, out);
   bool fresh = false;
   at::Tensor src = source(in, &fresh);
@@ -736,8 +731,7 @@ Backend::WorkPtr Backend::gather(TensorLists& outs_lists, Tensors& ins,
   std::vector<at::Tensor> outs =
       me == root && !outs_lists.empty() ? outs_lists[0] : std::vector<at::Tensor>{};
   auto op = begin("gather", outs, false, o.timeout);
-  if (ins.size() != 1)
-    unsupported(*op, "one tensor per process (got " + std::to_string(ins.size()) + ")");
+  one_tensor(*op, ins.size());
   bool fresh = false;
   at::Tensor src = source(ins[0], &fresh);
   op->keep(src);
@@ -771,8 +765,7 @@ Backend::WorkPtr Backend::scatter(Tensors& outs, TensorLists& ins_lists,
                                   const c10d::ScatterOptions& o) {
   const int root = int(o.rootRank), me = getRank();
   auto op = begin("scatter", outs, false, o.timeout);
-  if (outs.size() != 1)
-    unsupported(*op, "one tensor per process (got " + std::to_string(outs.size()) + ")");
+  one_tensor(*op, outs.size());
   at::Tensor out = outs[0];
   if (me != root) {
     at::Tensor d = sink(*op, out);
@@ -799,11 +792,8 @@ Backend::WorkPtr Backend::scatter(Tensors& outs, TensorLists& ins_lists,
 
 Backend::WorkPtr Backend::send(Tensors& ts, int dst, int tag) {
   auto op = begin("send to rank " + std::to_string(dst), ts, false);
-  if (ts.size() != 1)
-    unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
-  if (!ts[0].is_cpu())
-    unsupported(*op,
-                "tensor on " + ts[0].device().str() + " (the native backend takes CPU tensors)");
+  one_tensor(*op, ts.size());
+  cpu_only(*op, ts[0]);
   at::Tensor s = source(ts[0]);
   op->keep(s);
   plait_buffer b = bytes(s);
@@ -813,11 +803,8 @@ Backend::WorkPtr Backend::send(Tensors& ts, int dst, int tag) {
 
 Backend::WorkPtr Backend::recv(Tensors& ts, int src, int tag) {
   auto op = begin("recv from rank " + std::to_string(src), ts, false);
-  if (ts.size() != 1)
-    unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
-  if (!ts[0].is_cpu())
-    unsupported(*op,
-                "tensor on " + ts[0].device().str() + " (the native backend takes CPU tensors)");
+  one_tensor(*op, ts.size());
+  cpu_only(*op, ts[0]);
   at::Tensor d = sink(*op, ts[0]);
   op->keep(d);
   plait_buffer b = bytes(d);
@@ -827,11 +814,8 @@ Backend::WorkPtr Backend::recv(Tensors& ts, int src, int tag) {
 
 Backend::WorkPtr Backend::recvAnysource(Tensors& ts, int tag) {
   auto op = begin("recv from any source", ts, false);
-  if (ts.size() != 1)
-    unsupported(*op, "one tensor per process (got " + std::to_string(ts.size()) + ")");
-  if (!ts[0].is_cpu())
-    unsupported(*op,
-                "tensor on " + ts[0].device().str() + " (the native backend takes CPU tensors)");
+  one_tensor(*op, ts.size());
+  cpu_only(*op, ts[0]);
   at::Tensor d = sink(*op, ts[0]);
   op->keep(d);
   plait_buffer b = bytes(d);
