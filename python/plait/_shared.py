@@ -6,6 +6,8 @@ plain loads and stores (non-temporal where nobody re-reads it) instead of kernel
 Any other buffer still works; per peer and per buffer, plait falls back to the kernel copy.
 The memory is a memfd (no file in /dev/shm) and is freed when the last array viewing it is."""
 
+from typing import Any, Sequence, Union
+
 import numpy as np
 
 from . import _C
@@ -28,7 +30,7 @@ def _count(shape):
     return int(np.prod(_shape(shape), dtype=np.int64))
 
 
-def empty(shape, dtype="float32"):
+def empty(shape: Union[int, Sequence[int]], dtype: Any = "float32") -> np.ndarray:
     """A C-contiguous numpy array of `shape` and `dtype` in plait shared memory. Its contents are
     zero (a fresh memfd), so this is also plait.zeros. Use it (or torch.from_numpy of it) for the
     buffers you pass to collectives again and again, e.g. gradient buckets."""
@@ -45,7 +47,7 @@ def empty(shape, dtype="float32"):
 zeros = empty
 
 
-def is_shared(x):
+def is_shared(x: Any) -> bool:
     """True when all of array x (numpy, or anything with __array_interface__) lies in memory from
     plait.empty, so peers can map it."""
     a = np.asarray(x)
