@@ -530,7 +530,9 @@ class _RecordingGpu:
         pass
 
 
-def _gpu_mismatch(rank, n, store, field):
+def _fake_gpu(rank, n, store, fake=None):
+    """A rank's communicator whose GPU calls go to `fake` (a _RecordingGpu by default) on a
+    pretend CUDA build with one device."""
     import plait as p
     from plait import _cuda as cu, _gpu
 
@@ -538,8 +540,13 @@ def _gpu_mismatch(rank, n, store, field):
     cu.compiled = lambda: True
     cu.device_count = lambda: 1
     p._C.cuda_pointer_device = lambda ptr: 0
-    fake = _RecordingGpu()
+    fake = fake or _RecordingGpu()
     _gpu._communicator = lambda c, device, timeout, head: fake
+    return p, comm, fake
+
+
+def _gpu_mismatch(rank, n, store, field):
+    p, comm, fake = _fake_gpu(rank, n, store)
     odd = rank == n - 1
     x, y = FakeCuda(ptr=1 << 20), FakeCuda(ptr=2 << 20)
     try:
@@ -586,19 +593,6 @@ def test_gpu_calls_fingerprint_the_algorithm_that_runs():
                 assert calls == ["allreduce"], (rank, calls)
         if want:  # the rank that found it never enqueued the call
             assert any(calls == [] for _, _, calls in results), results
-
-
-def _fake_gpu(rank, n, store):
-    import plait as p
-    from plait import _cuda as cu, _gpu
-
-    comm = p.init(rank, n, store=store, timeout=30)
-    cu.compiled = lambda: True
-    cu.device_count = lambda: 1
-    p._C.cuda_pointer_device = lambda ptr: 0
-    fake = _RecordingGpu()
-    _gpu._communicator = lambda c, device, timeout, head: fake
-    return p, comm, fake
 
 
 def _runs_ahead(rank, n, store):
@@ -695,15 +689,8 @@ class _ResolvingGpu(_RecordingGpu):
 
 
 def _resolved_algo(rank, n, store, case):
-    import plait as p
-    from plait import _cuda as cu, _gpu
-
-    comm = p.init(rank, n, store=store, timeout=30)
-    cu.compiled = lambda: True
-    cu.device_count = lambda: 1
-    p._C.cuda_pointer_device = lambda ptr: 0
-    fake = _ResolvingGpu("ring" if case == "env_differs" and rank == 1 else "nccl")
-    _gpu._communicator = lambda c, device, timeout, head: fake
+    auto = "ring" if case == "env_differs" and rank == 1 else "nccl"
+    p, comm, fake = _fake_gpu(rank, n, store, _ResolvingGpu(auto))
     algo = "nccl" if case == "auto_vs_name" and rank == 0 else None
     try:
         comm.allreduce(FakeCuda(ptr=1 << 20), out=FakeCuda(ptr=2 << 20), algorithm=algo)

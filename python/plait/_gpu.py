@@ -31,6 +31,7 @@ _CODES = {
         ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "barrier")
     )
 }
+_IPC = getattr(_C, "IpcCommunicator", None)  # None on a CPU-only build
 _OP_CODES = {o: i for i, o in enumerate(("sum", "prod", "min", "max", "avg"))}
 
 
@@ -231,8 +232,7 @@ def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result, ro
                 algo = resolve(coll, algo)
             except _errors.InvalidArgument as e:
                 fail(f"{head}: {e}")
-        ipc = getattr(_C, "IpcCommunicator", None)
-        transport = "ipc" if ipc is not None and isinstance(g, ipc) else "nccl"
+        transport = "ipc" if _IPC is not None and isinstance(g, _IPC) else "nccl"
         _check_calls(comm, head, coll, dt, ga.nbytes // _ITEMSIZE[dt], op, root, algo, timeout, transport)
     g.call(
         coll,
