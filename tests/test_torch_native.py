@@ -248,34 +248,105 @@ def test_sparse_allreduce_and_ddp_over_sparse_embedding(tmp_path):
 
 def _fsdp2_alloc(rank, n, store_dir, backend, steps):
     init_pg(backend, rank, n, store_dir)
-    from test_torch_backend import _mlp, _train
+    from test_torch_backend import _train
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (n,))
-    model = _mlp(0)
+    model = _wide_mlp(0)
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.set_force_sum_reduction_for_comms(True)  # gloo has no AVG; the same op on both
-    model.set_allocate_memory_from_process_group_for_comm(True)
-    shared = None
+    shared = mapped = None
     if backend == "plait":
+        plait.torch.use_shared_buffers(model)  # allocate_tensor for every FSDP module's buffers
         t = dist.group.WORLD._get_backend(torch.device("cpu")).allocate_tensor(
             1000, dtype=torch.float32, device=torch.device("cpu")
         )
-        shared = plait._C.is_shared(t.data_ptr(), t.numel() * 4)
+        shared = plait.torch.is_shared(t)
         del t
+        mapped = plait.torch.communicator().mapped_bytes
+    else:
+        model.set_allocate_memory_from_process_group_for_comm(True)  # gloo: torch.empty
     _train(model, rank, steps)
+    if backend == "plait":
+        mapped = plait.torch.communicator().mapped_bytes - mapped
     full = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
-    return full, shared
+    return full, shared, mapped
 
 
 def test_fsdp2_buffers_from_allocate_tensor_match_gloo(tmp_path):
     p = run_torch(_fsdp2_alloc, 2, tmp_path / "plait", timeout=120, args=("plait", 10))
     g = run_torch(_fsdp2_alloc, 2, tmp_path / "gloo", timeout=120, args=("gloo", 10))
     assert p[0][1] is True  # the backend's tensors live in plait shared memory
+    assert p[0][2] > 0 and p[1][2] > 0  # and peers reached FSDP2's buffers through mappings
     assert p[0][0] == g[0][0] and p[1][0] == g[1][0]
+
+
+def _wide_mlp(seed, width=128):
+    torch.manual_seed(seed)  # layers of 64 KiB: big enough for plait's single-copy path
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(width, width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(width, 4),
+    )
+
+
+def _ddp_shared(rank, n, store_dir, backend, steps, shared, as_view):
+    init_pg(backend, rank, n, store_dir)
+    from test_torch_backend import _train
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_wide_mlp(0), bucket_cap_mb=0.05, gradient_as_bucket_view=as_view)
+    if shared:
+        assert plait.torch.use_shared_buffers(model) is model
+    mapped = plait.torch.communicator().mapped_bytes if backend == "plait" else 0
+    losses = _train(model, rank, steps)
+    grads = [plait.torch.is_shared(p.grad) for p in model.parameters()]
+    if backend == "plait":
+        mapped = plait.torch.communicator().mapped_bytes - mapped
+    return [p.detach().tolist() for p in model.parameters()], losses, mapped, grads
+
+
+@pytest.mark.parametrize("as_view", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_ddp_buckets_in_shared_memory_match_gloo(as_view, tmp_path):
+    g = run_torch(_ddp_shared, 2, tmp_path / "gloo", timeout=120, args=("gloo", 6, False, as_view))
+    p = run_torch(_ddp_shared, 2, tmp_path / "plait", timeout=120, args=("plait", 6, True, as_view))
+    q = run_torch(_ddp_shared, 2, tmp_path / "private", timeout=120, args=("plait", 6, False, as_view))
+    for r in range(2):
+        assert p[r][0] == g[r][0] and p[r][1] == g[r][1]  # bitwise: parameters and every loss
+        assert q[r][0] == g[r][0]
+        assert p[r][2] > 0 and q[r][2] == 0  # peers reached the buckets through mappings
+        # Gradients that are views of the buckets moved with them; copies stayed private.
+        assert p[r][3] == [as_view] * 6 and q[r][3] == [False] * 6
+
+
+def _share_storage(rank, n, store_dir):
+    import numpy as np
+
+    init_pg("plait", rank, n, store_dir)
+    from plait.torch import _native
+
+    t = torch.arange(1000, dtype=torch.float32)
+    view = t[10:20]
+    assert _native.share_storage(t) and plait.torch.is_shared(t) and plait.torch.is_shared(view)
+    assert torch.equal(view, torch.arange(10, 20, dtype=torch.float32))  # contents moved along
+    assert _native.share_storage(view)  # already plait's: nothing moves
+    a = np.zeros(8, np.float32)
+    assert not _native.share_storage(torch.from_numpy(a))  # numpy's memory stays numpy's
+    assert not _native.share_storage(torch.empty(0))
+    dist.all_reduce(view)
+    assert torch.equal(t[10:20], torch.arange(10, 20, dtype=torch.float32) * n)
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        plait.torch.use_shared_buffers(torch.nn.Linear(2, 2))
+    return True
+
+
+def test_share_storage_moves_torch_allocations_only(tmp_path):
+    assert run_torch(_share_storage, 2, tmp_path) == [True, True]
 
 
 def _custom_ops(rank, n, store_dir):

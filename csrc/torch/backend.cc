@@ -3,9 +3,11 @@
 #include "torch/backend.h"
 
 #include <Python.h>
+#include <c10/core/CPUAllocator.h>
 #include <torch/python.h>
 
 #include <algorithm>
+#include <cstring>
 
 namespace plait_torch {
 
@@ -131,15 +133,50 @@ c10::intrusive_ptr<c10d::Backend> Backend::split(
   return made.cast<c10::intrusive_ptr<c10d::Backend>>();
 }
 
+namespace {
+// A plait shared region held by a torch storage: freed with the storage's last reference.
+struct SharedRegion {
+  const plait_capi* api;
+  uint64_t id;
+};
+void free_region(void* ctx) {
+  auto* r = static_cast<SharedRegion*>(ctx);
+  r->api->shared_free(r->id);
+  delete r;
+}
+// `bytes` (at least 1) of plait shared memory as a DataPtr; empty when there is none left.
+c10::DataPtr shared_data_ptr(const plait_capi* api, size_t bytes) {
+  uint64_t id = 0;
+  void* p = api->shared_alloc(std::max<size_t>(bytes, 1), &id);
+  if (!p) return c10::DataPtr(nullptr, c10::Device(c10::kCPU));
+  return c10::DataPtr(p, new SharedRegion{api, id}, &free_region, c10::Device(c10::kCPU));
+}
+}  // namespace
+
 at::Tensor Backend::allocateTensor(long size, at::TensorOptions options) {
   const size_t bytes = size_t(std::max<long>(size, 0)) *
                        c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
-  uint64_t id = 0;
-  void* p = api_->shared_alloc(std::max<size_t>(bytes, 1), &id);
-  if (!p) return at::empty({size}, options.device(at::kCPU));  // out of shared memory: private
-  const plait_capi* api = api_;
-  return at::from_blob(
-      p, {size}, [api, id](void*) { api->shared_free(id); }, options.device(at::kCPU));
+  c10::DataPtr dp = shared_data_ptr(api_, bytes);
+  if (!dp) return at::empty({size}, options.device(at::kCPU));  // out of shared memory: private
+  c10::Storage st(c10::Storage::use_byte_size_t(), bytes, std::move(dp), nullptr, false);
+  return at::empty({0}, options.device(at::kCPU)).set_(st, 0, {size}, {1});
+}
+
+bool share_storage(const at::Tensor& t, const plait_capi* api) {
+  if (!t.defined() || t.device().type() != c10::kCPU || t.is_sparse() || !t.has_storage())
+    return false;
+  c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
+  if (st->data_ptr().get_deleter() == &free_region) return true;  // plait's already
+  // Only memory torch's own CPU allocator handed out moves: a from_numpy, mmap'ed (torch.load
+  // mmap=True), pinned or foreign buffer is somebody else's to free.
+  if (st->nbytes() == 0 ||
+      st->data_ptr().get_deleter() != c10::GetDefaultCPUAllocator()->raw_deleter())
+    return false;
+  c10::DataPtr dp = shared_data_ptr(api, st->nbytes());
+  if (!dp) return false;
+  std::memcpy(dp.get(), st->data(), st->nbytes());
+  st->set_data_ptr_noswap(std::move(dp));  // frees the old memory
+  return true;
 }
 
 bool Backend::on_completion_thread() const { return tl_completing == this; }
@@ -175,6 +212,15 @@ namespace py = pybind11;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module_::import("torch.distributed");
   m.attr("CAPI_VERSION") = PLAIT_CAPI_VERSION;
+  // Moves a CPU tensor's storage into plait shared memory in place, as Tensor.share_memory_()
+  // moves one into torch's: every tensor and view on the storage then sees the new memory, and
+  // plait's peers map it. The old memory is freed: a raw pointer to it taken earlier (a numpy
+  // view) would dangle, so this is only for buffers plait's caller owns (DDP's buckets).
+  m.def("share_storage", [](const at::Tensor& t, py::capsule api) {
+    if (std::string(api.name()) != PLAIT_CAPI_CAPSULE)
+      throw std::runtime_error("not plait._C's C API");
+    return plait_torch::share_storage(t, static_cast<const plait_capi*>(api.get_pointer()));
+  });
   m.def("create", [](py::capsule api, py::capsule comm, py::object owner, int rank, int size,
                      double timeout_s) {
     auto* table = static_cast<const plait_capi*>(api.get_pointer());

@@ -74,6 +74,7 @@ class Op {
 
  private:
   void finish_call(uint32_t kind, const char* msg);
+  bool complete_unless_future();  // completes here unless a Future was handed out
 
   Backend* b_;
   std::string what_;
@@ -84,6 +85,7 @@ class Op {
   std::shared_ptr<Op>* self_ = nullptr;
   std::atomic<int> outstanding_{1};  // async calls in flight, +1 until launch()
   std::atomic<int> state_{0};        // 0 pending, 1 ok, 2 failed
+  bool ran_steps_ = false;           // complete_unless_future ran the steps, then met a Future
   uint32_t kind_ = 0;
   std::string msg_;
   std::exception_ptr error_;
@@ -245,5 +247,8 @@ class GroupWork : public c10d::Work {
   std::vector<std::shared_ptr<Op>> ops_;
   c10::intrusive_ptr<c10::ivalue::Future> fut_;
 };
+
+// Moves t's storage into plait shared memory in place (see the module's share_storage).
+bool share_storage(const at::Tensor& t, const plait_capi* api);
 
 }  // namespace plait_torch

@@ -84,12 +84,20 @@ void Op::finish_call(uint32_t kind, const char* msg) {
     cv_.notify_all();  // launch() completes it
   } else if (tl_running_here) {
     complete();  // a waiter ran the call: complete on its thread, with no hand-off
-  } else {
+  } else if (!complete_unless_future()) {
     b_->post(weak.lock());  // plait's progress thread: hand over, never run callbacks here
   }
 }
 
-void Op::complete() {
+// On plait's progress thread: an op nobody asked a Future of (dist.* with async_op=True, then
+// wait()) completes here, sparing the waiter a second thread hop (the completion thread's
+// wake-up, then the waiter's). Its steps are C++ tensor copies; only a Future's callbacks could
+// run user code, so an op with a Future (or one asked for while the steps ran) is handed over.
+bool Op::complete_unless_future() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (fut_) return false;
+  }
   if (!kind_) {
     try {
       for (auto& f : after_) f();
@@ -101,6 +109,34 @@ void Op::complete() {
   after_.clear();
   keep_.clear();
   if (kind_) error_ = std::make_exception_ptr(b_->error(kind_, where(), msg_));
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (fut_) {
+      ran_steps_ = true;  // the completion thread marks the Future (complete() skips the steps)
+      return false;
+    }
+    state_.store(kind_ ? 2 : 1, std::memory_order_release);
+  }
+  cv_.notify_all();
+  for (auto& f : followers_) f->release(kind_, msg_.c_str());
+  followers_.clear();
+  return true;
+}
+
+void Op::complete() {
+  if (!ran_steps_) {
+    if (!kind_) {
+      try {
+        for (auto& f : after_) f();
+      } catch (const std::exception& e) {
+        kind_ = 1;
+        msg_ = e.what();
+      }
+    }
+    after_.clear();
+    keep_.clear();
+    if (kind_) error_ = std::make_exception_ptr(b_->error(kind_, where(), msg_));
+  }
   c10::intrusive_ptr<c10::ivalue::Future> fut;
   {
     std::lock_guard<std::mutex> lk(mu_);

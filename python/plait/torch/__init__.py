@@ -12,6 +12,8 @@ Errors are torch.distributed.DistBackendError subclasses that are also plait's c
 `pg_options=plait.torch.Options(buffer_bytes=...)` sets a group's staging size.
 `plait.torch.empty(*size, dtype=None)` (alias `zeros`) gives a CPU tensor in plait shared memory
 (see plait.empty): collectives on it reach peers through mappings instead of kernel copies.
+`plait.torch.use_shared_buffers(model)` does the same for a DDP or FSDP2 model's communication
+buffers (native backend).
 """
 
 import atexit
@@ -29,6 +31,7 @@ from ._errors import (
 )
 from . import _native
 from ._group import Options, ProcessGroupPlait, shutdown_all
+from ._shared_comm import is_shared, shared_allreduce_hook, use_shared_buffers
 
 __all__ = [
     "ProcessGroupPlait",
@@ -38,6 +41,9 @@ __all__ = [
     "native",
     "empty",
     "zeros",
+    "is_shared",
+    "use_shared_buffers",
+    "shared_allreduce_hook",
     "PlaitBackendError",
     "PlaitInvalidArgument",
     "PlaitMismatchError",

@@ -148,3 +148,14 @@ def split(store, rank, size, timeout_s, group_name):
     if not isinstance(made, Backend):
         raise RuntimeError("plait: split_group needs a communicator the native backend drives")
     return made
+
+
+def share_storage(tensor):
+    """Moves `tensor`'s storage into plait shared memory in place (see backend.cc): True if it is
+    plait's now; False when the native backend is not built or the storage is not torch's own
+    CPU allocation (from_numpy, mmap, pinned)."""
+    if load() is None:
+        return False
+    from plait import _C
+
+    return bool(_module.share_storage(tensor, _C._capi))

@@ -6,9 +6,10 @@
 1. plait directly: comm.allreduce on a 2-element float32 numpy array (the floor);
 2. dist.all_reduce on process groups of backend "plait", native (C++) and Python, sync and
    async_op=True + wait() (what DDP and FSDP do);
-3. dist.all_reduce on gloo;
+3. dist.all_reduce on gloo, and on torch's FakeProcessGroup, which does no work at all: the cost
+   of torch's own layers (Python wrapper, dispatcher, Work), a floor no backend can go below;
 4. one DDP step and one FSDP2 step of a wide MLP with a small batch (communication-bound), on
-   gloo and on each plait backend.
+   gloo and on each plait backend, and on the native one with plait.torch.use_shared_buffers.
 Prints the best and the median of 7 timed batches on rank 0, and the ratios the issue sets
 targets for (plait native against the direct call, and against gloo).
 """
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import BACKEND, _native, communicator
+from . import BACKEND, _native, communicator, use_shared_buffers
 
 
 def _time(fn, iters, batches=7):
@@ -47,6 +48,16 @@ def _plait_group(native):
         del os.environ["PLAIT_TORCH_NATIVE"]
 
 
+def _fake_group():
+    """A group on torch's FakeProcessGroup (a testing aid that completes every call at once)."""
+    try:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
+        return dist.new_group(backend="fake")
+    except Exception:  # not in every torch build
+        return None
+
+
 def _mlp(width, depth):
     torch.manual_seed(0)
     layers = []
@@ -67,13 +78,16 @@ def _step_fn(model, width, batch):
     return step
 
 
-def _ddp_step(pg, width, depth, batch):
+def _ddp_step(pg, width, depth, batch, shared=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return _step_fn(DDP(_mlp(width, depth), process_group=pg), width, batch)
+    model = DDP(_mlp(width, depth), process_group=pg)
+    if shared:
+        use_shared_buffers(model)
+    return _step_fn(model, width, batch)
 
 
-def _fsdp2_step(pg, width, depth, batch, gloo):
+def _fsdp2_step(pg, width, depth, batch, gloo, shared=False):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -85,6 +99,8 @@ def _fsdp2_step(pg, width, depth, batch, gloo):
     fully_shard(model, mesh=mesh)
     if gloo:  # gloo has no AVG
         model.set_force_sum_reduction_for_comms(True)
+    if shared:
+        use_shared_buffers(model)
     return _step_fn(model, width, batch)
 
 
@@ -103,6 +119,20 @@ def main():
     rank, n = dist.get_rank(), dist.get_world_size()
     t = torch.ones(2)
     rows = [("dist.all_reduce, gloo", _time(lambda: dist.all_reduce(t), args.gloo_iters))]
+    floor = _fake_group()
+    if floor is not None:
+        rows.append(
+            (
+                "dist.all_reduce, fake (torch's floor)",
+                _time(lambda: dist.all_reduce(t, group=floor), args.iters),
+            )
+        )
+        rows.append(
+            (
+                "dist.all_reduce(async_op=True).wait(), fake",
+                _time(lambda: dist.all_reduce(t, group=floor, async_op=True).wait(), args.iters),
+            )
+        )
     groups = {}
     if _native.load() is not None:
         groups["native"] = _plait_group(True)
@@ -128,6 +158,11 @@ def main():
             train.append((f"DDP step, {name}", _time(ddp, args.steps, 5)))
             fsdp = _fsdp2_step(pg, *shape, gloo=name == "gloo")
             train.append((f"FSDP2 step, {name}", _time(fsdp, args.steps, 5)))
+        if "native" in groups:  # communication buffers in plait shared memory (use_shared_buffers)
+            ddp = _ddp_step(groups["native"], *shape, shared=True)
+            train.append(("DDP step, plait native shared", _time(ddp, args.steps, 5)))
+            fsdp = _fsdp2_step(groups["native"], *shape, gloo=False, shared=True)
+            train.append(("FSDP2 step, plait native shared", _time(fsdp, args.steps, 5)))
     if rank == 0:
         print(f"8-byte all-reduce, {n} ranks, us per call (best, median):")
         for name, (best, median) in rows:
@@ -139,15 +174,24 @@ def main():
             asyn = med["dist.all_reduce(async_op=True).wait(), plait native"]
             print(
                 f"  ratios (medians): sync/direct {sync / direct:.2f} (target <= 2), async+wait/direct "
-                f"{asyn / direct:.2f} (target <= 3), async+wait/sync {asyn / sync:.2f}"
+                f"{asyn / direct:.2f} (target <= 3), async+wait/sync {asyn / sync:.2f} (target <= 1.5)"
             )
+            if floor is not None:
+                fs = med["dist.all_reduce, fake (torch's floor)"]
+                fa = med["dist.all_reduce(async_op=True).wait(), fake"]
+                print(
+                    f"  above torch's floor (medians): sync {sync - fs:.1f} us = "
+                    f"{(sync - fs) / direct:.2f}x direct, async+wait {asyn - fa:.1f} us = "
+                    f"{(asyn - fa) / direct:.2f}x direct"
+                )
         if train:
             w, d, b = args.width, args.depth, args.batch
             print(f"training step of a {d}-layer {w}-wide MLP, batch {b}, us per step (best, median):")
             for name, (best, median) in train:
                 print(f"  {name:56s} {best:9.0f} {median:9.0f}")
+            impls = list(groups) + (["native shared"] if "native" in groups else [])
             for kind in ("DDP", "FSDP2"):
-                for impl in groups:
+                for impl in impls:
                     print(
                         f"  {kind} plait {impl} / gloo (medians): "
                         f"{med[f'{kind} step, plait {impl}'] / med[f'{kind} step, gloo']:.2f} (target <= 0.8)"
