@@ -182,13 +182,30 @@ def _mixed(rank, n, store_dir, backend):
     init_pg(backend, rank, n, store_dir)
     pg = dist.group.WORLD
     assert pg._get_backend(torch.device("cpu")).name() == "plait"
+    other = dict(kv.split(":") for kv in backend.split(",")).get("cuda")
+    if other in ("gloo", "nccl"):  # plait for CPU tensors beside another backend for CUDA ones
+        assert pg._get_backend(torch.device("cuda")).name() == other
     t = torch.full((4,), float(rank + 1))
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((4,), float(n * (n + 1) // 2)))
     return True
 
 
-@pytest.mark.parametrize("backend", ["cpu:plait", "cpu:plait,cuda:plait"])
+_NCCL = pytest.mark.skipif(
+    not (dist.is_nccl_available() and torch.cuda.is_available()),
+    reason="needs a CUDA build of torch and a GPU",
+)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "cpu:plait",
+        "cpu:plait,cuda:plait",
+        "cpu:plait,cuda:gloo",
+        pytest.param("cpu:plait,cuda:nccl", marks=_NCCL),
+    ],
+)
 def test_device_backend_strings(backend, tmp_path):
     run_torch(_mixed, 2, tmp_path, args=(backend,))
 
