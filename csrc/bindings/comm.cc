@@ -102,12 +102,9 @@ struct Call {
   }
 };
 
-py::object call(Communicator& c, Coll coll, const py::object& x, const py::object& out,
-                const std::string& op, int root, int peer, int64_t tag, const std::string& algo,
-                std::optional<double> timeout, bool async, const std::string& dtype) {
-  Call k;
-  Buffer in = k.to_buffer(x, "input", dtype);
-  Buffer o = k.to_buffer(out, "output", dtype);
+py::object call_buffers(Communicator& c, Coll coll, const Buffer& in, const Buffer& o, Call& k,
+                        const std::string& op, int root, int peer, int64_t tag,
+                        const std::string& algo, std::optional<double> timeout, bool async) {
   RedOp rop = RedOp::sum;
   if (k.err.empty()) {
     try {
@@ -132,34 +129,25 @@ py::object call(Communicator& c, Coll coll, const py::object& x, const py::objec
   return py::none();
 }
 
-// The small-message entry point, called as fast_call(comm, coll, x, out, op, algorithm[, root])
-// with positional arguments only: METH_FASTCALL without pybind11's overload dispatch, which
-// measured ~0.2 us of a 0.4 us call. Everything else (validation, errors) is shared with call().
-PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+py::object call(Communicator& c, Coll coll, const py::object& x, const py::object& out,
+                const std::string& op, int root, int peer, int64_t tag, const std::string& algo,
+                std::optional<double> timeout, bool async, const std::string& dtype) {
+  Call k;
+  Buffer in = k.to_buffer(x, "input", dtype);
+  Buffer o = k.to_buffer(out, "output", dtype);
+  return call_buffers(c, coll, in, o, k, op, root, peer, tag, algo, timeout, async);
+}
+
+// Runs fn, turning a C++ exception into the Python one pybind11's translators (plait's error
+// classes) make; returns nullptr with the Python error set, as a METH_FASTCALL function must.
+template <class F>
+PyObject* translate(F&& fn) {
   try {
-    if (nargs != 6 && nargs != 7)
-      throw InvalidArgument("fast_call takes (comm, coll, x, out, op, algorithm[, root])");
-    Communicator& c = py::handle(args[0]).cast<Communicator&>();
-    const long coll = PyLong_AsLong(args[1]);
-    if (coll < 0 || coll >= long(Coll::kCount)) throw InvalidArgument("bad collective code");
-    Py_ssize_t n_op = 0, n_algo = 0;
-    const char* op = PyUnicode_AsUTF8AndSize(args[4], &n_op);
-    const char* algo = PyUnicode_AsUTF8AndSize(args[5], &n_algo);
-    if (!op || !algo) throw InvalidArgument("op and algorithm must be strings");
-    long root = 0;
-    if (nargs == 7) {
-      root = PyLong_AsLong(args[6]);
-      if (root == -1 && PyErr_Occurred()) return nullptr;
-      if (root < INT32_MIN || root > INT32_MAX) throw InvalidArgument("root is out of range");
-    }
-    call(c, Coll(coll), py::reinterpret_borrow<py::object>(args[2]),
-         py::reinterpret_borrow<py::object>(args[3]), std::string(op, size_t(n_op)), int(root), -1,
-         0, std::string(algo, size_t(n_algo)), std::nullopt, false, "");
+    fn();
     Py_RETURN_NONE;
   } catch (py::error_already_set& e) {
     e.restore();
   } catch (const std::exception& e) {
-    // Let pybind11's registered translators (plait's error classes) turn it into Python's.
     try {
       throw;
     } catch (...) {
@@ -167,6 +155,79 @@ PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
   }
   return nullptr;
+}
+
+std::string utf8(PyObject* o, const char* what) {
+  Py_ssize_t n = 0;
+  const char* p = PyUnicode_AsUTF8AndSize(o, &n);
+  if (!p) throw InvalidArgument(std::string(what) + " must be a string");
+  return std::string(p, size_t(n));
+}
+
+Coll coll_arg(PyObject* o) {
+  const long coll = PyLong_AsLong(o);
+  if (coll < 0 || coll >= long(Coll::kCount)) throw InvalidArgument("bad collective code");
+  return Coll(coll);
+}
+
+int root_arg(PyObject* o) {
+  const long root = PyLong_AsLong(o);
+  if (root == -1 && PyErr_Occurred()) throw py::error_already_set();
+  if (root < INT32_MIN || root > INT32_MAX) throw InvalidArgument("root is out of range");
+  return int(root);
+}
+
+// A contiguous host buffer given as (address, bytes): a torch CPU tensor's memory, which
+// plait._arrays vouches for (the caller holds the tensor for the call).
+Buffer host_buffer(PyObject* ptr, PyObject* bytes, DType dtype) {
+  Buffer b;
+  b.ptr = PyLong_AsVoidPtr(ptr);
+  b.bytes = PyLong_AsSize_t(bytes);
+  if (PyErr_Occurred()) throw py::error_already_set();
+  b.dtype = dtype;
+  b.present = true;
+  return b;
+}
+
+// fast_host(comm, coll, x_ptr, x_bytes, out_ptr, out_bytes, dtype, op, algorithm, root): the
+// small-message path of torch CPU tensors, which skips building numpy views of them (~3 us of
+// a call; see python/plait/_comm.py).
+PyObject* fast_host(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return translate([&] {
+    if (nargs != 10)
+      throw InvalidArgument(
+          "fast_host takes (comm, coll, x_ptr, x_bytes, out_ptr, out_bytes, dtype, op, algorithm, "
+          "root)");
+    Communicator& c = py::handle(args[0]).cast<Communicator&>();
+    const Coll coll = coll_arg(args[1]);
+    const DType dt = parse_dtype(utf8(args[6], "dtype"));
+    const Buffer in = host_buffer(args[2], args[3], dt), o = host_buffer(args[4], args[5], dt);
+    Call k;
+    call_buffers(c, coll, in, o, k, utf8(args[7], "op"), root_arg(args[9]), -1, 0,
+                 utf8(args[8], "algorithm"), std::nullopt, false);
+  });
+}
+
+PyMethodDef fast_host_def = {
+    "fast_host", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_host)),
+    METH_FASTCALL,
+    "fast_host(comm, coll, x_ptr, x_bytes, out_ptr, out_bytes, dtype, op, algorithm, root)"};
+
+// The small-message entry point, called as fast_call(comm, coll, x, out, op, algorithm[, root])
+// with positional arguments only: METH_FASTCALL without pybind11's overload dispatch, which
+// measured ~0.2 us of a 0.4 us call. Everything else (validation, errors) is shared with call().
+PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return translate([&] {
+    if (nargs != 6 && nargs != 7)
+      throw InvalidArgument("fast_call takes (comm, coll, x, out, op, algorithm[, root])");
+    Communicator& c = py::handle(args[0]).cast<Communicator&>();
+    const Coll coll = coll_arg(args[1]);
+    const std::string op = utf8(args[4], "op"), algo = utf8(args[5], "algorithm");
+    const int root = nargs == 7 ? root_arg(args[6]) : 0;
+    call(c, coll, py::reinterpret_borrow<py::object>(args[2]),
+         py::reinterpret_borrow<py::object>(args[3]), op, root, -1, 0, algo, std::nullopt, false,
+         "");
+  });
 }
 
 PyMethodDef fast_call_def = {"fast_call",
@@ -177,6 +238,7 @@ PyMethodDef fast_call_def = {"fast_call",
 
 void bind_comm(py::module_& m) {
   m.attr("fast_call") = py::reinterpret_steal<py::object>(PyCFunction_New(&fast_call_def, nullptr));
+  m.attr("fast_host") = py::reinterpret_steal<py::object>(PyCFunction_New(&fast_host_def, nullptr));
   py::class_<Segment, std::shared_ptr<Segment>>(m, "Segment")
       .def_static("bytes_needed", &Segment::bytes_needed)
       .def("unlink", &Segment::unlink);

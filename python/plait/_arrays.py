@@ -7,6 +7,8 @@ and the stream to order the work on, holding the array so it outlives the call. 
 are imported lazily, only when such an object is passed.
 """
 
+import sys
+
 import numpy as np
 
 from . import _errors
@@ -39,6 +41,30 @@ def torch_dtypes(torch):
     if _TORCH_NAMES is None:
         _TORCH_NAMES = {getattr(torch, name): name for name in DTYPES}
     return _TORCH_NAMES
+
+
+_TORCH_TENSOR = None  # torch.Tensor, once torch is imported
+_STRIDED = None
+
+
+def torch_host(t):
+    """(address, bytes, dtype name) of t when it is a contiguous, non-empty torch CPU tensor of a
+    dtype plait takes, else None: the small-message path hands plait its memory without building
+    a numpy view of it (which costs more than the collective)."""
+    global _TORCH_TENSOR, _STRIDED
+    if _TORCH_TENSOR is None:
+        torch = sys.modules.get("torch")
+        if torch is None:  # not imported: t is no tensor
+            return None
+        torch_dtypes(torch)
+        _TORCH_TENSOR, _STRIDED = torch.Tensor, torch.strided
+    if type(t) is not _TORCH_TENSOR or not t.is_cpu or t.layout is not _STRIDED or not t.is_contiguous():
+        return None
+    name = _TORCH_NAMES.get(t.dtype)
+    n = t.numel()
+    if name is None or not n:
+        return None
+    return t.data_ptr(), n * ITEMSIZE[name], name
 
 
 def _module_of(obj):

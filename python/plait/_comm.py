@@ -19,6 +19,22 @@ _NAME = {code: name for name, code in _CODE.items()}
 
 _ndarray = np.ndarray
 _fast_call = _C.fast_call
+_fast_host = _C.fast_host
+_torch_host = _arrays.torch_host
+
+
+def _torch_fast(c, code, x, out, op, algorithm, root=0):
+    """The small-message path of torch CPU tensors (see _arrays.torch_host): True if it ran."""
+    hx = _torch_host(x)
+    if hx is None:
+        return False
+    ho = hx if out is x else _torch_host(out)
+    if ho is None or ho[2] != hx[2]:
+        return False
+    _fast_host(c, code, hx[0], hx[1], ho[0], ho[1], hx[2], op, algorithm, root)
+    return True
+
+
 DEFAULT_BUFFER_BYTES = 4 << 20
 _RECORD = 256  # bytes of the split's segment announcement
 
@@ -230,6 +246,13 @@ class Communicator:
             # The small-message path: one Python frame, then C++ without pybind11's dispatch.
             _fast_call(self._c, _ALLREDUCE, x, out, op, algorithm)
             return out
+        if (
+            not async_op
+            and dtype is None
+            and timeout is None
+            and _torch_fast(self._c, _ALLREDUCE, x, out, op, algorithm)
+        ):
+            return out
         return self._call(_ALLREDUCE, x, out, op, 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def reduce_scatter(
@@ -255,6 +278,13 @@ class Communicator:
         ):
             _fast_call(self._c, _REDUCE_SCATTER, x, out, op, algorithm)
             return out
+        if (
+            not async_op
+            and dtype is None
+            and timeout is None
+            and _torch_fast(self._c, _REDUCE_SCATTER, x, out, op, algorithm)
+        ):
+            return out
         return self._call(_REDUCE_SCATTER, x, out, op, 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
     def allgather(
@@ -278,6 +308,13 @@ class Communicator:
             and timeout is None
         ):
             _fast_call(self._c, _ALLGATHER, x, out, "sum", algorithm)
+            return out
+        if (
+            not async_op
+            and dtype is None
+            and timeout is None
+            and _torch_fast(self._c, _ALLGATHER, x, out, "sum", algorithm)
+        ):
             return out
         return self._call(_ALLGATHER, x, out, "sum", 0, -1, 0, algorithm, timeout, async_op, dtype, out)
 
@@ -305,6 +342,15 @@ class Communicator:
             and -(1 << 31) <= root < 1 << 31
         ):
             _fast_call(self._c, _BROADCAST, x, out, "sum", algorithm, root)
+            return out
+        if (
+            not async_op
+            and dtype is None
+            and timeout is None
+            and type(root) is int
+            and -(1 << 31) <= root < 1 << 31
+            and _torch_fast(self._c, _BROADCAST, x, out, "sum", algorithm, root)
+        ):
             return out
         return self._call(_BROADCAST, x, out, "sum", root, -1, 0, algorithm, timeout, async_op, dtype, out)
 
