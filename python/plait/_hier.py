@@ -13,12 +13,20 @@ it returns a HierCommunicator built from
 Hosts are ordered by their lowest global rank. Ranks of a host need not be contiguous in global
 order: results are placed by a permutation, so allgather and reduce_scatter keep global order.
 
-Allreduce, uniform layout (Horovod's and NCCL's pattern), N elements, c = ceil(N/L):
-    1. local reduce_scatter: local rank i owns chunk i (c elements) summed over its host
-    2. inter allreduce of chunk i across the H hosts (shard group i): c elements each
-    3. local allgather of the chunks
-Avg sums everything, then divides once by the world size. Leaders layout: local reduce to the
-leader, leaders' allreduce, local broadcast.
+Every call's first exchange on an engine group is one fixed-size frame per rank, allgathered: the
+call's fingerprint (checked by every rank against every other's: a mismatch is a MismatchError on
+every rank) and, when the engine payload is small (_ROOM bytes), the payload itself. So a small
+call costs one engine message, check included; a larger one a header-only frame, then its data.
+
+Allreduce, uniform layout (Horovod's and NCCL's pattern), N elements, f = N // L, r = N % L:
+    small: the frame carries the input; local rank i reduces its shard group's inputs (one per
+           host, in host order), then the host's ranks allreduce that in place
+    1. local reduce_scatter of the first L*f elements: local rank i owns [i*f, (i+1)*f), summed
+       over its host; the r left over are reduced to the last local rank, which owns them too
+    2. inter allreduce of what rank i owns across the H hosts (shard group i)
+    3. local allgather of the owned blocks (in place in the output), broadcast of the r left over
+No count is padded. Avg sums everything, then divides once by the world size. Leaders layout:
+local reduce to the leader, leaders' allreduce, local broadcast.
 
 GPU arrays skip all of this: they go to one flat NCCL communicator of all ranks (plait._gpu), which
 does its own steps inside and between hosts.
