@@ -252,20 +252,30 @@ class HierCommunicator:
         """Allgathers this rank's frame (header + the first nbytes of _room) over group and checks
         every header; returns the members' payloads, (group size, nbytes) uint8 in group order.
         nbytes None: the check alone, skipped when PLAIT_HIER_CHECK=0 or the rank has no group."""
+        return self._post(group, fp, nbytes, deadline)()
+
+    def _post(self, group, fp, nbytes, deadline):
+        """_exchange in two halves: starts the frame's allgather and returns what waits for it and
+        checks (a large call runs its first local step in between, hiding the header's trip)."""
         if group is None or (nbytes is None and not self._check):
-            return None
+            return lambda: None
         send, recv = self._frames(group)
         k = len(fp)
         head = send[:_HDR].view(np.int64)
         head[0], head[1 : k + 1], head[k + 1] = _MAGIC, fp, nbytes or 0
-        group.allgather(send, recv, deadline)
-        rows = recv.reshape(group.size, _FRAME)
-        if self._check:
-            heads = rows[:, :_HDR].copy().view(np.int64)[:, : k + 2]
-            bad = np.nonzero((heads != head[: k + 2]).any(axis=1))[0]
-            if bad.size:
-                self._mismatch(group, fp, heads[bad[0]], int(bad[0]))
-        return rows[:, _HDR : _HDR + (nbytes or 0)]
+        wait = group.start_allgather(send, recv, deadline)
+
+        def finish():
+            wait()
+            rows = recv.reshape(group.size, _FRAME)
+            if self._check:
+                heads = rows[:, :_HDR].copy().view(np.int64)[:, : k + 2]
+                bad = np.nonzero((heads != head[: k + 2]).any(axis=1))[0]
+                if bad.size:
+                    self._mismatch(group, fp, heads[bad[0]], int(bad[0]))
+            return rows[:, _HDR : _HDR + (nbytes or 0)]
+
+        return finish
 
     def _mismatch(self, group, fp, theirs, j):
         lay, peer = self.layout, group.ranks[j]
@@ -406,7 +416,7 @@ class HierCommunicator:
                 if op == "avg" and n:
                     _divide(out, self.size, bf16)
                 return out
-            self._exchange(self.inter, fp, None, deadline)
+            checked = self._post(self.inter, fp, None, deadline)  # waited for after the local step
             # Local rank i owns elements [i*f, (i+1)*f), the last one also the n % L left over, so
             # no count is padded: the even part is reduce-scattered and allgathered in place in
             # out, the tail reduced to and broadcast from the last local rank.
@@ -427,6 +437,7 @@ class HierCommunicator:
                     timeout=self._left(deadline),
                 )
                 hi = n if last else hi
+            checked()
             self.inter.allreduce(out[lo:hi], red, deadline, bf16)
             if op == "avg" and hi > lo:
                 _divide(out[lo:hi], self.size, bf16)
@@ -437,16 +448,17 @@ class HierCommunicator:
             if r:
                 self.local.broadcast(out[L * f :], L - 1, dtype=dt, timeout=self._left(deadline))
             return out
-        leader = lay.i == 0
+        leader, small = lay.i == 0, self._small(x.nbytes, self.inter)
+        checked = None if small else self._post(self.inter, fp, None, deadline)  # the leaders' check
         self.local.reduce(x, 0, out=out if leader else None, op=red, dtype=dt, timeout=self._left(deadline))
         if leader:
-            if self._small(x.nbytes, self.inter):
+            if small:
                 self._room(self.inter)[: x.nbytes] = out.view(np.uint8)
                 rows = self._exchange(self.inter, fp, x.nbytes, deadline)
                 if n:
                     self._combine(out, rows, op, bf16)
             else:
-                self._exchange(self.inter, fp, None, deadline)
+                checked()
                 self.inter.allreduce(out, red, deadline, bf16)
                 if op == "avg":
                     _divide(out, self.size, bf16)
@@ -504,9 +516,10 @@ class HierCommunicator:
             out[...] = full[self.rank * m : (self.rank + 1) * m]
             return out
         H = lay.nhosts
+        small = self._small(H * m * x.itemsize, self.inter)
+        checked = None if small else self._post(self.inter, fp, None, deadline)  # waited for below
         # y[i, h] = block of rank (h, i): hosts interleaved in rank order need no reordering copy
         y = x if lay.in_order else x.reshape(self.size, m)[lay.perm].reshape(-1)
-        small = self._small(H * m * x.itemsize, self.inter)
         z = self._room(self.inter)[: H * m * x.itemsize].view(x.dtype) if small else np.empty(H * m, x.dtype)
         self.local.reduce_scatter(y, z, op=red, dtype=dt, timeout=self._left(deadline))
         if small:
@@ -514,7 +527,7 @@ class HierCommunicator:
             rows = self._exchange(self.inter, fp, z.nbytes, deadline)
             self._combine(out, rows, op, bf16, slice(lay.h * m, (lay.h + 1) * m))
             return out
-        self._exchange(self.inter, fp, None, deadline)
+        checked()
         # The engines have no reduce-scatter in our interface: allreduce all H blocks, keep ours
         # (H x the bytes of an inter-host reduce-scatter; see docs/api.md).
         self.inter.allreduce(z, red, deadline, bf16)
@@ -592,13 +605,14 @@ class HierCommunicator:
             if lay.i == 0
             else every[lay.h]
         )
+        checked = None if small else self._post(self.inter, fp, None, deadline)  # the leaders' check
         self.local.allgather(x, mine[:mn], timeout=self._left(deadline))
         if lay.i == 0:
             mine[mn:] = 0  # the slack of a smaller host: no stale bytes leave the host
             if small:
                 every[...] = self._exchange(self.inter, fp, lmax * n, deadline)
             else:
-                self._exchange(self.inter, fp, None, deadline)
+                checked()
                 self.inter.allgather(mine, every, deadline)
         self.local.broadcast(every, 0, timeout=self._left(deadline))
         dst = out.reshape(self.size, n)
@@ -644,8 +658,9 @@ class HierCommunicator:
         if self.rank == root and out is not x:
             out[...] = x
         if lay.uniform:
-            if lay.i != ir:  # not in the root's shard group: the check alone, then the local step
-                self._exchange(self.inter, fp, None, deadline)
+            checked = lambda: None  # noqa: E731
+            if lay.i != ir:  # not in the root's shard group: the check alone, beside the local step
+                checked = self._post(self.inter, fp, None, deadline)
             elif self._small(k, self.inter):
                 if lay.h == hr:
                     self._room(self.inter)[:k] = out
@@ -659,6 +674,7 @@ class HierCommunicator:
                 self.local.broadcast(out, ir, timeout=self._left(deadline))
             else:
                 self.local.barrier(timeout=self._left(deadline))
+            checked()
             return out
         if k and lay.h == hr and ir != 0:
             self.local.broadcast(out, ir, timeout=self._left(deadline))
