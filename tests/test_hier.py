@@ -66,6 +66,34 @@ def test_every_collective_dtype_and_op_is_exact(layout):
     assert len(set(checks)) == 1 and checks[0] > 700, checks
 
 
+def _uneven(rank, n, addr, hosts):
+    from plait import _hier
+
+    comm = _init(rank, hosts, buffer_bytes=8192)
+    checks = 0
+    room = _hier._ROOM // 4  # float32 / int32 elements that still travel in the call's frame
+    # 0, 1, primes, counts with every remainder modulo 3 ranks per host and 2 hosts, and both sides
+    # of the frame's room (one call folded into the frame, the next with a header-only frame)
+    for count in (0, 1, 2, 5, 13, room // 6, room // 6 + 1, room - 1, room, room + 1, room + 2, 1009):
+        checks += hc.reductions(comm, count, dtypes=["int32", "float16"], ops=["sum", "max"])
+        checks += hc.movements(comm, count, dtypes=["int32"])
+    checks += hc.reductions(comm, 1009, dtypes=["bfloat16", "float32"], ops=["avg", "prod"])
+    comm.finalize()
+    return checks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["2x3", "2x3-interleaved", "uneven-3+2"])
+def test_counts_that_do_not_divide_by_ranks_per_host_or_hosts(layout):
+    hosts = {
+        "2x3": ["a", "a", "a", "b", "b", "b"],
+        "2x3-interleaved": ["a", "b", "a", "b", "a", "b"],
+        "uneven-3+2": ["a", "b", "a", "b", "a"],
+    }[layout]
+    checks = run_ranks(_uneven, len(hosts), timeout=240, args=(hosts,))
+    assert checks == [292] * len(hosts), checks  # 12 counts x (16 reductions + 7 movements) + 16
+
+
 def _torch_tensors(rank, n, addr, hosts):
     comm = _init(rank, hosts)
     t = torch.full((5,), float(rank + 1), dtype=torch.bfloat16)
@@ -235,6 +263,17 @@ def _mismatch(rank, n, addr, hosts, field):
                 comm.broadcast(x, root=0)
             else:
                 comm.allreduce(x)
+        elif field == "count-large":  # both past the frame's payload room: the header-only frame
+            big = np.ones(3001, dtype=np.float32)
+            comm.allreduce(big[:3000] if odd else big)
+        elif field == "small-large":  # one rank's payload rides in the frame, the other's does not
+            comm.allgather(np.ones(3001 if odd else 3, dtype=np.float32))
+        elif field == "dtype":
+            comm.reduce_scatter(np.ones(8 * n, dtype=np.int32 if odd else np.float32))
+        elif field == "root":
+            comm.broadcast(x, root=0 if odd else n - 1)
+        elif field == "alltoall":
+            comm.alltoall(np.ones(n * (5 if odd else 4), dtype=np.float32))
         else:  # a skipped call: the last rank goes straight to the second one
             if not odd:
                 comm.allreduce(x)
@@ -245,7 +284,18 @@ def _mismatch(rank, n, addr, hosts, field):
 
 
 @pytest.mark.parametrize(
-    "layout,field", [("3x1", "count"), ("2x2", "op"), ("3x1", "collective"), ("2x2-interleaved", "skip")]
+    "layout,field",
+    [
+        ("3x1", "count"),
+        ("2x2", "op"),
+        ("3x1", "collective"),
+        ("2x2-interleaved", "skip"),
+        ("3x1", "count-large"),
+        ("2x2", "small-large"),
+        ("uneven-2+1", "dtype"),
+        ("2x2", "root"),
+        ("3x1", "alltoall"),
+    ],
 )
 def test_mismatch_across_hosts_raises_on_every_rank(layout, field):
     hosts = LAYOUTS[layout]
@@ -255,6 +305,21 @@ def test_mismatch_across_hosts_raises_on_every_rank(layout, field):
         # through the abort and raise the same class.
         assert kind == "MismatchError" and took < 10, (r, res)
     assert any("across hosts" in msg for _, _, msg in res), res
+
+
+def test_mismatch_names_rank_op_dtype_count_and_peer():
+    # 3x1: every rank is in the one inter-host group and compares every frame; each raises its own
+    # finding or, when another rank recorded its finding first, that one (the abort's first error)
+    res = run_ranks(_mismatch, 3, timeout=60, args=(LAYOUTS["3x1"], "count"))
+    call = "allreduce #1 (count {}, dtype float32, op sum, root -1)"
+    for r, (kind, _, msg) in enumerate(res):
+        assert kind == "MismatchError" and msg.startswith(f"rank {r}: "), msg
+        found = re.search(r"rank (\d): mismatched calls across hosts: this rank \(host (\d)\) called", msg)
+        assert found and found[1] == found[2], msg
+        seen, peer = int(found[1]), re.search(r"but rank (\d) \(host (\d)\)", msg)
+        assert peer and peer[1] == peer[2] and (seen == 2) != (int(peer[1]) == 2), msg
+        assert call.format(7 if seen == 2 else 8) in msg and call.format(8 if seen == 2 else 7) in msg, msg
+        assert msg.endswith("(they differ in count)"), msg
 
 
 # -- GPU arrays: one flat NCCL communicator of all ranks (this machine has no GPU: the refusals) --

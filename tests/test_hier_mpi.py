@@ -51,9 +51,35 @@ with open(os.path.join(sys.argv[2], f"checks-{{comm.rank}}"), "w") as f:  # not 
 """
 
 
-def _mpirun(tmp_path, hosts):
+# A mismatched call under MPI: every rank raises MismatchError (no MPI error, no hang), then the
+# job ends normally.
+MISMATCH = """
+import os, sys, time
+import numpy as np
+hosts, case = sys.argv[1].split(","), sys.argv[3]
+rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+os.environ["PLAIT_HOST_ID"] = hosts[rank]
+import plait
+comm = plait.init(timeout=60)
+odd = rank == comm.size - 1
+start = time.monotonic()
+try:
+    if case == "count":
+        comm.allreduce(np.ones(7 if odd else 8, dtype=np.float32))
+    else:  # one rank's payload rides in the call's frame, the other ranks' do not
+        comm.allgather(np.ones(3001 if odd else 3, dtype=np.float32))
+    got = "no error"
+except plait.PlaitError as e:
+    got = f"{type(e).__name__} {time.monotonic() - start:.1f} {e}"
+comm.finalize()
+with open(os.path.join(sys.argv[2], f"got-{rank}"), "w") as f:
+    f.write(got)
+"""
+
+
+def _mpirun(tmp_path, hosts, program=PROGRAM, extra=()):
     prog = tmp_path / "mpi_rank.py"
-    prog.write_text(PROGRAM)
+    prog.write_text(program)
     env = {
         k: v
         for k, v in _ENV.items()
@@ -73,15 +99,16 @@ def _mpirun(tmp_path, hosts):
         cmd.append("--allow-run-as-root")
     before = _segment_names()
     r = subprocess.run(
-        cmd + [sys.executable, str(prog), ",".join(hosts), str(tmp_path)],
+        cmd + [sys.executable, str(prog), ",".join(hosts), str(tmp_path), *extra],
         env=env,
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    checks = [int((tmp_path / f"checks-{rank}").read_text()) for rank in range(len(hosts))]
-    assert len(set(checks)) == 1 and checks[0] > 700, checks
+    if program is PROGRAM:
+        checks = [int((tmp_path / f"checks-{rank}").read_text()) for rank in range(len(hosts))]
+        assert len(set(checks)) == 1 and checks[0] > 700, checks
     # segments made meanwhile by processes that are gone: ours (other users' live ones are not)
     left = {s for s in _segment_names() - before if not os.path.exists(f"/proc/{_creator(s)}")}
     assert not left, left
@@ -92,3 +119,12 @@ def _mpirun(tmp_path, hosts):
 )
 def test_mpi_engine_exact(tmp_path, hosts):
     _mpirun(tmp_path, hosts)
+
+
+@pytest.mark.parametrize("hosts,case", [(["a", "b", "c"], "count"), (["a", "a", "b", "b"], "small-large")])
+def test_mpi_engine_mismatch_raises_on_every_rank(tmp_path, hosts, case):
+    _mpirun(tmp_path, hosts, MISMATCH, (case,))
+    for rank in range(len(hosts)):
+        kind, took, msg = (tmp_path / f"got-{rank}").read_text().split(" ", 2)
+        assert kind == "MismatchError" and float(took) < 10, (rank, kind, took, msg)
+        assert "mismatched calls across hosts" in msg and "inter-host mpi group" in msg, (rank, msg)

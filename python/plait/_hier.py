@@ -13,12 +13,20 @@ it returns a HierCommunicator built from
 Hosts are ordered by their lowest global rank. Ranks of a host need not be contiguous in global
 order: results are placed by a permutation, so allgather and reduce_scatter keep global order.
 
-Allreduce, uniform layout (Horovod's and NCCL's pattern), N elements, c = ceil(N/L):
-    1. local reduce_scatter: local rank i owns chunk i (c elements) summed over its host
-    2. inter allreduce of chunk i across the H hosts (shard group i): c elements each
-    3. local allgather of the chunks
-Avg sums everything, then divides once by the world size. Leaders layout: local reduce to the
-leader, leaders' allreduce, local broadcast.
+Every call's first exchange on an engine group is one fixed-size frame per rank, allgathered: the
+call's fingerprint (checked by every rank against every other's: a mismatch is a MismatchError on
+every rank) and, when the engine payload is small (_ROOM bytes), the payload itself. So a small
+call costs one engine message, check included; a larger one a header-only frame, then its data.
+
+Allreduce, uniform layout (Horovod's and NCCL's pattern), N elements, f = N // L, r = N % L:
+    small: the frame carries the input; local rank i reduces its shard group's inputs (one per
+           host, in host order), then the host's ranks allreduce that in place
+    1. local reduce_scatter of the first L*f elements: local rank i owns [i*f, (i+1)*f), summed
+       over its host; the r left over are reduced to the last local rank, which owns them too
+    2. inter allreduce of what rank i owns across the H hosts (shard group i)
+    3. local allgather of the owned blocks (in place in the output), broadcast of the r left over
+No count is padded. Avg sums everything, then divides once by the world size. Leaders layout:
+local reduce to the leader, leaders' allreduce, local broadcast.
 
 GPU arrays skip all of this: they go to one flat NCCL communicator of all ranks (plait._gpu), which
 does its own steps inside and between hosts.
@@ -29,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
+import struct
 import threading
 import time
 
@@ -37,6 +46,21 @@ import numpy as np
 from . import _C, _comm, _errors, _gpu, _inter
 from ._comm import Array, Handle, Timeout
 from ._hosts import Layout
+
+
+_FRAME = 2048  # bytes of every rank's first message of a call on an engine group (see _exchange)
+_HDR = 64  # of which the header: magic, fingerprint, payload bytes (int64)
+_ROOM = _FRAME - _HDR  # engine payloads up to this size travel in the frame itself
+_MAGIC = 0x706C616974  # "plait"
+_HEAD = struct.Struct("<8q")  # magic, the 6 fields of _fingerprint, payload bytes; fits in _HDR
+_MAX_SRCS = 32  # most arrays _C.reduce_arrays combines in one pass
+
+
+def _dtype_name(num):
+    for t in set(np.sctypeDict.values()):
+        if np.dtype(t).num == num:
+            return np.dtype(t).name
+    return f"code {num}"
 
 
 class _Task:
@@ -101,6 +125,7 @@ class HierCommunicator:
         self._nsplit = 0
         self._seq = 0  # calls issued, in issue order: the first field of the cross-host check
         self._check = os.environ.get("PLAIT_HIER_CHECK", "1") != "0"
+        self._fbufs = {}  # id(engine group) -> its frame buffers (see _exchange)
         self._gpu = None  # the GPU communicator of all ranks, created by the first call with GPU arrays
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -204,29 +229,82 @@ class HierCommunicator:
         ops = self._OPS.index(op) if op in self._OPS else -1
         return (self._seq, int(_comm._CODE.get(name, 99)), int(count), code, ops, int(root))
 
-    def _check_hosts(self, name, fp, deadline):
-        """Ranks on different hosts must make the same call: one tiny max-allreduce of (fp, -fp)
-        over the engine group this rank uses between hosts; all agree iff max(fp) == min(fp)."""
-        group = self.world if name == "alltoall" else self.inter
-        if group is None or not self._check:
-            return
-        k = len(fp)
-        v = np.array(list(fp) + [-f for f in fp], dtype=np.int64)
-        group.allreduce(v, "max", deadline, False)
-        hi, lo = v[:k], -v[k:]
-        if (hi == lo).all():
-            return
-        diff = ", ".join(f"{f} ({lo[j]}..{hi[j]})" for j, f in enumerate(self._FIELDS) if hi[j] != lo[j])
+    # -- the cross-host check, folded into the first engine message of every call ----------------
+    # Every call's first exchange on an engine group is an allgather of one fixed-size frame per
+    # rank: a header (magic, the call's fingerprint, payload bytes) and, for calls whose engine
+    # payload fits (_ROOM bytes), the data itself. The frame's size never depends on the call, so
+    # ranks that make different calls still exchange it and every rank of the group compares every
+    # header before any data is used: a mismatch is a MismatchError, never wrong data or a hang in
+    # an engine collective of mismatched sizes. Small calls pay no extra round trip; a larger call
+    # sends a header-only frame first (one small-message latency, small beside its data) and then
+    # the data in the engine's own collective.
+    def _frames(self, group):
+        """(send frame, receive frames) of an engine group, made on first use."""
+        bufs = self._fbufs.get(id(group))
+        if bufs is None:
+            bufs = (np.zeros(_FRAME, dtype=np.uint8), np.zeros(group.size * _FRAME, dtype=np.uint8))
+            self._fbufs[id(group)] = bufs
+        return bufs
+
+    def _room(self, group):
+        """The payload area of this rank's next frame on group (_ROOM bytes): fill, then _exchange."""
+        return self._frames(group)[0][_HDR:]
+
+    def _exchange(self, group, fp, nbytes, deadline):
+        """Allgathers this rank's frame (header + the first nbytes of _room) over group and checks
+        every header; returns the members' payloads, (group size, nbytes) uint8 in group order.
+        nbytes None: the check alone, skipped when PLAIT_HIER_CHECK=0 or the rank has no group."""
+        return self._post(group, fp, nbytes, deadline)()
+
+    def _post(self, group, fp, nbytes, deadline):
+        """_exchange in two halves: starts the frame's allgather and returns what waits for it and
+        checks (a large call runs its first local step in between, hiding the header's trip)."""
+        if group is None or (nbytes is None and not self._check):
+            return lambda: None
+        send, recv = self._frames(group)
+        _HEAD.pack_into(send, 0, _MAGIC, *fp, nbytes or 0)
+        wait = group.start_allgather(send, recv, deadline)
+
+        def finish():
+            wait()
+            if self._check:  # every member's header, byte for byte (a few us in all)
+                mine, got = memoryview(send)[: _HEAD.size], memoryview(recv)
+                for j in range(group.size):
+                    if got[j * _FRAME : j * _FRAME + _HEAD.size] != mine:
+                        self._mismatch(group, fp, _HEAD.unpack_from(recv, j * _FRAME), j)
+            return recv.reshape(group.size, _FRAME)[:, _HDR : _HDR + (nbytes or 0)]
+
+        return finish
+
+    def _mismatch(self, group, fp, theirs, j):
+        lay, peer = self.layout, group.ranks[j]
+
+        def call(f):
+            name = _comm._NAME.get(int(f[1]), f"collective code {f[1]}")
+            dt = "bfloat16" if f[3] == 1000 else _dtype_name(int(f[3]))
+            op = self._OPS[f[4]] if 0 <= f[4] < len(self._OPS) else "-"
+            return f"{name} #{f[0]} (count {f[2]}, dtype {dt}, op {op}, root {f[5]})"
+
+        if theirs[0] != _MAGIC:
+            what = "sent something that is not a plait call frame"
+        else:
+            f = [int(v) for v in theirs[1 : len(fp) + 1]]
+            diff = ", ".join(n for n, a, b in zip(self._FIELDS, fp, f) if a != b) or "payload size"
+            what = f"called {call(f)} (they differ in {diff})"
         raise _errors.MismatchError(
-            f"rank {self.rank}: mismatched calls across hosts: this rank (host {self.layout.h}) called "
-            f"{name} #{fp[0]} (count={fp[2]}, dtype code {fp[3]}, op {fp[4]}, root {fp[5]}) but a rank "
-            f"of another host in its {self.engine} group disagrees in {diff}"
+            f"rank {self.rank}: mismatched calls across hosts: this rank (host {lay.h}) called "
+            f"{call(fp)} but rank {peer} (host {lay.host_of[peer]}) of its inter-host {self.engine} "
+            f"group {what}"
         )
 
-    def _async(self, name, fn, timeout, async_op, result, keep, fp=None):
-        if fp is not None:
-            call = fn
-            fn = lambda d: (self._check_hosts(name, fp, d), call(d))[1]  # noqa: E731
+    def _combine(self, out, rows, op, bf16, part=slice(None)):
+        """out = the members' payloads reduced in group (host) order on plait's kernels, the same
+        bytes on every rank; avg divides by the world size in the same pass."""
+        srcs = [r.view(out.dtype)[part] for r in rows]
+        kind = "bfloat16" if bf16 else out.dtype.name
+        _C.reduce_arrays(out, srcs, kind, op, self.size if op == "avg" else 0)
+
+    def _async(self, name, fn, timeout, async_op, result, keep):
         r = self._run(name, fn, timeout, async_op, keep)
         if not async_op:
             return result
@@ -306,47 +384,85 @@ class HierCommunicator:
                 f"rank {self.rank}: allreduce: output has {oa.size} {oa.dtype}, input {xa.size} {xa.dtype}"
             )
         _check_float(op, xa.dtype, bf16, f"rank {self.rank}: allreduce")
+        fp = self._fingerprint("allreduce", xa.size, xa.dtype, bf16, op)
         return self._async(
             "allreduce",
-            lambda d: self._allreduce(xa, oa, op, dt, bf16, d),
+            lambda d: self._allreduce(xa, oa, op, dt, bf16, fp, d),
             timeout,
             async_op,
             out,
             (x, out),
-            self._fingerprint("allreduce", xa.size, xa.dtype, bf16, op),
         )
 
-    def _allreduce(self, x, out, op, dt, bf16, deadline):
+    def _small(self, nbytes, group):
+        """Whether a call's engine payload travels in its frame (the same answer on every rank of
+        the group for the same call)."""
+        return nbytes <= _ROOM and group is not None and group.size <= _MAX_SRCS
+
+    def _allreduce(self, x, out, op, dt, bf16, fp, deadline):
         n, L, lay = x.size, self.local.size, self.layout
         red = "sum" if op == "avg" else op
-        if n == 0:
-            return self.local.allreduce(x, out, op=red, dtype=dt, timeout=self._left(deadline))
         if lay.uniform:
-            c = -(-n // L)
-            buf = out if c * L == n else np.zeros(c * L, dtype=x.dtype)
-            if buf is not out:
-                buf[:n] = x
-            src = x if buf is out else buf
-            shard = buf[lay.i * c : (lay.i + 1) * c]
-            self.local.reduce_scatter(src, shard, op=red, dtype=dt, timeout=self._left(deadline))
-            self.inter.allreduce(shard, red, deadline, bf16)
-            if op == "avg":
-                _divide(shard, self.size, bf16)
-            self.local.allgather(shard, buf, dtype=dt, timeout=self._left(deadline))
-            if buf is not out:
-                out[...] = buf[:n]
+            if self._small(x.nbytes, self.inter):
+                # Small: the input itself is the payload. Local rank i sums its shard group's inputs
+                # (the same bytes on every host: same data, host order), then the host's ranks sum
+                # those in place. One engine message, one local step; the check comes first.
+                self._room(self.inter)[: x.nbytes] = x.view(np.uint8)
+                rows = self._exchange(self.inter, fp, x.nbytes, deadline)
+                if n:
+                    self._combine(out, rows, red, bf16)
+                self.local.allreduce(out, out, op=red, dtype=dt, timeout=self._left(deadline))
+                if op == "avg" and n:
+                    _divide(out, self.size, bf16)
+                return out
+            checked = self._post(self.inter, fp, None, deadline)  # waited for after the local step
+            # Local rank i owns elements [i*f, (i+1)*f), the last one also the n % L left over, so
+            # no count is padded: the even part is reduce-scattered and allgathered in place in
+            # out, the tail reduced to and broadcast from the last local rank.
+            f, r = divmod(n, L)
+            lo, hi = lay.i * f, (lay.i + 1) * f
+            if f:
+                self.local.reduce_scatter(
+                    x[: L * f], out[lo:hi], op=red, dtype=dt, timeout=self._left(deadline)
+                )
+            if r:
+                last = lay.i == L - 1
+                self.local.reduce(
+                    x[L * f :],
+                    L - 1,
+                    out=out[L * f :] if last else None,
+                    op=red,
+                    dtype=dt,
+                    timeout=self._left(deadline),
+                )
+                hi = n if last else hi
+            checked()
+            self.inter.allreduce(out[lo:hi], red, deadline, bf16)
+            if op == "avg" and hi > lo:
+                _divide(out[lo:hi], self.size, bf16)
+            if f:
+                self.local.allgather(
+                    out[lay.i * f : (lay.i + 1) * f], out[: L * f], dtype=dt, timeout=self._left(deadline)
+                )
+            if r:
+                self.local.broadcast(out[L * f :], L - 1, dtype=dt, timeout=self._left(deadline))
             return out
-        else:
-            leader = lay.i == 0
-            self.local.reduce(
-                x, 0, out=out if leader else None, op=red, dtype=dt, timeout=self._left(deadline)
-            )
-            if leader:
+        leader, small = lay.i == 0, self._small(x.nbytes, self.inter)
+        checked = None if small else self._post(self.inter, fp, None, deadline)  # the leaders' check
+        self.local.reduce(x, 0, out=out if leader else None, op=red, dtype=dt, timeout=self._left(deadline))
+        if leader:
+            if small:
+                self._room(self.inter)[: x.nbytes] = out.view(np.uint8)
+                rows = self._exchange(self.inter, fp, x.nbytes, deadline)
+                if n:
+                    self._combine(out, rows, op, bf16)
+            else:
+                checked()
                 self.inter.allreduce(out, red, deadline, bf16)
                 if op == "avg":
                     _divide(out, self.size, bf16)
-            self.local.broadcast(out, 0, dtype=dt, timeout=self._left(deadline))
-            return out
+        self.local.broadcast(out, 0, dtype=dt, timeout=self._left(deadline))
+        return out
 
     @_aborts_on_error
     def reduce_scatter(
@@ -376,35 +492,45 @@ class HierCommunicator:
                 f"{oa.dtype}; the input needs size ({self.size}) x output elements"
             )
         _check_float(op, xa.dtype, bf16, f"rank {self.rank}: reduce_scatter")
+        fp = self._fingerprint("reduce_scatter", oa.size, xa.dtype, bf16, op)
         return self._async(
             "reduce_scatter",
-            lambda d: self._reduce_scatter(xa, oa, op, dt, bf16, d),
+            lambda d: self._reduce_scatter(xa, oa, op, dt, bf16, fp, d),
             timeout,
             async_op,
             out,
             (x, out),
-            self._fingerprint("reduce_scatter", oa.size, xa.dtype, bf16, op),
         )
 
-    def _reduce_scatter(self, x, out, op, dt, bf16, deadline):
+    def _reduce_scatter(self, x, out, op, dt, bf16, fp, deadline):
         m, lay = out.size, self.layout
         if m == 0:
+            self._exchange(self.inter, fp, None, deadline)
             self.local.barrier(timeout=self._left(deadline))
             return out
         red = "sum" if op == "avg" else op
-        if lay.uniform:
-            H = lay.nhosts
-            y = x.reshape(self.size, m)[lay.perm].reshape(-1)  # y[i, h] = block of rank (h, i)
-            z = np.empty(H * m, dtype=x.dtype)
-            self.local.reduce_scatter(y, z, op=red, dtype=dt, timeout=self._left(deadline))
-            # The engines have no reduce-scatter in our interface: allreduce all H blocks, keep ours
-            # (H x the bytes of an inter-host reduce-scatter; see docs/api.md).
-            self.inter.allreduce(z, red, deadline, bf16)
-            mine = z[lay.h * m : (lay.h + 1) * m]
-        else:
+        if not lay.uniform:
             full = np.empty_like(x)
-            self._allreduce(x, full, red, dt, bf16, deadline)
-            mine = full[self.rank * m : (self.rank + 1) * m]
+            self._allreduce(x, full, op, dt, bf16, fp, deadline)
+            out[...] = full[self.rank * m : (self.rank + 1) * m]
+            return out
+        H = lay.nhosts
+        small = self._small(H * m * x.itemsize, self.inter)
+        checked = None if small else self._post(self.inter, fp, None, deadline)  # waited for below
+        # y[i, h] = block of rank (h, i): hosts interleaved in rank order need no reordering copy
+        y = x if lay.in_order else x.reshape(self.size, m)[lay.perm].reshape(-1)
+        z = self._room(self.inter)[: H * m * x.itemsize].view(x.dtype) if small else np.empty(H * m, x.dtype)
+        self.local.reduce_scatter(y, z, op=red, dtype=dt, timeout=self._left(deadline))
+        if small:
+            # every host's H blocks in the frame; this rank reduces block h of each, into out
+            rows = self._exchange(self.inter, fp, z.nbytes, deadline)
+            self._combine(out, rows, op, bf16, slice(lay.h * m, (lay.h + 1) * m))
+            return out
+        checked()
+        # The engines have no reduce-scatter in our interface: allreduce all H blocks, keep ours
+        # (H x the bytes of an inter-host reduce-scatter; see docs/api.md).
+        self.inter.allreduce(z, red, deadline, bf16)
+        mine = z[lay.h * m : (lay.h + 1) * m]
         if op == "avg":
             _divide(mine, self.size, bf16)
         out[...] = mine
@@ -434,39 +560,63 @@ class HierCommunicator:
                 f"rank {self.rank}: allgather: output has {oa.size} {oa.dtype}, "
                 f"input {xa.size} {xa.dtype}; the output needs size x input"
             )
+        fp = self._fingerprint("allgather", xa.size, xa.dtype)
         return self._async(
             "allgather",
-            lambda d: self._allgather(xa.view(np.uint8), oa.view(np.uint8), d),
+            lambda d: self._allgather(xa.view(np.uint8), oa.view(np.uint8), fp, d),
             timeout,
             async_op,
             out,
             (x, out),
-            self._fingerprint("allgather", xa.size, xa.dtype),
         )
 
-    def _allgather(self, x, out, deadline):
+    def _allgather(self, x, out, fp, deadline):
         n, lay, H = x.size, self.layout, self.layout.nhosts
         if n == 0:
+            self._exchange(self.inter, fp, None, deadline)
             self.local.barrier(timeout=self._left(deadline))
             return out
         if lay.uniform:
             L = self.local.size
-            a = np.empty(H * n, dtype=np.uint8)
-            self.inter.allgather(x, a, deadline)  # a[h] = x of rank (h, i)
-            b = np.empty(L * H * n, dtype=np.uint8)
+            if self._small(n, self.inter):
+                self._room(self.inter)[:n] = x
+                a = np.ascontiguousarray(self._exchange(self.inter, fp, n, deadline))
+            else:
+                self._exchange(self.inter, fp, None, deadline)
+                a = np.empty(H * n, dtype=np.uint8)
+                self.inter.allgather(x, a, deadline)  # a[h] = x of rank (h, i)
+            b = out if lay.in_order else np.empty(L * H * n, dtype=np.uint8)
             self.local.allgather(a, b, timeout=self._left(deadline))  # b[i, h] = x of rank (h, i)
-            out.reshape(self.size, n)[lay.perm] = b.reshape(L * H, n)
+            if b is not out:
+                out.reshape(self.size, n)[lay.perm] = b.reshape(L * H, n)
             return out
-        lmax = max(len(m) for m in lay.hosts)
-        mine = np.zeros(lmax * n, dtype=np.uint8)
-        self.local.allgather(x, mine[: self.local.size * n], timeout=self._left(deadline))
-        every = np.empty(H * lmax * n, dtype=np.uint8)
+        # Leaders: host h's ranks' inputs in slot h of `every`, slots of the largest host's size
+        # (the slack of smaller hosts is carried, not filled with data).
+        lmax, mn = max(len(m) for m in lay.hosts), self.local.size * n
+        every = np.empty((H, lmax * n), dtype=np.uint8)
+        small = lay.i == 0 and self._small(lmax * n, self.inter)
+        # the leader's own slot: its frame (small), a separate send buffer (large); others' output
+        # is overwritten by the broadcast below
+        mine = (
+            self._room(self.inter)[: lmax * n]
+            if small
+            else np.empty(lmax * n, dtype=np.uint8)
+            if lay.i == 0
+            else every[lay.h]
+        )
+        checked = None if small else self._post(self.inter, fp, None, deadline)  # the leaders' check
+        self.local.allgather(x, mine[:mn], timeout=self._left(deadline))
         if lay.i == 0:
-            self.inter.allgather(mine, every, deadline)
+            mine[mn:] = 0  # the slack of a smaller host: no stale bytes leave the host
+            if small:
+                every[...] = self._exchange(self.inter, fp, lmax * n, deadline)
+            else:
+                checked()
+                self.inter.allgather(mine, every, deadline)
         self.local.broadcast(every, 0, timeout=self._left(deadline))
-        rows, dst = every.reshape(H, lmax, n), out.reshape(self.size, n)
+        dst = out.reshape(self.size, n)
         for h, members in enumerate(lay.hosts):
-            dst[members] = rows[h, : len(members)]
+            dst[members] = every[h, : len(members) * n].reshape(len(members), n)
         return out
 
     @_aborts_on_error
@@ -491,34 +641,55 @@ class HierCommunicator:
             raise _errors.InvalidArgument(
                 f"rank {self.rank}: broadcast: output has {oa.size} {oa.dtype}, input {xa.size} {xa.dtype}"
             )
+        fp = self._fingerprint("broadcast", xa.size, xa.dtype, root=root)
         return self._async(
             "broadcast",
-            lambda d: self._broadcast(xa.view(np.uint8), oa.view(np.uint8), root, d),
+            lambda d: self._broadcast(xa.view(np.uint8), oa.view(np.uint8), root, fp, d),
             timeout,
             async_op,
             out,
             (x, out),
-            self._fingerprint("broadcast", xa.size, xa.dtype, root=root),
         )
 
-    def _broadcast(self, x, out, root, deadline):
-        lay = self.layout
+    def _broadcast(self, x, out, root, fp, deadline):
+        lay, k = self.layout, out.size
         hr, ir = lay.host_of[root], lay.local_of[root]
         if self.rank == root and out is not x:
             out[...] = x
-        if out.size == 0:
-            self.local.barrier(timeout=self._left(deadline))
-            return out
         if lay.uniform:
-            if lay.i == ir:
+            checked = lambda: None  # noqa: E731
+            if lay.i != ir:  # not in the root's shard group: the check alone, beside the local step
+                checked = self._post(self.inter, fp, None, deadline)
+            elif self._small(k, self.inter):
+                if lay.h == hr:
+                    self._room(self.inter)[:k] = out
+                rows = self._exchange(self.inter, fp, k, deadline)
+                if lay.h != hr:
+                    out[...] = rows[hr]
+            else:
+                self._exchange(self.inter, fp, None, deadline)
                 self.inter.broadcast(out, hr, deadline)
-            self.local.broadcast(out, ir, timeout=self._left(deadline))
+            if k:
+                self.local.broadcast(out, ir, timeout=self._left(deadline))
+            else:
+                self.local.barrier(timeout=self._left(deadline))
+            checked()
             return out
-        if lay.h == hr and ir != 0:
+        if k and lay.h == hr and ir != 0:
             self.local.broadcast(out, ir, timeout=self._left(deadline))
         if lay.i == 0:
-            self.inter.broadcast(out, hr, deadline)
-        if lay.h != hr or ir == 0:
+            if self._small(k, self.inter):
+                if lay.h == hr:
+                    self._room(self.inter)[:k] = out
+                rows = self._exchange(self.inter, fp, k, deadline)
+                if lay.h != hr:
+                    out[...] = rows[hr]
+            else:
+                self._exchange(self.inter, fp, None, deadline)
+                self.inter.broadcast(out, hr, deadline)
+        if not k:
+            self.local.barrier(timeout=self._left(deadline))
+        elif lay.h != hr or ir == 0:
             self.local.broadcast(out, 0, timeout=self._left(deadline))
         return out
 
@@ -549,22 +720,14 @@ class HierCommunicator:
             )
         _check_float(op, xa.dtype, bf16, f"rank {self.rank}: reduce")
 
+        fp = self._fingerprint("reduce", xa.size, xa.dtype, bf16, op, root)
+
         def run(d):
-            tmp = np.empty_like(xa)
-            self._allreduce(xa, tmp, op, dt, bf16, d)  # a reduce costs an allreduce across hosts
-            if oa is not None:
-                oa[...] = tmp
+            # a reduce costs an allreduce across hosts; the other ranks' result is dropped
+            self._allreduce(xa, oa if oa is not None else np.empty_like(xa), op, dt, bf16, fp, d)
             return out
 
-        return self._async(
-            "reduce",
-            run,
-            timeout,
-            async_op,
-            out,
-            (x, out),
-            self._fingerprint("reduce", xa.size, xa.dtype, bf16, op, root),
-        )
+        return self._async("reduce", run, timeout, async_op, out, (x, out))
 
     @_aborts_on_error
     def alltoall(
@@ -589,22 +752,24 @@ class HierCommunicator:
                 f"{oa.size} {oa.dtype}; sizes must match and divide by {self.size}"
             )
 
+        fp = self._fingerprint("alltoall", xa.size, xa.dtype)
+
         def run(d):
-            src = xa.view(np.uint8)
-            if np.shares_memory(src, oa):
+            src, dst = xa.view(np.uint8), oa.view(np.uint8)
+            if self._small(src.size, self.world):
+                # every rank's whole input in its frame; this rank keeps its block of each
+                blk = src.size // self.size
+                self._room(self.world)[: src.size] = src
+                rows = self._exchange(self.world, fp, src.size, d)
+                dst.reshape(self.size, blk)[...] = rows[:, self.rank * blk : (self.rank + 1) * blk]
+                return out
+            self._exchange(self.world, fp, None, d)
+            if np.shares_memory(src, dst):
                 src = src.copy()
-            self.world.alltoall(src, oa.view(np.uint8), d)
+            self.world.alltoall(src, dst, d)
             return out
 
-        return self._async(
-            "alltoall",
-            run,
-            timeout,
-            async_op,
-            out,
-            (x, out),
-            self._fingerprint("alltoall", xa.size, xa.dtype),
-        )
+        return self._async("alltoall", run, timeout, async_op, out, (x, out))
 
     @_aborts_on_error
     def send(
@@ -675,15 +840,15 @@ class HierCommunicator:
         return int(v)
 
     def barrier(self, *, timeout: Timeout = None, async_op: bool = False) -> Handle | None:
+        fp = self._fingerprint("barrier", 0, np.uint8)
+
         def run(d):
             self.local.barrier(timeout=self._left(d))
-            if self.inter is not None:
-                self.inter.barrier(d)
+            if self.inter is not None:  # the frame exchange is the barrier between hosts
+                self._exchange(self.inter, fp, 0, d)
             self.local.barrier(timeout=self._left(d))
 
-        return self._async(
-            "barrier", run, timeout, async_op, None, (), self._fingerprint("barrier", 0, np.uint8)
-        )
+        return self._async("barrier", run, timeout, async_op, None, ())
 
     # -- groups and lifetime -------------------------------------------------------------------
     def split(

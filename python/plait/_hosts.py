@@ -43,6 +43,9 @@ class Layout:
             if self.uniform
             else None
         )
+        # hosts interleaved in rank order (rank = i * H + h): the (local rank, host) order of the
+        # hierarchical steps is global order, and no reordering copy is needed
+        self.in_order = self.uniform and bool((self.perm == np.arange(L * H)).all())
 
     @property
     def nhosts(self):

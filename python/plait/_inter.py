@@ -10,8 +10,8 @@ the rendezvous store, so a failure anywhere becomes an error here instead of a h
     mpi   mpi4py over MPI.COMM_WORLD (plait under mpirun), sub-groups by Comm.Split
 
 Element types an engine lacks are handled here: bool travels as uint8 (sum/max = max, prod/min =
-min); for MPI, float16/bfloat16 shards are allgathered and reduced by numpy in host order, so every
-rank computes the same bytes.
+min); for MPI, float16/bfloat16 shards are allgathered and reduced on plait's kernels
+(_C.reduce_arrays) in host order, so every rank computes the same bytes.
 """
 
 import os
@@ -173,13 +173,18 @@ class GlooGroup(_Group):
 
     def allgather(self, a, out, deadline):
         """out (size * a.size elements) = every group rank's a, in group-rank order."""
-        if a.size == 0:
-            return out
+        if a.size:
+            self.start_allgather(a, out, deadline)()
+        return out
+
+    def start_allgather(self, a, out, deadline):
+        """Starts allgather(a, out) and returns what waits for it (a and out stay untouched by the
+        caller until then); the wait raises what allgather would."""
         if self.size == 1:
             out.reshape(-1)[...] = a.reshape(-1)
-            return out
-        self._wait(self._pg._allgather_base(self._t(out), self._t(a)), "allgather", deadline)
-        return out
+            return lambda: None
+        work = self._pg._allgather_base(self._t(out), self._t(a))
+        return lambda: self._wait(work, "allgather", deadline)
 
     def broadcast(self, a, root, deadline):
         if a.size == 0 or self.size == 1:
@@ -281,8 +286,12 @@ class MpiGroup(_Group):
 
     def allgather(self, a, out, deadline):
         if a.size:
-            self._wait(self._c.Iallgather(_buf(a), _buf(out)), "allgather", deadline)
+            self.start_allgather(a, out, deadline)()
         return out
+
+    def start_allgather(self, a, out, deadline):
+        req = self._c.Iallgather(_buf(a), _buf(out))
+        return lambda: self._wait(req, "allgather", deadline)
 
     def broadcast(self, a, root, deadline):
         if a.size:
