@@ -135,8 +135,9 @@ _FIELDS = ("GPU call number", "collective", "count", "dtype", "op", "root", "alg
 def _check_calls(comm, head, coll, dt, count, op, root, algorithm, timeout, transport="nccl"):
     """GPU calls are compared across ranks like host calls (NCCL would hang or mix data on a
     mismatch). On one host the native check compares them through the shared segment without
-    waiting for anyone (csrc/core/call_check.cc); across hosts, one tiny max-allreduce of the
-    call's fields and their negatives. Ranks that disagree raise MismatchError."""
+    waiting for anyone (csrc/core/call_check.cc); across hosts (a HierCommunicator's GPU calls,
+    which have no engine frame of their own), one tiny max-allreduce of the call's fields and
+    their negatives. Ranks that disagree raise MismatchError."""
     root = int(root) if coll in ("broadcast", "reduce") else 0
     native = getattr(comm, "_check_gpu_call", None)
     if native is not None:
