@@ -144,6 +144,7 @@ int algorithm_row(const std::string& name) {
 // system calls and their context switches cost more than staging: one_shot up to 16 KiB, then
 // two_shot, whose two synchronisations per chunk cost less than the ring's 2(n-1) hand-offs. Tree
 // never won here.
+//
 // Over the GPU transports no measurement has been made yet to place thresholds: auto is NCCL's
 // own collective over NCCL and one_shot over CUDA IPC (each transport's first row).
 const char* auto_algorithm(Coll c, const AutoInputs& in) {
