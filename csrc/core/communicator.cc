@@ -256,7 +256,7 @@ void Communicator::rethrow(const PlaitError& e) {
 }
 
 int Communicator::resolve_algo(Coll c, const std::string& name, size_t bytes) {
-  const Caps live = kCapHostStaging | (tp_.can_read_peers() ? Caps(kCapPeerRead) : Caps(0));
+  const Caps live = tp_.caps();
   const std::string& forced = name == "auto" || name.empty() ? forced_[size_t(c)] : name;
   const char* want = forced.c_str();
   if (forced.empty())
