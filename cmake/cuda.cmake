@@ -66,7 +66,7 @@ function(plait_add_cuda target)
     csrc/algo/ipc_one_shot.cc
     csrc/algo/ipc_two_shot.cc
     csrc/algo/ipc_ring.cc
-    csrc/algo/gpu_table.cc
+    csrc/algo/gpu_ctx.cc
     csrc/algo/gpu_nccl.cc
     csrc/algo/gpu_ring.cc
     csrc/algo/gpu_tree.cc)

@@ -79,7 +79,7 @@ def test_gpu_algorithm_names():
     }
     for coll, names in want.items():
         assert plait.algorithms(coll, device="cuda") == (names if _cuda.compiled() else [])
-        assert _C.ipc_algorithms(coll) == (ipc[coll] if _cuda.compiled() else [])
+        assert _C.algorithms(coll, "ipc") == (ipc[coll] if _cuda.compiled() else [])
     assert plait.algorithms("allreduce") == plait.algorithms("allreduce", device="cpu")
     with pytest.raises(plait.InvalidArgument):
         plait.algorithms("allreduce", device="tpu")

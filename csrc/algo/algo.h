@@ -1,4 +1,4 @@
-// What an algorithm gets to work with, and the ordered table of algorithms per collective.
+// What an algorithm gets to work with, and the one ordered table of algorithms for every device.
 #pragma once
 #include <algorithm>
 #include <cstddef>
@@ -8,42 +8,13 @@
 #include <string>
 #include <vector>
 
+#include "core/call.h"
 #include "core/types.h"
 #include "reduce/reduce.h"
+#include "transport/table.h"
 #include "transport/transport.h"
 
 namespace plait {
-
-enum class Coll : uint8_t {
-  allreduce = 0,
-  reduce_scatter,
-  allgather,
-  broadcast,
-  reduce,
-  alltoall,
-  barrier,
-  send,
-  recv,
-  kCount
-};
-const char* coll_name(Coll c);
-
-// One call as every rank must agree on it. count is in elements: the whole vector for allreduce
-// and broadcast/reduce, one rank's block for reduce_scatter (output), allgather (input) and
-// alltoall (per peer).
-struct CallArgs {
-  Coll coll = Coll::barrier;
-  DType dtype = DType::f32;
-  RedOp op = RedOp::sum;
-  int root = 0;
-  int peer = -1;
-  int64_t tag = 0;
-  int64_t count = 0;
-  const void* in = nullptr;
-  void* out = nullptr;
-  int algo = -1;         // index in the collective's table; -1 = auto
-  double timeout_s = 0;  // >= 0 (0: a wait fails unless its peer is there; inf: no deadline)
-};
 
 // The view an algorithm runs in: a transport, the call, and the reduction bound to its dtype/op.
 struct Ctx {
@@ -109,20 +80,56 @@ struct Ring {
   int n, left, right;
 };
 
-struct Algorithm {
-  Coll coll;
-  const char* name;
-  void (*run)(Ctx&);
-  bool single_copy = false;  // reads peers' buffers directly: needs Transport::can_read_peers()
+// The views a GPU algorithm runs in (algo/gpu_algo.h, CUDA builds only).
+struct GpuCtx;
+struct IpcCtx;
+
+// How a row runs: on the host over a Transport, or enqueued on a CUDA stream over NCCL or over
+// CUDA IPC. The kind follows from the capabilities a row needs (host_staging: host; nccl_*: gpu;
+// cuda_ipc: ipc); the communicator of that transport calls the matching member.
+struct Runner {
+  enum Kind : uint8_t { host, gpu, ipc } kind;
+  union {
+    void (*on_host)(Ctx&);
+    void (*on_gpu)(GpuCtx&);
+    void (*on_ipc)(IpcCtx&);
+  };
+  Runner(void (*f)(Ctx&)) : kind(host), on_host(f) {}
+  Runner(void (*f)(GpuCtx&)) : kind(gpu), on_gpu(f) {}
+  Runner(void (*f)(IpcCtx&)) : kind(ipc), on_ipc(f) {}
 };
 
-// The ordered table: index order is the order plait.algorithms() reports.
+struct Algorithm {
+  Coll coll;
+  const char* name;  // unique among the rows one transport is offered for a collective
+  Caps needs;        // what the transport must offer (transport/table.h)
+  Runner run;
+};
+
+// The one table, in the order plait.algorithms() reports. GPU rows are compiled in CUDA builds
+// only (their bodies need CUDA); a CPU-only build has none, and no GPU transport connects there.
 const std::vector<Algorithm>& algorithm_table();
-const std::vector<const Algorithm*>& algorithms_for(Coll c);
-// The algorithm index (into algorithms_for(c)) that "auto" picks for this call. Deterministic
-// in (collective, bytes, world size) so that every rank picks the same one.
-int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes, bool single_copy,
-                bool oversubscribed);
+// The rows of collective c whose needs `offered` covers, in table order: a transport's offered
+// rows (transport_caps) are the names it accepts, and an index into them is what calls carry
+// (CallArgs::algo, fingerprints, flight records).
+const std::vector<const Algorithm*>& algorithms_for(Coll c, Caps offered);
+// The index of `name` in algorithms_for(c, offered); -1 if there is none.
+int algorithm_index(Coll c, Caps offered, const std::string& name);
+// The index in algorithm_table() of the first row named `name` (any collective); -1 if none.
+int algorithm_row(const std::string& name);
+
+// What "auto" decides by, for one call: the capabilities the transport has now (a shm
+// communicator without cross-process reads lacks peer_read) and the call's shape.
+struct AutoInputs {
+  Caps caps = 0;
+  size_t bytes = 0;  // of the call's vector, as CallArgs::count counts it
+  int world = 1;
+  size_t staging_bytes = 0;
+  bool oversubscribed = false;
+};
+// The algorithm name "auto" picks for this call, among rows whose needs `in.caps` covers.
+// Deterministic in its inputs, so that every rank picks the same one.
+const char* auto_algorithm(Coll c, const AutoInputs& in);
 
 // Private scratch memory of this thread, at least `bytes`, 64-byte aligned; reused by later
 // calls on the same thread (so it grows to the largest request and stays).

@@ -52,16 +52,6 @@ struct GpuCtx {
   void load(void* dst, const void* src, int64_t n) const;
 };
 
-struct GpuAlgorithm {
-  Coll coll;
-  const char* name;
-  void (*run)(GpuCtx&);
-};
-
-// allreduce: nccl, ring, tree; reduce_scatter: nccl, ring; allgather: nccl, ring; broadcast,
-// reduce, alltoall, send, recv: nccl.
-const std::vector<GpuAlgorithm>& gpu_algorithm_table();
-
 // The view an algorithm over the CUDA IPC transport works in. Epochs count exchanges over the
 // communicator's life: begin() waits until every peer has finished reading this rank's staging
 // of the previous epoch, publish() posts this rank's staging and waits for every peer's,
@@ -100,14 +90,5 @@ struct IpcCtx {
   // inputs (avg divides each).
   void reduce_all(void* dst, const std::vector<const char*>& srcs, int64_t n) const;
 };
-
-struct IpcAlgorithm {
-  Coll coll;
-  const char* name;
-  void (*run)(IpcCtx&);
-};
-
-// allreduce: one_shot, two_shot, ring; reduce_scatter, allgather: one_shot, ring.
-const std::vector<IpcAlgorithm>& ipc_algorithm_table();
 
 }  // namespace plait

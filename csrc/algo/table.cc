@@ -1,4 +1,4 @@
-// The ordered table of algorithms, and the "auto" choice between them.
+// The one ordered table of algorithms, host and GPU, and the "auto" choice between them.
 #include "algo/algo.h"
 
 namespace plait {
@@ -21,50 +21,113 @@ void broadcast_single_copy(Ctx&);
 void reduce_single_copy(Ctx&);
 void alltoall_single_copy(Ctx&);
 
+#if PLAIT_WITH_CUDA
+void gpu_allreduce_nccl(GpuCtx&);
+void gpu_reduce_scatter_nccl(GpuCtx&);
+void gpu_allgather_nccl(GpuCtx&);
+void gpu_broadcast_nccl(GpuCtx&);
+void gpu_reduce_nccl(GpuCtx&);
+void gpu_alltoall_nccl(GpuCtx&);
+void gpu_send_nccl(GpuCtx&);
+void gpu_recv_nccl(GpuCtx&);
+void gpu_allreduce_ring(GpuCtx&);
+void gpu_reduce_scatter_ring(GpuCtx&);
+void gpu_allgather_ring(GpuCtx&);
+void gpu_allreduce_tree(GpuCtx&);
+void ipc_allreduce_one_shot(IpcCtx&);
+void ipc_allreduce_two_shot(IpcCtx&);
+void ipc_allreduce_ring(IpcCtx&);
+void ipc_reduce_scatter_one_shot(IpcCtx&);
+void ipc_allgather_one_shot(IpcCtx&);
+void ipc_reduce_scatter_ring(IpcCtx&);
+void ipc_allgather_ring(IpcCtx&);
+#endif
+
 namespace {
 // Every rank has already arrived (the transport posts arrival before any algorithm runs), so a
 // barrier is the wait for everyone's arrival.
 void barrier_direct(Ctx& c) { c.tp.wait_post_all(0, 0); }
 }  // namespace
 
-const char* coll_name(Coll c) {
-  static const char* names[] = {"allreduce", "reduce_scatter", "allgather", "broadcast", "reduce",
-                                "alltoall",  "barrier",        "send",      "recv"};
-  return unsigned(c) < unsigned(Coll::kCount) ? names[unsigned(c)] : "?";
-}
+namespace {
+constexpr Caps kHost = kCapHostStaging;
+constexpr Caps kSingleCopy = kCapHostStaging | kCapPeerRead;
+constexpr Caps kIpc = kCapCudaIpc;
+constexpr Caps kNccl = kCapNcclColl;    // NCCL's own collective
+constexpr Caps kNcclP2p = kCapNcclP2p;  // plait's steps over NCCL send/recv
+}  // namespace
 
 const std::vector<Algorithm>& algorithm_table() {
   static const std::vector<Algorithm> table = {
-      {Coll::allreduce, "one_shot", allreduce_one_shot},
-      {Coll::allreduce, "two_shot", allreduce_two_shot},
-      {Coll::allreduce, "ring", allreduce_ring},
-      {Coll::allreduce, "tree", allreduce_tree},
-      {Coll::allreduce, "single_copy", allreduce_single_copy, true},
-      {Coll::reduce_scatter, "direct", reduce_scatter_direct},
-      {Coll::reduce_scatter, "ring", reduce_scatter_ring},
-      {Coll::reduce_scatter, "single_copy", reduce_scatter_single_copy, true},
-      {Coll::allgather, "direct", allgather_direct},
-      {Coll::allgather, "ring", allgather_ring},
-      {Coll::allgather, "single_copy", allgather_single_copy, true},
-      {Coll::broadcast, "direct", broadcast_direct},
-      {Coll::broadcast, "single_copy", broadcast_single_copy, true},
-      {Coll::reduce, "direct", reduce_direct},
-      {Coll::reduce, "single_copy", reduce_single_copy, true},
-      {Coll::alltoall, "direct", alltoall_direct},
-      {Coll::alltoall, "single_copy", alltoall_single_copy, true},
-      {Coll::barrier, "direct", barrier_direct},
+      {Coll::allreduce, "one_shot", kHost, allreduce_one_shot},
+      {Coll::allreduce, "two_shot", kHost, allreduce_two_shot},
+      {Coll::allreduce, "ring", kHost, allreduce_ring},
+      {Coll::allreduce, "tree", kHost, allreduce_tree},
+      {Coll::allreduce, "single_copy", kSingleCopy, allreduce_single_copy},
+      {Coll::reduce_scatter, "direct", kHost, reduce_scatter_direct},
+      {Coll::reduce_scatter, "ring", kHost, reduce_scatter_ring},
+      {Coll::reduce_scatter, "single_copy", kSingleCopy, reduce_scatter_single_copy},
+      {Coll::allgather, "direct", kHost, allgather_direct},
+      {Coll::allgather, "ring", kHost, allgather_ring},
+      {Coll::allgather, "single_copy", kSingleCopy, allgather_single_copy},
+      {Coll::broadcast, "direct", kHost, broadcast_direct},
+      {Coll::broadcast, "single_copy", kSingleCopy, broadcast_single_copy},
+      {Coll::reduce, "direct", kHost, reduce_direct},
+      {Coll::reduce, "single_copy", kSingleCopy, reduce_single_copy},
+      {Coll::alltoall, "direct", kHost, alltoall_direct},
+      {Coll::alltoall, "single_copy", kSingleCopy, alltoall_single_copy},
+      {Coll::barrier, "direct", kHost, barrier_direct},
+#if PLAIT_WITH_CUDA
+      {Coll::allreduce, "nccl", kNccl, gpu_allreduce_nccl},
+      {Coll::allreduce, "ring", kNcclP2p, gpu_allreduce_ring},
+      {Coll::allreduce, "tree", kNcclP2p, gpu_allreduce_tree},
+      {Coll::reduce_scatter, "nccl", kNccl, gpu_reduce_scatter_nccl},
+      {Coll::reduce_scatter, "ring", kNcclP2p, gpu_reduce_scatter_ring},
+      {Coll::allgather, "nccl", kNccl, gpu_allgather_nccl},
+      {Coll::allgather, "ring", kNcclP2p, gpu_allgather_ring},
+      {Coll::broadcast, "nccl", kNccl, gpu_broadcast_nccl},
+      {Coll::reduce, "nccl", kNccl, gpu_reduce_nccl},
+      {Coll::alltoall, "nccl", kNcclP2p, gpu_alltoall_nccl},
+      {Coll::send, "nccl", kNcclP2p, gpu_send_nccl},
+      {Coll::recv, "nccl", kNcclP2p, gpu_recv_nccl},
+      {Coll::allreduce, "one_shot", kIpc, ipc_allreduce_one_shot},
+      {Coll::allreduce, "two_shot", kIpc, ipc_allreduce_two_shot},
+      {Coll::allreduce, "ring", kIpc, ipc_allreduce_ring},
+      {Coll::reduce_scatter, "one_shot", kIpc, ipc_reduce_scatter_one_shot},
+      {Coll::reduce_scatter, "ring", kIpc, ipc_reduce_scatter_ring},
+      {Coll::allgather, "one_shot", kIpc, ipc_allgather_one_shot},
+      {Coll::allgather, "ring", kIpc, ipc_allgather_ring},
+#endif
   };
   return table;
 }
 
-const std::vector<const Algorithm*>& algorithms_for(Coll c) {
-  static const auto per_coll = [] {
-    std::vector<std::vector<const Algorithm*>> v(size_t(Coll::kCount));
-    for (const Algorithm& a : algorithm_table()) v[size_t(a.coll)].push_back(&a);
+const std::vector<const Algorithm*>& algorithms_for(Coll c, Caps offered) {
+  constexpr size_t kColls = size_t(Coll::kCount);
+  static const auto per_caps = [] {  // [caps][coll], for every set of capabilities
+    std::vector<std::vector<const Algorithm*>> v(size_t(kCapAll + 1) * kColls);
+    for (Caps m = 0; m <= kCapAll; ++m)
+      for (const Algorithm& a : algorithm_table())
+        if ((a.needs & ~m) == 0) v[size_t(m) * kColls + size_t(a.coll)].push_back(&a);
     return v;
   }();
   static const std::vector<const Algorithm*> none;
-  return unsigned(c) < unsigned(Coll::kCount) ? per_coll[size_t(c)] : none;
+  if (unsigned(c) >= unsigned(Coll::kCount)) return none;
+  return per_caps[size_t(offered & kCapAll) * kColls + size_t(c)];
+}
+
+int algorithm_index(Coll c, Caps offered, const std::string& name) {
+  const auto& algos = algorithms_for(c, offered);
+  for (size_t i = 0; i < algos.size(); ++i)
+    if (name == algos[i]->name) return int(i);
+  return -1;
+}
+
+int algorithm_row(const std::string& name) {
+  const auto& table = algorithm_table();
+  for (size_t i = 0; i < table.size(); ++i)
+    if (name == table[i].name) return int(i);
+  return -1;
 }
 
 // The choices below come from `plait-bench -a all` runs on the 2-core development VM (numbers and
@@ -81,28 +144,32 @@ const std::vector<const Algorithm*>& algorithms_for(Coll c) {
 // system calls and their context switches cost more than staging: one_shot up to 16 KiB, then
 // two_shot, whose two synchronisations per chunk cost less than the ring's 2(n-1) hand-offs. Tree
 // never won here.
-int auto_select(Coll c, size_t bytes, int world, size_t staging_bytes, bool single_copy,
-                bool oversubscribed) {
-  const bool sc = single_copy && !oversubscribed;
+//
+// Over the GPU transports no measurement has been made yet to place thresholds: auto is NCCL's
+// own collective over NCCL and one_shot over CUDA IPC (each transport's first row).
+const char* auto_algorithm(Coll c, const AutoInputs& in) {
+  if (in.caps & kCapNcclColl) return "nccl";
+  if (in.caps & kCapCudaIpc) return "one_shot";
+  const bool sc = (in.caps & kCapPeerRead) && !in.oversubscribed;
+  const size_t bytes = in.bytes;
   switch (c) {
     case Coll::reduce_scatter:
-      return sc && bytes >= 16 * 1024 ? 2 : 0;  // single_copy : direct
+      return sc && bytes >= 16 * 1024 ? "single_copy" : "direct";
     case Coll::allgather:
-      return sc && bytes >= 8 * 1024 ? 2 : 0;  // single_copy : direct
+      return sc && bytes >= 8 * 1024 ? "single_copy" : "direct";
     case Coll::broadcast:
-      return sc && bytes >= 16 * 1024 ? 1 : 0;  // single_copy : direct
+      return sc && bytes >= 16 * 1024 ? "single_copy" : "direct";
     case Coll::reduce:
-      return sc && bytes >= 16 * 1024 && bytes < (size_t(64) << 20) ? 1
-                                                                    : 0;  // single_copy : direct
+      return sc && bytes >= 16 * 1024 && bytes < (size_t(64) << 20) ? "single_copy" : "direct";
     case Coll::allreduce:
       break;
     default:
-      return 0;
+      return "direct";
   }
-  if (sc && bytes >= 16 * 1024) return 4;  // single_copy
-  const size_t one_shot_max = world <= 2 ? 64 * 1024 : 16 * 1024;
-  if (bytes <= one_shot_max && bytes <= staging_bytes / 2) return 0;  // one_shot
-  return world <= 2 ? 2 : 1;                                          // ring : two_shot
+  if (sc && bytes >= 16 * 1024) return "single_copy";
+  const size_t one_shot_max = in.world <= 2 ? 64 * 1024 : 16 * 1024;
+  if (bytes <= one_shot_max && bytes <= in.staging_bytes / 2) return "one_shot";
+  return in.world <= 2 ? "ring" : "two_shot";
 }
 
 }  // namespace plait

@@ -39,12 +39,6 @@ RedOp op_named(const std::string& s) {
 }
 #endif
 
-Coll coll_named(const std::string& s) {
-  for (int c = 0; c < int(Coll::kCount); ++c)
-    if (s == coll_name(Coll(c))) return Coll(c);
-  throw InvalidArgument("unknown collective '" + s + "'");
-}
-
 int device_count() {
 #if PLAIT_WITH_CUDA
   int n = 0;
@@ -345,16 +339,6 @@ void bind_gpu(py::module_& m) {
                 reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b), count,
                 AvgScale{avg_divisor, true, true}, nullptr, reinterpret_cast<cudaStream_t>(stream));
   });
-  m.def(
-      "gpu_algorithms",
-      [](const std::string& coll) {
-        const Coll c = coll_named(coll);
-        std::vector<std::string> names;
-        for (const GpuAlgorithm& a : gpu_algorithm_table())
-          if (a.coll == c) names.push_back(a.name);
-        return names;
-      },
-      py::arg("collective"));
 
   py::class_<GpuEvent, std::shared_ptr<GpuEvent>>(m, "GpuEvent")
       .def(
@@ -369,17 +353,6 @@ void bind_gpu(py::module_& m) {
           "block",
           [](GpuEvent& e, uintptr_t stream) { e.block(reinterpret_cast<cudaStream_t>(stream)); },
           py::arg("stream"), "Makes `stream` wait for the call on the GPU; returns at once.");
-
-  m.def(
-      "ipc_algorithms",
-      [](const std::string& coll) {
-        const Coll c = coll_named(coll);
-        std::vector<std::string> names;
-        for (const IpcAlgorithm& a : ipc_algorithm_table())
-          if (a.coll == c) names.push_back(a.name);
-        return names;
-      },
-      py::arg("collective"));
 
   py::class_<IpcComm, std::shared_ptr<IpcComm>> ipc(m, "IpcCommunicator");
   ipc.def(py::init([](Communicator& cpu, int device, double timeout, size_t staging_bytes) {
@@ -435,15 +408,6 @@ void bind_gpu(py::module_& m) {
            py::arg("rank") = -1, py::arg("size") = -1, py::keep_alive<1, 2>())
       .def_property_readonly("device", &GpuComm::device);
   bind_gpu_work(gpu);
-#else
-  for (const char* name : {"gpu_algorithms", "ipc_algorithms"})
-    m.def(
-        name,
-        [](const std::string& coll) {
-          coll_named(coll);
-          return std::vector<std::string>{};
-        },
-        py::arg("collective"));
 #endif
 }
 

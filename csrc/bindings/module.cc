@@ -2,10 +2,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "algo/algo.h"
 #include "core/errors.h"
 #include "reduce/reduce.h"
 #include "transport/shared_mem.h"
+#include "transport/table.h"
 
 namespace py = pybind11;
 
@@ -13,6 +13,7 @@ namespace plait {
 void bind_comm(py::module_& m);
 void bind_gpu(py::module_& m);
 void bind_capi(py::module_& m);
+void bind_tables(py::module_& m);
 
 namespace {
 // Memory of one plait.empty() array: a writable buffer that frees its region when the last
@@ -88,24 +89,14 @@ PYBIND11_MODULE(_C, m) {
       }
     }
   });
-  m.def(
-      "algorithms",
-      [](const std::string& coll) {
-        for (int c = 0; c < int(Coll::kCount); ++c) {
-          if (coll != coll_name(Coll(c))) continue;
-          std::vector<std::string> names;
-          for (auto* a : algorithms_for(Coll(c))) names.push_back(a->name);
-          return names;
-        }
-        throw InvalidArgument("unknown collective '" + coll + "'");
-      },
-      py::arg("collective"), "Algorithm names of a collective, in table order.");
   m.def("build_info", [] {
     py::dict d;
     // cuda: compiled with the CUDA path (whether a device is present is cuda_devices).
     d["cuda"] = bool(PLAIT_WITH_CUDA);
-    d["transports"] =
-        PLAIT_WITH_CUDA ? std::vector<std::string>{"shm", "nccl"} : std::vector<std::string>{"shm"};
+    std::vector<std::string> transports;
+    for (const TransportKind& t : transport_table())
+      if (t.built) transports.push_back(t.name);
+    d["transports"] = transports;
     d["reduce_isa"] = reduce_isa();
     return d;
   });
@@ -113,4 +104,5 @@ PYBIND11_MODULE(_C, m) {
   bind_comm(m);
   bind_gpu(m);
   bind_capi(m);
+  bind_tables(m);
 }

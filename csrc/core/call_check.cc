@@ -94,8 +94,10 @@ void Communicator::check_gpu_call(Coll c, DType dtype, RedOp op, int64_t count, 
   CallArgs a;
   a.coll = c, a.dtype = dtype, a.op = op, a.count = count, a.peer = -1, a.tag = 0;
   a.root = c == Coll::broadcast || c == Coll::reduce ? root : -1;
-  uint8_t idx = 0;
-  while (idx + 1 < kGpuAlgoCount && algo != kGpuAlgoNames[idx]) ++idx;
+  const int row = algo == "auto" ? -1 : algorithm_row(algo);
+  const uint8_t idx = algo == "auto"                         ? kFlightAlgoAuto
+                      : row < 0 || row >= kFlightAlgoUnknown ? kFlightAlgoUnknown
+                                                             : uint8_t(row);
   flight_.enqueued(a, seq, idx, ipc ? FlightTransport::ipc : FlightTransport::nccl, mono_ns());
 }
 

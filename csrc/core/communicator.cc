@@ -20,6 +20,11 @@ std::string bad_seconds(const char* what, double v, const char* zero_means) {
   m << what << " must be a number of seconds >= 0 (" << zero_means << "), got " << v;
   return m.str();
 }
+// The algorithm a shm fingerprint's index stands for (ShmTransport's mismatch reports).
+const char* shm_algo_name(Coll c, unsigned index) {
+  const auto& algos = algorithms_for(c, kShmCaps);
+  return index < algos.size() ? algos[index]->name : "?";
+}
 }  // namespace
 
 bool Task::wait(std::optional<double> timeout_s) {
@@ -60,7 +65,7 @@ Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options
       rank_(rank),
       size_(seg_->params().size),
       opt_(opt),
-      tp_(*seg_, rank, policy_) {
+      tp_(*seg_, rank, policy_, shm_algo_name) {
   if (opt_.oversubscribed) policy_.spin_iters = 16;
   forced_.assign(size_t(Coll::kCount), "");
   try {
@@ -114,8 +119,7 @@ void Communicator::parse_algo_override() {
     for (int c = 0; c < int(Coll::kCount); ++c) {
       std::string name = eq == std::string::npos ? item : item.substr(eq + 1);
       if (eq != std::string::npos && item.substr(0, eq) != coll_name(Coll(c))) continue;
-      for (auto* a : algorithms_for(Coll(c)))
-        if (name == a->name) forced_[size_t(c)] = name, used = true;
+      if (algorithm_index(Coll(c), kShmCaps, name) >= 0) forced_[size_t(c)] = name, used = true;
     }
     if (!used)
       throw InvalidArgument("PLAIT_ALGO: '" + item +
@@ -252,14 +256,15 @@ void Communicator::rethrow(const PlaitError& e) {
 }
 
 int Communicator::resolve_algo(Coll c, const std::string& name, size_t bytes) {
-  const auto& algos = algorithms_for(c);
-  const std::string& want = name == "auto" || name.empty() ? forced_[size_t(c)] : name;
-  if (want.empty())
-    return auto_select(c, bytes, size_, tp_.staging_bytes(), tp_.can_read_peers(),
-                       opt_.oversubscribed);
+  const Caps live = tp_.caps();
+  const std::string& forced = name == "auto" || name.empty() ? forced_[size_t(c)] : name;
+  const char* want = forced.c_str();
+  if (forced.empty())
+    want = auto_algorithm(c, {live, bytes, size_, tp_.staging_bytes(), opt_.oversubscribed});
+  const auto& algos = algorithms_for(c, kShmCaps);
   for (size_t i = 0; i < algos.size(); ++i) {
-    if (want != algos[i]->name) continue;
-    if (algos[i]->single_copy && !tp_.can_read_peers() && size_ > 1)
+    if (std::strcmp(want, algos[i]->name) != 0) continue;
+    if ((algos[i]->needs & ~live) && size_ > 1)
       fail(ErrorKind::invalid,
            "rank " + std::to_string(rank_) + ": " + coll_name(c) + " algorithm '" + want +
                "' is not available on this communicator: " + tp_.read_unavailable());
@@ -472,7 +477,7 @@ void Communicator::run_local(const CallArgs& a) {
 
 void Communicator::run(CallArgs& a) {
   tp_.throw_if_aborted();
-  const Algorithm* algo = algorithms_for(a.coll)[size_t(a.algo)];
+  const Algorithm* algo = algorithms_for(a.coll, kShmCaps)[size_t(a.algo)];
   const uint64_t seq = ++seq_;
   // One clock reading serves the call's deadline and its flight record.
   const uint64_t t0 = mono_ns();
@@ -483,7 +488,7 @@ void Communicator::run(CallArgs& a) {
     } else {
       tp_.begin(a, algo->name, seq, uint8_t(a.algo), double(t0) * 1e-9);
       Ctx ctx(tp_, a);
-      algo->run(ctx);
+      algo->run.on_host(ctx);
       tp_.end();
     }
   } catch (const PlaitError&) {

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <vector>
 
+#include "algo/algo.h"
 #include "transport/shm.h"
 
 namespace plait {
@@ -103,12 +104,14 @@ std::string check(const RawRecord& r, uint64_t want, int n, uint64_t now, const 
              r.state == uint8_t(FlightState::enqueued)) {
     if (r.transport == uint8_t(FlightTransport::shm) || r.state != uint8_t(FlightState::enqueued))
       why << "state " << kStates[r.state] << " on transport " << kTransports[r.transport];
-    else if (r.algo >= kGpuAlgoCount)
+    else if (r.algo == kFlightAlgoAuto || r.algo == kFlightAlgoUnknown)
+      *algo = r.algo == kFlightAlgoAuto ? "auto" : "?";
+    else if (r.algo >= algorithm_table().size())
       why << "GPU algorithm index " << unsigned(r.algo);
     else
-      *algo = kGpuAlgoNames[r.algo];
+      *algo = algorithm_table()[r.algo].name;
   } else if (!p2p) {
-    const auto& algos = algorithms_for(c);
+    const auto& algos = algorithms_for(c, kShmCaps);
     if (r.algo >= algos.size())
       why << "algorithm index " << unsigned(r.algo) << " for " << coll_name(c);
     else

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "algo/algo.h"
+#include "core/call.h"
 
 namespace plait {
 
@@ -49,9 +49,10 @@ struct alignas(64) FlightHead {
 
 constexpr uint64_t kWaitingBit = uint64_t(1) << 63;
 constexpr uint32_t kMaxFlightSlots = 1 << 16;
-// The GPU algorithms a record of transport nccl/ipc can name (its algo byte indexes this).
-constexpr const char* kGpuAlgoNames[] = {"nccl", "ring", "tree", "one_shot", "two_shot", "auto"};
-constexpr uint8_t kGpuAlgoCount = sizeof(kGpuAlgoNames) / sizeof(kGpuAlgoNames[0]);
+// A GPU record's algo byte (transport nccl/ipc): the algorithm's row in algorithm_table()
+// (algo/algo.h, algorithm_row), or one of these.
+constexpr uint8_t kFlightAlgoAuto = 0xFF;     // "auto": the communicator did not resolve it
+constexpr uint8_t kFlightAlgoUnknown = 0xFE;  // a name no row of this build has
 
 inline uint64_t mono_ns() {
   timespec ts;
@@ -98,7 +99,7 @@ class FlightRecorder {
     head_->next.store(next_, std::memory_order_release);
     return i;
   }
-  // A GPU call as it is issued: transport nccl or ipc, algo an index of kGpuAlgoNames.
+  // A GPU call as it is issued: transport nccl or ipc, algo a row (kFlightAlgo* above).
   void enqueued(const CallArgs& a, uint64_t call, uint8_t algo, FlightTransport t, uint64_t now) {
     if (!head_) return;
     const uint64_t i = begin(a, call, algo, now);

@@ -8,7 +8,7 @@
 #include <set>
 #include <sstream>
 
-#include "algo/algo.h"
+#include "core/types.h"
 
 namespace plait {
 namespace {

@@ -75,4 +75,16 @@ bool is_float(DType t) {
   return t == DType::f16 || t == DType::bf16 || t == DType::f32 || t == DType::f64;
 }
 
+const char* coll_name(Coll c) {
+  static const char* names[] = {"allreduce", "reduce_scatter", "allgather", "broadcast", "reduce",
+                                "alltoall",  "barrier",        "send",      "recv"};
+  return unsigned(c) < unsigned(Coll::kCount) ? names[unsigned(c)] : "?";
+}
+
+Coll coll_named(const std::string& name) {
+  for (int c = 0; c < int(Coll::kCount); ++c)
+    if (name == coll_name(Coll(c))) return Coll(c);
+  throw InvalidArgument("unknown collective '" + name + "'");
+}
+
 }  // namespace plait

@@ -1,4 +1,4 @@
-// Element types and reduction operators shared by every part of plait.
+// Element types, reduction operators and collectives shared by every part of plait.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -10,10 +10,24 @@ namespace plait {
 enum class DType : uint8_t { f16 = 0, bf16, f32, f64, i8, u8, i32, i64, boolean, kCount };
 enum class RedOp : uint8_t { sum = 0, prod, min, max, avg, kCount };
 enum class Device : uint8_t { cpu = 0, cuda };
+enum class Coll : uint8_t {
+  allreduce = 0,
+  reduce_scatter,
+  allgather,
+  broadcast,
+  reduce,
+  alltoall,
+  barrier,
+  send,
+  recv,
+  kCount
+};
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
 const char* op_name(RedOp op);
+const char* coll_name(Coll c);
+Coll coll_named(const std::string& name);  // InvalidArgument if none
 bool is_float(DType t);
 
 }  // namespace plait

@@ -285,43 +285,42 @@ const char* resolve_gpu_algo(Coll c, const std::string& algo,
                              const std::vector<std::string>& forced,
                              const std::string& override_text, int rank) {
   const std::string& want = algo == "auto" || algo.empty() ? forced[size_t(c)] : algo;
+  const auto& algos = algorithms_for(c, kNcclCaps);
   std::string names;
-  const GpuAlgorithm* first = nullptr;
-  for (const GpuAlgorithm& a : gpu_algorithm_table()) {
-    if (a.coll != c) continue;
-    if (!first) first = &a;
-    if (want == a.name) return a.name;
-    names += std::string(names.empty() ? "" : ", ") + a.name;
+  for (const Algorithm* a : algos) {
+    if (want == a->name) return a->name;
+    names += std::string(names.empty() ? "" : ", ") + a->name;
   }
   // PLAIT_GPU_ALGO=ring forces ring where there is one; collectives without it keep auto.
   const bool blanket =
       (algo == "auto" || algo.empty()) && override_text.find('=') == std::string::npos;
-  if (first && (want.empty() || blanket)) return first->name;
+  if (!algos.empty() && (want.empty() || blanket)) {
+    const int i = algorithm_index(c, kNcclCaps, auto_algorithm(c, {kNcclCaps}));
+    if (i >= 0) return algos[size_t(i)]->name;
+  }
   throw InvalidArgument("rank " + std::to_string(rank) + ": " + coll_name(c) +
                         ": no GPU algorithm '" + want + "' (" +
                         (names.empty() ? "this collective has no GPU path yet" : names) + ")");
 }
 
 const char* resolve_ipc_algo(Coll c, const std::string& algo, int rank) {
-  std::string names;
-  const char* found = nullptr;
-  for (const IpcAlgorithm& a : ipc_algorithm_table()) {
-    if (a.coll != c) continue;
-    if (!found && (algo.empty() || algo == "auto" || algo == a.name))
-      found = a.name;  // auto: the first
-    names += std::string(names.empty() ? "" : ", ") + a.name;
-  }
-  if (names.empty())
+  const auto& algos = algorithms_for(c, kIpcCaps);
+  if (algos.empty())
     throw InvalidArgument(
         "rank " + std::to_string(rank) + ": " + coll_name(c) +
         " of GPU arrays has no path over the CUDA IPC transport (ranks sharing a GPU) in this "
         "version: it runs over NCCL, with one GPU per rank; IPC has allreduce, reduce_scatter "
         "and allgather");
-  if (!found)
-    throw InvalidArgument("rank " + std::to_string(rank) + ": " + coll_name(c) +
-                          ": no algorithm '" + algo + "' over the CUDA IPC transport (" + names +
-                          "; the others run over NCCL, with one GPU per rank)");
-  return found;
+  const std::string want =
+      algo.empty() || algo == "auto" ? auto_algorithm(c, {kIpcCaps}) : std::string(algo);
+  std::string names;
+  for (const Algorithm* a : algos) {
+    if (want == a->name) return a->name;
+    names += std::string(names.empty() ? "" : ", ") + a->name;
+  }
+  throw InvalidArgument("rank " + std::to_string(rank) + ": " + coll_name(c) + ": no algorithm '" +
+                        algo + "' over the CUDA IPC transport (" + names +
+                        "; the others run over NCCL, with one GPU per rank)");
 }
 
 void refuse_capture(cudaStream_t stream, const std::string& who, Coll c) {
@@ -435,13 +434,12 @@ void GpuComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op,
   std::lock_guard<std::mutex> call_lock(call_mu_);
   throw_if_failed();
   if (peers_.throw_if_aborted) peers_.throw_if_aborted();
-  const GpuAlgorithm* alg = nullptr;
+  const Algorithm* alg = nullptr;
   DeviceGuard g(device_);
   try {
     validate_gpu_call(c, in, out, op, root, peer, rank_, size_, device_);
     const char* name = resolve(c, algo);
-    for (const GpuAlgorithm& a : gpu_algorithm_table())
-      if (a.coll == c && std::strcmp(a.name, name) == 0) alg = &a;
+    alg = algorithms_for(c, kNcclCaps)[size_t(algorithm_index(c, kNcclCaps, name))];
   } catch (const InvalidArgument& e) {
     // Bad input aborts the call on every rank, as on the CPU path; no peer waits on GPU work
     // this rank will never enqueue.
@@ -467,7 +465,7 @@ void GpuComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op,
   try {
     Watchdog::Event start = wd_->acquire(), end = wd_->acquire();
     cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(start), stream), who() + ": cudaEventRecord");
-    alg->run(ctx);
+    alg->run.on_gpu(ctx);
     cuda_ok(cudaEventRecord(last_, stream), who() + ": cudaEventRecord");
     cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(end), stream), who() + ": cudaEventRecord");
     wd_->track(start, end, cur_.timeout_s,

@@ -139,13 +139,11 @@ void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op,
   throw_if_failed();
   if (peers_.throw_if_aborted) peers_.throw_if_aborted();
   if (tp_->error() != IpcTransport::ok) check_done();
-  const IpcAlgorithm* alg = nullptr;
+  const Algorithm* alg = nullptr;
   DeviceGuard g(device_);
   try {
     validate_gpu_call(c, in, out, op, root, peer, rank_, size_, device_);
-    const std::string name = resolve(c, algo);
-    for (const IpcAlgorithm& a : ipc_algorithm_table())
-      if (a.coll == c && name == a.name) alg = &a;
+    alg = algorithms_for(c, kIpcCaps)[size_t(algorithm_index(c, kIpcCaps, resolve(c, algo)))];
   } catch (const InvalidArgument& e) {
     fail(ErrorKind::invalid, e.what());
   }
@@ -171,7 +169,7 @@ void IpcComm::call(Coll c, const GpuBuffer& in, const GpuBuffer& out, RedOp op,
     cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(start), stream), who() + ": cudaEventRecord");
     IpcCtx ctx{*tp_,  a,     stream, dtype_size(a.dtype),
                rank_, size_, epoch_, IpcTransport::clamp_timeout_ns(a.timeout_s)};
-    alg->run(ctx);
+    alg->run.on_ipc(ctx);
     cuda_ok(cudaEventRecord(last_, stream), who() + ": cudaEventRecord");
     cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(end), stream), who() + ": cudaEventRecord");
     wd_->track(start, end, a.timeout_s, what);

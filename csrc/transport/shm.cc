@@ -165,8 +165,8 @@ void Segment::unlink() {
 
 // ---------------------------------------------------------------------------------------------
 
-ShmTransport::ShmTransport(Segment& seg, int rank, const WaitPolicy& policy)
-    : seg_(seg), policy_(policy) {
+ShmTransport::ShmTransport(Segment& seg, int rank, const WaitPolicy& policy, AlgoNames algo_names)
+    : seg_(seg), policy_(policy), algo_names_(algo_names) {
   rank_ = rank;
   size_ = seg.params().size;
   verified_.assign(size_t(size_), 0);
@@ -319,10 +319,8 @@ void ShmTransport::verify(int peer) {
     return;
   }
   auto safe_enum = [](uint8_t v, uint8_t n) { return v < n ? v : 0; };
-  auto algo_of = [](uint8_t coll, uint8_t idx) -> const char* {
-    if (coll >= uint8_t(Coll::kCount)) return "?";
-    auto algos = algorithms_for(Coll(coll));
-    return idx < algos.size() ? algos[idx]->name : "?";
+  auto algo_of = [this](uint8_t coll, uint8_t idx) -> const char* {
+    return coll < uint8_t(Coll::kCount) ? algo_names_(Coll(coll), idx) : "?";
   };
   std::ostringstream m;
   m << "mismatched calls: rank " << peer << " called "

@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#include "algo/algo.h"
+#include "core/call.h"
 #include "core/errors.h"
 #include "core/flight.h"
 #include "core/wait.h"
@@ -150,7 +150,10 @@ class Segment {
 // deadlines, liveness and the communicator-wide abort.
 class ShmTransport final : public Transport {
  public:
-  ShmTransport(Segment& seg, int rank, const WaitPolicy& policy);
+  // The name of the algorithm a fingerprint's index stands for, for mismatch reports (the
+  // algorithm table is the communicator's; a transport does not know it).
+  using AlgoNames = const char* (*)(Coll c, unsigned index);
+  ShmTransport(Segment& seg, int rank, const WaitPolicy& policy, AlgoNames algo_names);
 
   char* staging(int r) override { return seg_.staging(r) + half_; }
   size_t staging_bytes() const override { return seg_.params().staging_bytes / 2; }
@@ -221,6 +224,7 @@ class ShmTransport final : public Transport {
 
   Segment& seg_;
   const WaitPolicy& policy_;
+  AlgoNames algo_names_;
   size_t half_ = 0;
   uint64_t seq_ = 0, epoch_ = 0;
   bool arrived_ = true;

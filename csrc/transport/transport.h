@@ -14,6 +14,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "transport/table.h"
+
 namespace plait {
 
 class Transport {
@@ -52,6 +54,9 @@ class Transport {
   // attach on shared memory). Available to a call only when every rank of the communicator can
   // read every peer, which all ranks agree on before their first call.
   virtual bool can_read_peers() const { return false; }
+  // What this transport offers algorithms now (transport/table.h): host staging, and peer_read
+  // while can_read_peers(). Its entry in the transport table says what it can ever offer.
+  Caps caps() const { return kCapHostStaging | (can_read_peers() ? Caps(kCapPeerRead) : Caps(0)); }
   // Publishes this call's input and output addresses; peers may use them once this rank has
   // posted anything on channel 0 of the call. A rank must not return (or touch what peers read)
   // until its readers say they are done.

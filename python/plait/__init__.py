@@ -67,10 +67,10 @@ def algorithms(collective: str, device: str = "cpu") -> list[str]:
     a name both transports have ("ring") is listed once, where NCCL's table has it.
     """
     if device == "cpu":
-        return _C.algorithms(collective)
+        return _C.algorithms(collective, "shm")
     if device == "cuda":
-        names = _C.gpu_algorithms(collective)
-        return names + [a for a in _C.ipc_algorithms(collective) if a not in names]
+        names = _C.algorithms(collective, "nccl")
+        return names + [a for a in _C.algorithms(collective, "ipc") if a not in names]
     raise InvalidArgument(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 

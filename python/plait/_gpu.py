@@ -295,9 +295,18 @@ def _communicator(comm, device, timeout, head):
         if key in seen and shared is None:
             shared = (seen[key], r, key.hex())
         seen.setdefault(key, r)
-    if not hier and (transport == "ipc" or (transport == "auto" and shared is not None)):
+    bad = [r for r in range(comm.size) if not table[r][0]]
+    # The first transport of the ordered table that can connect these ranks' GPU buffers.
+    chosen = _C.select_transport(
+        device_buffers=True,
+        one_host=not hier,
+        shared_gpu=shared is not None,
+        nccl_loaded=not bad,
+        prefer=transport,
+    )
+    if chosen == "ipc":
         g = _ipc_communicator(comm, device, t, head)
-    else:
+    else:  # nccl, or none: say why NCCL cannot connect them
         if shared is not None and hier:
             raise _errors.InvalidArgument(
                 f"{head}: ranks {shared[0]} and {shared[1]} use the same GPU (uuid {shared[2]}); across "
@@ -310,12 +319,13 @@ def _communicator(comm, device, timeout, head):
                 f"PLAIT_GPU_TRANSPORT=nccl; NCCL refuses two ranks on one GPU (use the IPC transport: "
                 f"PLAIT_GPU_TRANSPORT=auto or ipc)"
             )
-        bad = [r for r in range(comm.size) if not table[r][0]]
         if bad:
             raise _errors.PlaitError(
                 f"{head}: rank(s) {bad} could not load NCCL"
                 + (f": {err}" if err else " (their own errors say why)")
             )
+        if chosen != "nccl":
+            raise _errors.PlaitError(f"{head}: no transport of this build connects these ranks' GPU arrays")
         g = _nccl_communicator(comm, device, t, head)
     comm._gpu = g
     return g

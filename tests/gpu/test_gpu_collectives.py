@@ -26,9 +26,11 @@ def _sweep(rank, n, store, colls, algos, one_gpu=False, counts=COUNTS, dtypes=DT
     dev = Device(0 if one_gpu else rank)
     comm = plait.init(rank, n, store=store)
     # Both transports have a "ring": the names this world's transport has.
-    listed = (
-        _C.ipc_algorithms if one_gpu or os.environ.get("PLAIT_GPU_TRANSPORT") == "ipc" else _C.gpu_algorithms
-    )
+    transport = "ipc" if one_gpu or os.environ.get("PLAIT_GPU_TRANSPORT") == "ipc" else "nccl"
+
+    def listed(coll):
+        return _C.algorithms(coll, transport)
+
     bad, runs = [], 0
     for coll in colls:
         for algo in algos:

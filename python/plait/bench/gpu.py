@@ -120,8 +120,13 @@ def run_gpu_rank(args):
     comm = plait.init()
     rank, n = comm.rank, comm.size
     transport = os.environ.get("PLAIT_GPU_TRANSPORT", "auto")
-    ipc = transport == "ipc" or (transport == "auto" and int(os.environ.get("LOCAL_WORLD_SIZE", n)) > ndev)
-    listed = _C.ipc_algorithms if ipc else _C.gpu_algorithms
+    shared = int(os.environ.get("LOCAL_WORLD_SIZE", n)) > ndev  # some ranks share a GPU
+    chosen = _C.select_transport(device_buffers=True, shared_gpu=shared, prefer=transport) or "nccl"
+    ipc = chosen == "ipc"
+
+    def listed(coll):
+        return _C.algorithms(coll, chosen)
+
     dtype = np.dtype(args.dtype)
     sizes = list(args.sizes) + ([args.maxbytes] if args.sizes[-1] != args.maxbytes else [])
     limit = _copy_limit(xp, comm, max(sizes), dtype)
