@@ -357,6 +357,16 @@ def _share_storage(rank, n, store_dir):
     assert not _native.share_storage(torch.empty(0))
     dist.all_reduce(view)
     assert torch.equal(t[10:20], torch.arange(10, 20, dtype=torch.float32) * n)
+    # Freed regions go back to a pool: a new tensor of the same size is the same memory, which
+    # peers have mapped already (FSDP2 allocates its buffers anew every step, in the same sizes).
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    a = backend.allocate_tensor(3000, dtype=torch.float32, device=torch.device("cpu"))
+    where = a.data_ptr()
+    assert plait.torch.is_shared(a)
+    del a
+    b = backend.allocate_tensor(3000, dtype=torch.float32, device=torch.device("cpu"))
+    c = backend.allocate_tensor(3000, dtype=torch.float32, device=torch.device("cpu"))
+    assert b.data_ptr() == where and c.data_ptr() != where and plait.torch.is_shared(c)
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         plait.torch.use_shared_buffers(torch.nn.Linear(2, 2))
     return True
