@@ -143,16 +143,20 @@ class WatchdogProbe {
 };
 
 #if PLAIT_WITH_CUDA
-// (pointer, bytes, device) from plait._arrays.GpuArray, or None (reduce's output on a non-root,
-// send's output, recv's input); the caller holds the array.
+// A device buffer from a plait._arrays.GpuArray (pointer, bytes, device, and the owner that
+// keeps the memory alive while the caller holds it), or None (reduce's output on a non-root,
+// send's output, recv's input). `dtype` is the call's, which dtype= may set apart from the
+// array's own.
 GpuBuffer gpu_buffer(const py::object& o, const std::string& dtype) {
   GpuBuffer b;
   b.dtype = dtype_named(dtype);
   if (o.is_none()) return b;
-  const py::tuple t = o.cast<py::tuple>();
-  b.ptr = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
-  b.bytes = t[1].cast<size_t>();
-  b.device = t[2].cast<int>();
+  if (!py::hasattr(o, "owner") || !py::hasattr(o, "ptr"))
+    throw InvalidArgument("a GPU buffer must come from plait._arrays (a GpuArray), got " +
+                          py::str(py::type::of(o).attr("__name__")).cast<std::string>());
+  b.ptr = reinterpret_cast<void*>(o.attr("ptr").cast<uintptr_t>());
+  b.bytes = o.attr("nbytes").cast<size_t>();
+  b.device = o.attr("device").cast<int>();
   b.present = true;
   return b;
 }

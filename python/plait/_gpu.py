@@ -237,8 +237,8 @@ def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result, ro
         _check_calls(comm, head, coll, dt, ga.nbytes // _ITEMSIZE[dt], op, root, algo, timeout, transport)
     g.call(
         coll,
-        None if gx is None else (gx.ptr, gx.nbytes, gx.device),
-        None if go is None else (go.ptr, go.nbytes, go.device),
+        gx,  # plait._arrays.GpuArray: pointer, bytes, dtype, device and the owner keeping it alive
+        go,
         dt,
         op,
         algorithm,
