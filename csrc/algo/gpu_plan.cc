@@ -15,13 +15,6 @@ std::vector<Span> chunk_plan(int64_t count, int64_t chunk_elems) {
   return out;
 }
 
-uint64_t gpu_timeout_ns(double seconds) {
-  constexpr uint64_t kMax = uint64_t(1) << 62;
-  if (!(seconds > 0)) return 0;
-  if (seconds >= double(kMax) * 1e-9) return kMax;
-  return uint64_t(seconds * 1e9);
-}
-
 int64_t aligned_part_begin(int64_t count, int n, int q, int64_t align) {
   if (n < 1 || q < 0 || q > n || count < 0 || align < 1)
     throw InvalidArgument("aligned_part_begin: part " + std::to_string(q) + " of " +

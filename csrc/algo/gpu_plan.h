@@ -17,11 +17,6 @@ struct Span {
 // No chunks for count == 0.
 std::vector<Span> chunk_plan(int64_t count, int64_t chunk_elems);
 
-// A timeout in seconds as the nanoseconds a GPU wait kernel compares with %globaltimer: 0 for
-// <= 0 or NaN; at most 2^62 (about 146 years), so inf or huge values do not overflow (converting
-// a double beyond uint64's range is undefined behaviour).
-uint64_t gpu_timeout_ns(double seconds);
-
 // Where part q of n parts of `count` elements begins, rounded up to a multiple of `align`
 // elements (the parts stay contiguous and cover [0, count); a part may be empty), so that every
 // part of a 16-byte-aligned vector starts 16-byte aligned and the kernels run vectorised.

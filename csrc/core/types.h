@@ -30,4 +30,14 @@ const char* coll_name(Coll c);
 Coll coll_named(const std::string& name);  // InvalidArgument if none
 bool is_float(DType t);
 
+// A timeout in seconds as the nanoseconds a GPU wait kernel compares with %globaltimer: 0 for
+// <= 0 or NaN; at most 2^62 (about 146 years), so inf or huge values do not overflow (converting
+// a double beyond uint64's range is undefined behaviour).
+inline uint64_t gpu_timeout_ns(double seconds) {
+  constexpr uint64_t kMax = uint64_t(1) << 62;
+  if (!(seconds > 0)) return 0;
+  if (seconds >= double(kMax) * 1e-9) return kMax;
+  return uint64_t(seconds * 1e9);
+}
+
 }  // namespace plait

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "algo/gpu_plan.h"
+#include "core/types.h"  // gpu_timeout_ns
 
 namespace plait {
 
@@ -25,9 +25,7 @@ class IpcTransport {
   static constexpr int kDone = 1;  // flag: I finished reading everyone's staging of epoch e
   enum Error : int { ok = 0, aborted = 1, timed_out = 2, peer_gave_up = 3 };
   static constexpr uint64_t kPoison = uint64_t(1) << 63;  // a flag value: "I gave up"
-  static uint64_t clamp_timeout_ns(double seconds) {
-    return gpu_timeout_ns(seconds);
-  }  // algo/gpu_plan.h
+  static uint64_t clamp_timeout_ns(double seconds) { return gpu_timeout_ns(seconds); }
 
   IpcTransport(int rank, int size, int device, size_t staging_bytes);
   ~IpcTransport();
