@@ -165,6 +165,15 @@ class GpuArray:
         self.dtype, self.stream, self.owner, self.kind = dtype, int(stream), owner, kind
         self.count = self.nbytes // self.itemsize if self.itemsize else 0
 
+    def record_stream(self):
+        """Tells torch's caching allocator that a torch tensor is in use on the current stream of
+        its device (a no-op for other kinds), so that memory freed right after a call is not handed
+        out again before the call ran there."""
+        if self.kind == "torch":
+            import torch
+
+            self.owner.record_stream(torch.cuda.current_stream(self.device))
+
     def describe(self):
         where = f"GPU {self.device}" if self.device >= 0 else "an unknown GPU"
         return f"{self.kind} {self.dtype or 'unsupported dtype'} x {self.count} on {where}"

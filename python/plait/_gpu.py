@@ -257,11 +257,10 @@ def _record_streams(stream, *arrays):
     """A synchronous call holds no reference to its tensors: tell torch's caching allocator they
     are in use on the call's stream, so a tensor freed right after the call (allocated on another
     stream) is not handed out again before the collective ran (as ProcessGroupNCCL does)."""
-    for a in arrays:
-        if a is not None and a.kind == "torch" and stream:  # the default stream needs none
-            import torch
-
-            a.owner.record_stream(torch.cuda.current_stream(a.device))
+    if stream:  # the default stream needs none
+        for a in arrays:
+            if a is not None:
+                a.record_stream()
 
 
 def _communicator(comm, device, timeout, head):
