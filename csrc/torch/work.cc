@@ -1,15 +1,11 @@
 // Op and Work: how a torch call's plait calls end in a completed Work and Future.
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include <chrono>
-#include <thread>
-
 #include "torch/backend.h"
 
 namespace plait_torch {
 
 thread_local bool tl_running_here = false;  // this thread runs a task through task_run
-constexpr int kYieldUs = 50;                // Op::wait yields this long before it sleeps
 
 Error::Error(uint32_t kind, const std::string& msg)
     : c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, uint32_t(__LINE__)}, msg),
@@ -179,10 +175,6 @@ bool Op::wait(std::chrono::milliseconds timeout) {
     for (void* t : tasks_)
       if (!b_->api()->task_run(b_->comm(), t)) break;
     tl_running_here = false;
-    // plait's thread has the call: yield to it for a short while before sleeping, which spares
-    // a futex sleep and wake-up when it finishes soon (small calls; ranks outnumbering cores).
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kYieldUs);
-    while (!done() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
     std::unique_lock<std::mutex> lk(mu_);
     auto pred = [&] { return done(); };
     if (timeout.count() <= 0) {
