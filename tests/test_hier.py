@@ -304,7 +304,11 @@ def test_mismatch_across_hosts_raises_on_every_rank(layout, field):
         # The ranks that compared fingerprints raise MismatchError; their host peers learn of it
         # through the abort and raise the same class.
         assert kind == "MismatchError" and took < 10, (r, res)
-    assert any("across hosts" in msg for _, _, msg in res), res
+    # Where the last rank shares its host (2x2), the call differs within that host too, and its
+    # host peer may catch it first, in the host-local check ("mismatched calls: rank ..."), while
+    # a large call's cross-host frame is still in flight.
+    want = ("across hosts",) if hosts.count(hosts[-1]) == 1 else ("across hosts", "mismatched calls")
+    assert any(w in msg for _, _, msg in res for w in want), res
 
 
 def test_mismatch_names_rank_op_dtype_count_and_peer():
