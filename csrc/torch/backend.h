@@ -75,6 +75,7 @@ class Op {
  private:
   void finish_call(uint32_t kind, const char* msg);
   bool complete_unless_future();  // completes here unless a Future was handed out
+  void run_steps();               // the after() steps, once
 
   Backend* b_;
   std::string what_;
@@ -85,7 +86,7 @@ class Op {
   std::shared_ptr<Op>* self_ = nullptr;
   std::atomic<int> outstanding_{1};  // async calls in flight, +1 until launch()
   std::atomic<int> state_{0};        // 0 pending, 1 ok, 2 failed
-  bool ran_steps_ = false;           // complete_unless_future ran the steps, then met a Future
+  bool ran_steps_ = false;           // run_steps ran
   uint32_t kind_ = 0;
   std::string msg_;
   std::exception_ptr error_;

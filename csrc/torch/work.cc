@@ -98,6 +98,23 @@ bool Op::complete_unless_future() {
     std::lock_guard<std::mutex> lk(mu_);
     if (fut_) return false;
   }
+  run_steps();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (fut_) return false;  // the completion thread marks the Future (the steps have run)
+    state_.store(kind_ ? 2 : 1, std::memory_order_release);
+  }
+  cv_.notify_all();
+  for (auto& f : followers_) f->release(kind_, msg_.c_str());
+  followers_.clear();
+  return true;
+}
+
+// The steps after the calls (copies back into the caller's tensors), once; a failed call or
+// step becomes the op's error.
+void Op::run_steps() {
+  if (ran_steps_) return;
+  ran_steps_ = true;
   if (!kind_) {
     try {
       for (auto& f : after_) f();
@@ -109,34 +126,10 @@ bool Op::complete_unless_future() {
   after_.clear();
   keep_.clear();
   if (kind_) error_ = std::make_exception_ptr(b_->error(kind_, where(), msg_));
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (fut_) {
-      ran_steps_ = true;  // the completion thread marks the Future (complete() skips the steps)
-      return false;
-    }
-    state_.store(kind_ ? 2 : 1, std::memory_order_release);
-  }
-  cv_.notify_all();
-  for (auto& f : followers_) f->release(kind_, msg_.c_str());
-  followers_.clear();
-  return true;
 }
 
 void Op::complete() {
-  if (!ran_steps_) {
-    if (!kind_) {
-      try {
-        for (auto& f : after_) f();
-      } catch (const std::exception& e) {
-        kind_ = 1;
-        msg_ = e.what();
-      }
-    }
-    after_.clear();
-    keep_.clear();
-    if (kind_) error_ = std::make_exception_ptr(b_->error(kind_, where(), msg_));
-  }
+  run_steps();
   c10::intrusive_ptr<c10::ivalue::Future> fut;
   {
     std::lock_guard<std::mutex> lk(mu_);
