@@ -152,7 +152,10 @@ class HierCommunicator:
                 err, text if text.startswith(f"rank {self.rank}") else f"rank {self.rank}: {text}"
             )
             try:
-                self.local.fail(f"rank {self.rank} (hierarchical communicator): {err}")
+                # The host's peers raise the error's own class: a mismatch stays a MismatchError
+                # whichever reaches them first, this abort or the job-wide flag.
+                kind = "mismatch" if isinstance(err, _errors.MismatchError) else "invalid"
+                self.local.fail(f"rank {self.rank} (hierarchical communicator): {err}", kind)
             except _errors.PlaitError:
                 pass
             for g in (self.inter, self.world):
@@ -651,6 +654,20 @@ class HierCommunicator:
             (x, out),
         )
 
+    def _inter_broadcast(self, out, hr, fp, deadline):
+        """Host hr's out (uint8 bytes view or array) to the other hosts over the inter group, check
+        included: in the call's frame when it fits, else a header-only frame, then the engine."""
+        k = out.nbytes
+        if self._small(k, self.inter):
+            if self.layout.h == hr:
+                self._room(self.inter)[:k] = out.view(np.uint8).reshape(-1)
+            rows = self._exchange(self.inter, fp, k, deadline)
+            if self.layout.h != hr:
+                out.view(np.uint8).reshape(-1)[...] = rows[hr]
+        else:
+            self._exchange(self.inter, fp, None, deadline)
+            self.inter.broadcast(out, hr, deadline)
+
     def _broadcast(self, x, out, root, fp, deadline):
         lay, k = self.layout, out.size
         hr, ir = lay.host_of[root], lay.local_of[root]
@@ -660,15 +677,8 @@ class HierCommunicator:
             checked = lambda: None  # noqa: E731
             if lay.i != ir:  # not in the root's shard group: the check alone, beside the local step
                 checked = self._post(self.inter, fp, None, deadline)
-            elif self._small(k, self.inter):
-                if lay.h == hr:
-                    self._room(self.inter)[:k] = out
-                rows = self._exchange(self.inter, fp, k, deadline)
-                if lay.h != hr:
-                    out[...] = rows[hr]
             else:
-                self._exchange(self.inter, fp, None, deadline)
-                self.inter.broadcast(out, hr, deadline)
+                self._inter_broadcast(out, hr, fp, deadline)
             if k:
                 self.local.broadcast(out, ir, timeout=self._left(deadline))
             else:
@@ -678,15 +688,7 @@ class HierCommunicator:
         if k and lay.h == hr and ir != 0:
             self.local.broadcast(out, ir, timeout=self._left(deadline))
         if lay.i == 0:
-            if self._small(k, self.inter):
-                if lay.h == hr:
-                    self._room(self.inter)[:k] = out
-                rows = self._exchange(self.inter, fp, k, deadline)
-                if lay.h != hr:
-                    out[...] = rows[hr]
-            else:
-                self._exchange(self.inter, fp, None, deadline)
-                self.inter.broadcast(out, hr, deadline)
+            self._inter_broadcast(out, hr, fp, deadline)
         if not k:
             self.local.barrier(timeout=self._left(deadline))
         elif lay.h != hr or ir == 0:
