@@ -60,9 +60,10 @@ function(plait_add_cuda target)
   target_sources(${target} PRIVATE
     csrc/reduce/reduce_cuda.cu
     csrc/cuda/nccl_loader.cc
-    csrc/cuda/gpu_comm.cc
+    csrc/cuda/stream_queue.cc
+    csrc/transport/nccl.cc
     csrc/cuda/ipc.cu
-    csrc/cuda/ipc_comm.cc
+    csrc/transport/cuda_ipc.cc
     csrc/algo/ipc_one_shot.cc
     csrc/algo/ipc_two_shot.cc
     csrc/algo/ipc_ring.cc

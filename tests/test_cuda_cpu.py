@@ -472,7 +472,7 @@ def _gpu_comm_rank(rank, n, store):
     errs = []
     for r, s in ((-1, 2), (2, 2), (0, 0), (3, -1), (-1, 5)):
         try:
-            _C.GpuCommunicator(comm._c, bytes(128), 0, 1.0, 4096, "", "", rank=r, size=s)
+            _C.nccl_queue(comm._c, bytes(128), 0, 1.0, 4096, "", "", rank=r, size=s)
             errs.append("no error")
         except p.InvalidArgument as e:
             errs.append(str(e))
@@ -514,35 +514,44 @@ def test_bench_device_cuda_says_why_it_cannot_run():
     assert "no CUDA device is visible" in r.stderr or "no CUDA path" in r.stderr, r.stderr
 
 
-# -- GPU calls are compared across ranks -----------------------------------------------------
-class _RecordingGpu:
-    """Stands in for the GPU communicator: records what would have been enqueued."""
-
-    device = 0
-
-    def __init__(self):
-        self.calls = []
-
-    def call(self, coll, *args):
-        self.calls.append(coll)
-
-    def finalize(self):
-        pass
+# -- GPU calls are compared across ranks ---------------------------------------------------
+# These drive the communicator's real GPU call path (validate -> select -> check -> enqueue, in
+# C++) on a recording queue: _C._FakeGpuQueue offers the capabilities of the transport it stands
+# in for and records what it would have enqueued. Only the GPU rows of a CUDA build exist to be
+# selected, so a CPU-only build has nothing to run them on.
+needs_gpu_rows = pytest.mark.skipif(
+    not _cuda.compiled(), reason="the GPU algorithm rows are compiled into CUDA builds only"
+)
 
 
-def _fake_gpu(rank, n, store, fake=None):
-    """A rank's communicator whose GPU calls go to `fake` (a _RecordingGpu by default) on a
-    pretend CUDA build with one device."""
+class _Recorded:
+    """What a fake queue was handed, as collective names (`calls`) and full records."""
+
+    def __init__(self, q):
+        self.q = q
+
+    @property
+    def calls(self):
+        return [r[0] for r in self.q.records()]
+
+    def records(self):
+        return self.q.records()
+
+
+def _fake_gpu(rank, n, store, algo_override="", transport="nccl"):
+    """A rank's communicator on a pretend CUDA build with one device, whose GPU queue (attached
+    as the first GPU call would attach the real one) records instead of enqueueing."""
     import plait as p
-    from plait import _cuda as cu, _gpu
+    from plait import _cuda as cu
 
     comm = p.init(rank, n, store=store, timeout=30)
     cu.compiled = lambda: True
     cu.device_count = lambda: 1
     p._C.cuda_pointer_device = lambda ptr: 0
-    fake = fake or _RecordingGpu()
-    _gpu._communicator = lambda c, device, timeout, head: fake
-    return p, comm, fake
+    q = p._C._FakeGpuQueue(comm._c, 0, transport, 30.0, algo_override)
+    p._C.gpu_attach(comm._c, q)
+    comm._gpu = q
+    return p, comm, _Recorded(q)
 
 
 def _gpu_mismatch(rank, n, store, field):
@@ -568,6 +577,7 @@ def _gpu_mismatch(rank, n, store, field):
     return None, "no error", fake.calls
 
 
+@needs_gpu_rows
 @pytest.mark.parametrize("field", ("count", "op", "root", "collective"))
 def test_mismatched_gpu_calls_raise_mismatch_on_every_rank(field):
     results = run_ranks(_gpu_mismatch, 3, RUN_TIMEOUT, args=(field,))
@@ -580,6 +590,7 @@ def test_mismatched_gpu_calls_raise_mismatch_on_every_rank(field):
     assert any(calls == ["allreduce"] for _, _, calls in results), results
 
 
+@needs_gpu_rows
 def test_gpu_calls_fingerprint_the_algorithm_that_runs():
     """'auto' and the name it resolves to agree; ranks whose 'auto' resolves differently (e.g.
     PLAIT_GPU_ALGO set on one rank only) raise MismatchError instead of hanging."""
@@ -613,6 +624,7 @@ def _runs_ahead(rank, n, store):
     return len(fake.calls)
 
 
+@needs_gpu_rows
 def test_gpu_call_check_does_not_wait_for_peers():
     assert run_ranks(_runs_ahead, 2, RUN_TIMEOUT) == [100, 100]
 
@@ -632,6 +644,7 @@ def _late_mismatch(rank, n, store, at):
     return None, len(fake.calls)
 
 
+@needs_gpu_rows
 @pytest.mark.parametrize("at", [0, 150])
 def test_gpu_call_check_over_many_laps_of_its_ring(at):
     results = run_ranks(_late_mismatch, 3, RUN_TIMEOUT, args=(at,))
@@ -662,6 +675,7 @@ def _gpu_calls_recorded(rank, n, store):
     return mine, "no error"
 
 
+@needs_gpu_rows
 def test_gpu_calls_are_in_the_flight_recorder():
     # GPU calls are kept as issued (transport, algorithm, "enqueued"), so a survivor's report says
     # what a peer last handed its GPU, next to its host calls.
@@ -673,24 +687,15 @@ def test_gpu_calls_are_in_the_flight_recorder():
             ("allreduce", 1, 8, -1, "enqueued", "nccl"),
             ("broadcast", 2, 8, 1, "enqueued", "nccl"),
         ], mine
-        assert all(c["algorithm"] == "auto" and c["dtype"] == "float32" for c in mine), mine
+        assert all(c["algorithm"] == "nccl" and c["dtype"] == "float32" for c in mine), mine
     msg = results[0][1]
-    assert "rank 1 last entered allreduce (GPU) #3 (float32, 8, auto over nccl)" in msg, msg
+    assert "rank 1 last entered allreduce (GPU) #3 (float32, 8, nccl over nccl)" in msg, msg
     assert "enqueued it on its GPU stream" in msg, msg
 
 
-class _ResolvingGpu(_RecordingGpu):
-    def __init__(self, auto):
-        super().__init__()
-        self.auto = auto
-
-    def resolve(self, coll, algo):
-        return self.auto if algo in ("auto", "") else algo
-
-
 def _resolved_algo(rank, n, store, case):
-    auto = "ring" if case == "env_differs" and rank == 1 else "nccl"
-    p, comm, fake = _fake_gpu(rank, n, store, _ResolvingGpu(auto))
+    # PLAIT_GPU_ALGO=ring on rank 1 only: its "auto" resolves to ring, rank 0's to nccl.
+    p, comm, fake = _fake_gpu(rank, n, store, "ring" if case == "env_differs" and rank == 1 else "")
     algo = "nccl" if case == "auto_vs_name" and rank == 0 else None
     try:
         comm.allreduce(FakeCuda(ptr=1 << 20), out=FakeCuda(ptr=2 << 20), algorithm=algo)
@@ -698,6 +703,118 @@ def _resolved_algo(rank, n, store, case):
     except p.PlaitError as e:
         return type(e).__name__, str(e), fake.calls
     return None, "no error", fake.calls
+
+
+# -- one call path for host and GPU buffers ---------------------------------------------------
+def _gpu_path(rank, n, store, case):
+    p, comm, fake = _fake_gpu(rank, n, store, transport="ipc" if case == "ipc_broadcast" else "nccl")
+    x = FakeCuda((4 * n,), ptr=1 << 20, stream=7)
+    y = FakeCuda((4 * n,), ptr=2 << 20, stream=7)
+    calls = {
+        # sizes only the C++ validator checks: a wrong allgather output on rank 0
+        "allgather_size": lambda: comm.allgather(
+            FakeCuda((4,), ptr=1 << 20), out=FakeCuda((4 * n + (rank == 0),), ptr=2 << 20)
+        ),
+        "alltoall_in_place": lambda: comm.alltoall(x, out=x),
+        "ipc_broadcast": lambda: comm.broadcast(x, 0),
+        "unknown_algorithm": lambda: comm.allreduce(x, out=y, algorithm="ring" if rank else "nope"),
+    }
+    try:
+        calls[case]()
+        comm.barrier()  # a rank that enqueued before the abort raises here
+    except p.PlaitError as e:
+        return type(e).__name__, str(e), fake.calls
+    return None, "no error", fake.calls
+
+
+@needs_gpu_rows
+@pytest.mark.parametrize(
+    "case,pattern",
+    [
+        ("allgather_size", "output has 36 bytes but must be 2 x the input's 16"),
+        ("alltoall_in_place", "alltoall cannot run in place on a GPU"),
+        ("ipc_broadcast", "no path over the CUDA IPC transport"),
+        ("unknown_algorithm", "no GPU algorithm 'nope'"),
+    ],
+)
+def test_gpu_call_path_refuses_bad_calls_on_every_rank(case, pattern):
+    """GPU buffers go through the communicator's one validator and selector (C++): a call one rank
+    rejects raises on every rank, and the rank that rejected it enqueued nothing."""
+    results = run_ranks(_gpu_path, 2, RUN_TIMEOUT, args=(case,))
+    for rank, (cls, msg, calls) in enumerate(results):
+        assert cls == "InvalidArgument", (rank, cls, msg)
+        assert len(calls) <= 1, (rank, calls)
+    assert any(pattern in msg and not calls for _, msg, calls in results), results
+
+
+def _gpu_records(rank, n, store):
+    p, comm, fake = _fake_gpu(rank, n, store)
+    x, y = FakeCuda((6 * n,), ptr=1 << 20, stream=5), FakeCuda((6 * n,), ptr=2 << 20, stream=5)
+    comm.allreduce(x, out=y, algorithm="ring")
+    comm.alltoall(x, out=y)
+    comm.reduce_scatter(x, out=FakeCuda((6,), ptr=3 << 20, stream=5))
+    comm.allgather(FakeCuda((6,), ptr=3 << 20, stream=5), out=y)
+    comm.broadcast(x, 1)
+    comm.barrier()
+    return fake.records()
+
+
+@needs_gpu_rows
+def test_gpu_calls_reach_the_queue_selected_and_counted_as_host_calls_are():
+    for records in run_ranks(_gpu_records, 3, RUN_TIMEOUT):
+        assert records == [
+            ("allreduce", "ring", 18, 5),
+            ("alltoall", "nccl", 6, 5),  # per peer, as CallArgs counts alltoall everywhere
+            ("reduce_scatter", "nccl", 6, 5),
+            ("allgather", "nccl", 6, 5),
+            ("broadcast", "nccl", 18, 5),
+        ], records
+
+
+def _attach_twice(rank, n, store):
+    p, comm, fake = _fake_gpu(rank, n, store)
+    try:
+        p._C.gpu_attach(comm._c, p._C._FakeGpuQueue(comm._c, 0))
+    except p.InvalidArgument as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_communicator_takes_one_gpu_queue():
+    (msg,) = run_ranks(_attach_twice, 1, RUN_TIMEOUT)
+    assert "already has a GPU transport (nccl on GPU 0)" in msg, msg
+
+
+@needs_gpu_rows
+@pytest.mark.parametrize(
+    "override,coll,algo,want",
+    [
+        ("", "allreduce", "auto", "nccl"),
+        ("ring", "allreduce", "auto", "ring"),
+        ("ring", "broadcast", "auto", "nccl"),  # a blanket override keeps auto where it has no row
+        ("allreduce=tree", "allreduce", "", "tree"),
+        ("allreduce=tree", "allgather", "auto", "nccl"),
+        ("allreduce=tree", "allreduce", "ring", "ring"),  # a name asked for wins
+        ("allgather=nope", "allgather", "auto", None),
+    ],
+)
+def test_gpu_algorithm_override_resolves_by_name(override, coll, algo, want):
+    (got,) = run_ranks(_resolve_with, 1, RUN_TIMEOUT, args=(override, coll, algo))
+    if want is None:
+        assert got[0] == "InvalidArgument" and "no GPU algorithm 'nope'" in got[1], got
+    else:
+        assert got == want
+    (ipc,) = run_ranks(_resolve_with, 1, RUN_TIMEOUT, args=(override, "allreduce", "auto", "ipc"))
+    assert ipc == "one_shot", ipc  # PLAIT_GPU_ALGO is NCCL's; IPC rows go by name or auto
+
+
+def _resolve_with(rank, n, store, override, coll, algo, transport="nccl"):
+    comm = plait.init(rank, n, store=store, timeout=30)
+    q = _C._FakeGpuQueue(comm._c, 0, transport, 30.0, override)
+    try:
+        return q.resolve(coll, algo)
+    except plait.PlaitError as e:
+        return type(e).__name__, str(e)
 
 
 # -- two_shot's part boundaries ----------------------------------------------------------------

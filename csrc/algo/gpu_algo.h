@@ -11,25 +11,9 @@
 #include "algo/gpu_plan.h"
 #include "cuda/ipc.h"
 #include "cuda/nccl_abi.h"
+#include "transport/nccl.h"  // GpuOps
 
 namespace plait {
-
-class GpuOps {  // implemented by the GPU communicator: every call checks and throws
- public:
-  virtual ~GpuOps() = default;
-  virtual void group_start() = 0;
-  virtual void group_end() = 0;
-  virtual void send(const void* buf, size_t bytes, int peer) = 0;
-  virtual void recv(void* buf, size_t bytes, int peer) = 0;
-  virtual void all_reduce(const void* in, void* out, size_t count, nccl::DataType t,
-                          nccl::RedOp op) = 0;
-  virtual void reduce_scatter(const void* in, void* out, size_t count, nccl::DataType t,
-                              nccl::RedOp op) = 0;
-  virtual void all_gather(const void* in, void* out, size_t bytes) = 0;
-  virtual void broadcast(const void* in, void* out, size_t bytes, int root) = 0;
-  virtual void reduce(const void* in, void* out, size_t count, nccl::DataType t, nccl::RedOp op,
-                      int root) = 0;
-};
 
 struct GpuCtx {
   GpuOps& ops;

@@ -81,7 +81,7 @@ void gpu_reduce_nccl(GpuCtx& c) {
 
 void gpu_alltoall_nccl(GpuCtx& c) {
   // Block j of in goes to rank j, block j of out comes from rank j; the own block is a copy.
-  const int64_t block = c.a.count / c.size;
+  const int64_t block = c.a.count;  // per peer, as CallArgs counts alltoall
   c.copy(c.out_at(c.rank * block), c.in_at(c.rank * block), block);
   if (block == 0 || c.size == 1) return;
   c.ops.group_start();

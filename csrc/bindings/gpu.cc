@@ -1,8 +1,10 @@
 // Bindings for the GPU path: the host-side planners (every build, so CPU tests check them), build
-// facts, and, in CUDA builds, NCCL loading and the GPU communicator. Device arrays cross as
+// facts, the GPU call path (a communicator's GPU queue, and a recording queue for CPU tests), and,
+// in CUDA builds, NCCL loading and the GPU transports' queues. Device arrays cross as
 // (pointer, bytes, device) read from __cuda_array_interface__ / torch by plait._arrays, which
 // keeps their owners alive for the call; the GIL is released while C++ works.
 #include <cstring>
+#include <optional>
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -10,14 +12,16 @@
 #include "algo/algo.h"
 #include "algo/gpu_plan.h"
 #include "core/communicator.h"
+#include "core/device.h"
 #include "core/watchdog.h"
 
 #if PLAIT_WITH_CUDA
 #include <cuda_runtime_api.h>
 
-#include "cuda/gpu_comm.h"
-#include "cuda/ipc_comm.h"
+#include "cuda/stream_queue.h"
 #include "reduce/reduce_cuda.h"
+#include "transport/cuda_ipc.h"
+#include "transport/nccl.h"
 #endif
 
 namespace py = pybind11;
@@ -25,7 +29,6 @@ namespace py = pybind11;
 namespace plait {
 namespace {
 
-#if PLAIT_WITH_CUDA
 DType dtype_named(const std::string& s) {
   for (int t = 0; t < int(DType::kCount); ++t)
     if (s == dtype_name(DType(t))) return DType(t);
@@ -37,7 +40,6 @@ RedOp op_named(const std::string& s) {
     if (s == op_name(RedOp(o))) return RedOp(o);
   throw InvalidArgument("unknown op '" + s + "' (sum, prod, min, max, avg)");
 }
-#endif
 
 int device_count() {
 #if PLAIT_WITH_CUDA
@@ -142,61 +144,31 @@ class WatchdogProbe {
   std::unique_ptr<Watchdog> wd_;
 };
 
-#if PLAIT_WITH_CUDA
 // A device buffer from a plait._arrays.GpuArray (pointer, bytes, device, and the owner that
 // keeps the memory alive while the caller holds it), or None (reduce's output on a non-root,
 // send's output, recv's input). `dtype` is the call's, which dtype= may set apart from the
-// array's own.
-GpuBuffer gpu_buffer(const py::object& o, const std::string& dtype) {
-  GpuBuffer b;
+// array's own; the call runs on `stream`.
+Buffer gpu_buffer(const py::object& o, const std::string& dtype, uintptr_t stream) {
+  Buffer b;
   b.dtype = dtype_named(dtype);
+  b.device = Device::cuda;
+  b.stream = stream;
   if (o.is_none()) return b;
   if (!py::hasattr(o, "owner") || !py::hasattr(o, "ptr"))
     throw InvalidArgument("a GPU buffer must come from plait._arrays (a GpuArray), got " +
                           py::str(py::type::of(o).attr("__name__")).cast<std::string>());
   b.ptr = reinterpret_cast<void*>(o.attr("ptr").cast<uintptr_t>());
   b.bytes = o.attr("nbytes").cast<size_t>();
-  b.device = o.attr("device").cast<int>();
+  b.device_index = o.attr("device").cast<int>();
   b.present = true;
   return b;
 }
 
-// What both GPU communicators (NCCL's and the CUDA IPC transport's) offer Python alike.
-template <class Comm>
-void bind_gpu_work(py::class_<Comm, std::shared_ptr<Comm>>& cls) {
-  cls.def(
-         "call",
-         [](Comm& g, const std::string& coll, py::object in, py::object out,
-            const std::string& dtype, const std::string& op, const std::string& algo,
-            uintptr_t stream, double timeout, int root, int peer) {
-           const GpuBuffer i = gpu_buffer(in, dtype), o = gpu_buffer(out, dtype);
-           const Coll c = coll_named(coll);
-           const RedOp r = op_named(op);
-           py::gil_scoped_release nogil;
-           g.call(c, i, o, r, algo, reinterpret_cast<cudaStream_t>(stream), timeout, root, peer);
-         },
-         py::arg("coll"), py::arg("in"), py::arg("out"), py::arg("dtype"), py::arg("op"),
-         py::arg("algo"), py::arg("stream"), py::arg("timeout"), py::arg("root") = 0,
-         py::arg("peer") = -1)
-      .def("record",
-           [](std::shared_ptr<Comm> g, uintptr_t stream, double timeout) {
-             return std::make_shared<GpuEvent>(std::static_pointer_cast<GpuWork>(g),
-                                               reinterpret_cast<cudaStream_t>(stream), timeout);
-           })
-      .def("finalize",
-           [](Comm& g) {
-             py::gil_scoped_release nogil;
-             g.finalize();
-           })
-      .def(
-          "resolve",
-          [](Comm& g, const std::string& coll, const std::string& algo) {
-            return std::string(g.resolve(coll_named(coll), algo));
-          },
-          py::arg("coll"), py::arg("algo"),
-          "The algorithm `algo` (auto, or a name) runs as here; InvalidArgument if none.");
-}
-#endif
+// The arguments both GPU entries take, in Python's order.
+#define PLAIT_GPU_CALL_ARGS                                                        \
+  py::arg("coll"), py::arg("in"), py::arg("out"), py::arg("dtype"), py::arg("op"), \
+      py::arg("algo"), py::arg("stream"), py::arg("timeout"), py::arg("root") = 0, \
+                                                              py::arg("peer") = -1
 
 }  // namespace
 
@@ -295,6 +267,71 @@ void bind_gpu(py::module_& m) {
       },
       py::arg("rank"), py::arg("size"));
 
+  py::class_<DeviceQueue, std::shared_ptr<DeviceQueue>>(m, "GpuQueue")
+      .def_property_readonly("device", &DeviceQueue::device)
+      .def_property_readonly("rank", &DeviceQueue::rank)
+      .def_property_readonly("size", &DeviceQueue::size)
+      .def_property_readonly("transport", [](DeviceQueue& q) { return std::string(q.transport()); })
+      .def(
+          "call",
+          [](DeviceQueue& q, const std::string& coll, py::object in, py::object out,
+             const std::string& dtype, const std::string& op, const std::string& algo,
+             uintptr_t stream, double timeout, int root, int peer) {
+            const Buffer i = gpu_buffer(in, dtype, stream), o = gpu_buffer(out, dtype, stream);
+            const Coll c = coll_named(coll);
+            const RedOp r = op_named(op);
+            py::gil_scoped_release nogil;
+            q.call(c, i, o, r, root, peer, algo, timeout, nullptr);
+          },
+          PLAIT_GPU_CALL_ARGS,
+          "A call on a queue standing alone (a multi-host job's flat NCCL queue), whose caller "
+          "checks calls across ranks itself: validate -> select -> enqueue.")
+      .def(
+          "resolve",
+          [](DeviceQueue& q, const std::string& coll, const std::string& algo) {
+            return std::string(q.resolve(coll_named(coll), algo));
+          },
+          py::arg("coll"), py::arg("algo"),
+          "The algorithm `algo` (auto, or a name) runs as here; InvalidArgument if none.")
+      .def("finalize", [](DeviceQueue& q) {
+        py::gil_scoped_release nogil;
+        q.finalize();
+      });
+  py::class_<FakeDeviceQueue, DeviceQueue, std::shared_ptr<FakeDeviceQueue>>(m, "_FakeGpuQueue")
+      .def(py::init([](Communicator& cpu, int device, const std::string& transport, double timeout,
+                       const std::string& algo_override) {
+             return std::make_shared<FakeDeviceQueue>(cpu.rank(), cpu.size(), device, transport,
+                                                      timeout, algo_override, cpu_peers(&cpu));
+           }),
+           py::arg("cpu"), py::arg("device") = 0, py::arg("transport") = "nccl",
+           py::arg("timeout") = 300.0, py::arg("algo_override") = "", py::keep_alive<1, 2>())
+      .def("records", [](FakeDeviceQueue& q) {
+        py::list out;
+        for (const auto& r : q.records())
+          out.append(py::make_tuple(r.coll, r.algo, r.count, r.stream));
+        return out;
+      });
+  m.def(
+      "gpu_attach",
+      [](Communicator& cpu, std::shared_ptr<DeviceQueue> q) { cpu.attach_device(std::move(q)); },
+      py::arg("cpu"), py::arg("queue"),
+      "Makes `queue` the communicator's GPU transport: its GPU calls are enqueued there.");
+  m.def(
+      "gpu_call",
+      [](Communicator& cpu, const std::string& coll, py::object in, py::object out,
+         const std::string& dtype, const std::string& op, const std::string& algo, uintptr_t stream,
+         double timeout, int root, int peer) {
+        const Buffer i = gpu_buffer(in, dtype, stream), o = gpu_buffer(out, dtype, stream);
+        const Coll c = coll_named(coll);
+        const RedOp r = op_named(op);
+        const std::optional<double> t = timeout < 0 ? std::nullopt : std::optional<double>(timeout);
+        py::gil_scoped_release nogil;
+        cpu.call(c, i, o, r, root, peer, 0, algo, t, false);
+      },
+      py::arg("cpu"), PLAIT_GPU_CALL_ARGS,
+      "A GPU call on a communicator: the same path as a host call (validate -> select -> check "
+      "-> run), enqueued on `stream` by the attached GPU queue. timeout < 0: the queue's.");
+
 #if PLAIT_WITH_CUDA
   m.def(
       "nccl_load",
@@ -358,60 +395,64 @@ void bind_gpu(py::module_& m) {
           [](GpuEvent& e, uintptr_t stream) { e.block(reinterpret_cast<cudaStream_t>(stream)); },
           py::arg("stream"), "Makes `stream` wait for the call on the GPU; returns at once.");
 
-  py::class_<IpcComm, std::shared_ptr<IpcComm>> ipc(m, "IpcCommunicator");
-  ipc.def(py::init([](Communicator& cpu, int device, double timeout, size_t staging_bytes) {
-            GpuOptions o;
-            o.timeout_s = timeout;
-            Communicator* c = &cpu;
-            GpuPeers peers = cpu_peers(c);
-            py::gil_scoped_release nogil;
-            return std::make_shared<IpcComm>(cpu.rank(), cpu.size(), device, staging_bytes, o,
-                                             std::move(peers));
-          }),
-          py::arg("cpu"), py::arg("device"), py::arg("timeout"), py::arg("staging_bytes"),
-          py::keep_alive<1, 2>())
-      .def_property_readonly("device", &IpcComm::device)
-      .def("handle", [](IpcComm& g) { return py::bytes(g.handle()); })
-      .def("open", [](IpcComm& g, const std::vector<py::bytes>& handles) {
-        std::vector<std::string> h;
-        for (const py::bytes& b : handles) h.push_back(b);
-        py::gil_scoped_release nogil;
-        g.open(h);
-      });
-  bind_gpu_work(ipc);
-
-  py::class_<GpuComm, std::shared_ptr<GpuComm>> gpu(m, "GpuCommunicator");
-  gpu
-      // rank/size >= 0: the NCCL communicator spans more ranks than `cpu` (a hierarchical job: cpu
-      // is the host-local communicator, whose abort stops this host's peers; other hosts learn of
-      // an error through NCCL's own errors and the call's deadline).
-      .def(py::init([](Communicator& cpu, const py::bytes& uid, int device, double timeout,
-                       int64_t chunk_bytes, const std::string& algo, const std::string& nccl_path,
-                       int rank, int size) {
-             if (rank < 0 && size < 0) rank = cpu.rank(), size = cpu.size();
-             if (size < 1 || rank < 0 || rank >= size)
-               throw InvalidArgument("GpuCommunicator: rank " + std::to_string(rank) + " of size " +
-                                     std::to_string(size) + ": need 0 <= rank < size (or both -1)");
-             const std::string id = uid;
-             if (id.size() != size_t(nccl::kUniqueIdBytes))
-               throw InvalidArgument("NCCL unique id must be 128 bytes");
-             nccl::UniqueId u;
-             std::memcpy(u.internal, id.data(), id.size());
-             GpuOptions o;
-             o.timeout_s = timeout;
-             o.chunk_bytes = chunk_bytes;
-             o.algo_override = algo;
-             Communicator* c = &cpu;
-             GpuPeers peers = cpu_peers(c);
+  py::class_<StreamQueue, DeviceQueue, std::shared_ptr<StreamQueue>>(m, "StreamQueue")
+      .def("handle", [](StreamQueue& q) { return py::bytes(q.handle()); })
+      .def("open",
+           [](StreamQueue& q, const std::vector<py::bytes>& handles) {
+             std::vector<std::string> h;
+             for (const py::bytes& b : handles) h.push_back(b);
              py::gil_scoped_release nogil;
-             return std::make_shared<GpuComm>(nccl_load(nccl_path), u, rank, size, device, o,
-                                              std::move(peers));
-           }),
-           py::arg("cpu"), py::arg("unique_id"), py::arg("device"), py::arg("timeout"),
-           py::arg("chunk_bytes"), py::arg("algo_override"), py::arg("nccl_path"),
-           py::arg("rank") = -1, py::arg("size") = -1, py::keep_alive<1, 2>())
-      .def_property_readonly("device", &GpuComm::device);
-  bind_gpu_work(gpu);
+             q.open(h);
+           })
+      .def(
+          "record",
+          [](std::shared_ptr<StreamQueue> q, uintptr_t stream, double timeout) {
+            return std::make_shared<GpuEvent>(std::static_pointer_cast<GpuWork>(q),
+                                              reinterpret_cast<cudaStream_t>(stream), timeout);
+          },
+          py::arg("stream"), py::arg("timeout"),
+          "An event at the end of the calls enqueued on `stream` so far.");
+
+  // rank/size >= 0: the NCCL communicator spans more ranks than `cpu` (a hierarchical job: cpu
+  // is the host-local communicator, whose abort stops this host's peers; other hosts learn of an
+  // error through NCCL's own errors and the call's deadline). Such a queue stands alone; one of
+  // cpu's own ranks is attached to it (Communicator.attach_gpu).
+  m.def(
+      "nccl_queue",
+      [](Communicator& cpu, const py::bytes& uid, int device, double timeout, int64_t chunk_bytes,
+         const std::string& algo, const std::string& nccl_path, int rank, int size) {
+        if (rank < 0 && size < 0) rank = cpu.rank(), size = cpu.size();
+        if (size < 1 || rank < 0 || rank >= size)
+          throw InvalidArgument("nccl_queue: rank " + std::to_string(rank) + " of size " +
+                                std::to_string(size) + ": need 0 <= rank < size (or both -1)");
+        const std::string id = uid;
+        if (id.size() != size_t(nccl::kUniqueIdBytes))
+          throw InvalidArgument("NCCL unique id must be 128 bytes");
+        nccl::UniqueId u;
+        std::memcpy(u.internal, id.data(), id.size());
+        GpuPeers peers = cpu_peers(&cpu);
+        py::gil_scoped_release nogil;
+        auto tp = std::make_unique<NcclTransport>(nccl_load(nccl_path), u, rank, size, device,
+                                                  chunk_bytes);
+        return std::make_shared<StreamQueue>(std::move(tp), rank, size, device, timeout, algo,
+                                             std::move(peers));
+      },
+      py::arg("cpu"), py::arg("unique_id"), py::arg("device"), py::arg("timeout"),
+      py::arg("chunk_bytes"), py::arg("algo_override"), py::arg("nccl_path"), py::arg("rank") = -1,
+      py::arg("size") = -1, py::keep_alive<0, 1>(),
+      "The GPU queue over NCCL (ncclCommInitRankConfig: a collective of every rank).");
+  m.def(
+      "ipc_queue",
+      [](Communicator& cpu, int device, double timeout, size_t staging_bytes) {
+        GpuPeers peers = cpu_peers(&cpu);
+        py::gil_scoped_release nogil;
+        auto tp = std::make_unique<CudaIpcTransport>(cpu.rank(), cpu.size(), device, staging_bytes);
+        return std::make_shared<StreamQueue>(std::move(tp), cpu.rank(), cpu.size(), device, timeout,
+                                             "", std::move(peers));
+      },
+      py::arg("cpu"), py::arg("device"), py::arg("timeout"), py::arg("staging_bytes"),
+      py::keep_alive<0, 1>(),
+      "The GPU queue over CUDA IPC: exchange handle() with every rank, then open() them all.");
 #endif
 }
 

@@ -280,121 +280,56 @@ CallArgs Communicator::validate(Coll c, const Buffer& in, const Buffer& out, Red
                                 int peer, int64_t tag, const std::string& algo,
                                 std::optional<double> timeout_s) {
   CallArgs a;
-  a.coll = c;
-  a.op = op;
-  a.root = root;
-  a.peer = peer;
-  a.tag = tag;
-  a.timeout_s = timeout_s.value_or(opt_.timeout_s);
-  const Buffer& first = in.present ? in : out;
-  a.dtype = first.dtype;
-  const size_t es = dtype_size(a.dtype);
-  // Built only when something is wrong: a stream per call would cost more than the call.
-  std::unique_ptr<std::ostringstream> why;
-  auto bad = [&]() -> std::ostream& {
-    if (!why) {
-      why.reset(new std::ostringstream);
-      *why << "rank " << rank_ << ": " << coll_name(c) << ": ";
-    } else {
-      *why << "; ";
-    }
-    return *why;
-  };
-  auto check_buf = [&](const Buffer& b, const char* name, bool write) {
-    if (!b.present) return;
-    if (b.device != Device::cpu)
-      bad() << name << " is a GPU buffer but this communicator is on shared memory (CPU)";
-    if (!b.contiguous) bad() << name << " is not contiguous (pass a C-contiguous array)";
-    if (write && !b.writable) bad() << name << " is read-only";
-    if (b.dtype != a.dtype)
-      bad() << name << " has dtype " << dtype_name(b.dtype) << " but input has "
-            << dtype_name(a.dtype);
-    if (b.bytes % es)
-      bad() << name << " has " << b.bytes << " bytes, not a whole number of elements";
-  };
-  auto overlap = [](const Buffer& x, const Buffer& y) {
-    auto xs = static_cast<const char*>(x.ptr), ys = static_cast<const char*>(y.ptr);
-    return x.bytes && y.bytes && xs < ys + y.bytes && ys < xs + x.bytes;
-  };
-  const bool is_root = root == rank_;
-  const bool needs_out = c != Coll::barrier && c != Coll::send && !(c == Coll::reduce && !is_root);
-  check_buf(in, "input", false);
-  check_buf(out, "output", true);
-  if (needs_out && !out.present) bad() << "an output buffer is required";
-  if (c == Coll::send && !in.present) bad() << "send needs an input buffer";
-  if ((c == Coll::broadcast || c == Coll::reduce) && (root < 0 || root >= size_))
-    bad() << "root " << root << " is out of range for " << size_ << " ranks";
-  if ((c == Coll::send || c == Coll::recv) && (peer < 0 || peer >= size_ || peer == rank_) &&
-      !(c == Coll::recv && peer == kAnySource))
-    bad() << "peer " << peer << " is not another rank of this " << size_ << "-rank communicator";
-  if (op == RedOp::avg && !is_float(a.dtype))
-    bad() << "op avg needs a floating-point dtype, got " << dtype_name(a.dtype);
-  if (unsigned(op) >= unsigned(RedOp::kCount)) bad() << "unknown reduction op";
-  // Never "no deadline" for a value that is no deadline at all: NaN compares false everywhere.
-  if (!(a.timeout_s >= 0))
-    bad() << bad_seconds("timeout", a.timeout_s, "0 fails at once if a peer is not there");
-  const size_t inb = in.present ? in.bytes : 0, outb = out.present ? out.bytes : 0;
-  const size_t n = size_t(size_);
-  auto same_or_apart = [&](const Buffer& x, const Buffer& y, const void* allowed,
-                           const char* what) {
-    if (x.present && y.present && overlap(x, y) && x.ptr != allowed)
-      bad() << "input and output overlap (" << what << ")";
-  };
-  switch (c) {
-    case Coll::allreduce:
-    case Coll::broadcast:
-      if (out.present && outb != inb) bad() << "output has " << outb << " bytes, input " << inb;
-      same_or_apart(in, out, out.ptr == in.ptr && outb == inb ? in.ptr : nullptr,
-                    "only out is x is allowed");
-      a.count = int64_t(inb / es);
-      break;
-    case Coll::reduce:
-      if (is_root && out.present && outb != inb)
-        bad() << "output has " << outb << " bytes, input " << inb;
-      if (is_root)
-        same_or_apart(in, out, out.ptr == in.ptr && outb == inb ? in.ptr : nullptr,
-                      "only out is x is allowed");
-      a.count = int64_t(inb / es);
-      break;
-    case Coll::reduce_scatter:
-      if (inb != n * outb)
-        bad() << "input has " << inb << " bytes but must be " << size_ << " x the output's "
-              << outb;
-      same_or_apart(out, in, static_cast<const char*>(in.ptr) + size_t(rank_) * outb,
-                    "in place means output is this rank's block of the input");
-      a.count = int64_t(outb / es);
-      break;
-    case Coll::allgather:
-      if (outb != n * inb)
-        bad() << "output has " << outb << " bytes but must be " << size_ << " x the input's "
-              << inb;
-      same_or_apart(in, out, static_cast<const char*>(out.ptr) + size_t(rank_) * inb,
-                    "in place means input is this rank's block of the output");
-      a.count = int64_t(inb / es);
-      break;
-    case Coll::alltoall:
-      if (inb % (n * es))
-        bad() << "input has " << inb << " bytes, not " << size_ << " equal blocks";
-      if (outb != inb) bad() << "output has " << outb << " bytes, input " << inb;
-      same_or_apart(in, out, out.ptr == in.ptr && outb == inb ? in.ptr : nullptr,
-                    "only out is x is allowed");
-      a.count = int64_t(inb / (n * es));
-      break;
-    case Coll::send:
-      a.count = int64_t(inb / es);
-      break;
-    case Coll::recv:
-      a.count = int64_t(outb / es);
-      break;
-    case Coll::barrier:
-    case Coll::kCount:
-      break;
-  }
-  a.in = in.present ? in.ptr : nullptr;
-  a.out = out.present ? out.ptr : nullptr;
-  if (why) fail(ErrorKind::invalid, why->str());
-  if (c != Coll::send && c != Coll::recv) a.algo = resolve_algo(c, algo, size_t(a.count) * es);
+  const std::string why = validate_call(c, in, out, op, root, peer, tag,
+                                        timeout_s.value_or(opt_.timeout_s), rank_, size_,
+                                        /*any_source=*/true, &a);
+  if (!why.empty()) fail(ErrorKind::invalid, why);
+  if (c != Coll::send && c != Coll::recv)
+    a.algo = resolve_algo(c, algo, size_t(a.count) * dtype_size(a.dtype));
   return a;
+}
+
+void Communicator::attach_device(std::shared_ptr<DeviceQueue> q) {
+  std::lock_guard<std::mutex> lk(dev_mu_);
+  if (dev_)
+    throw InvalidArgument("rank " + std::to_string(rank_) +
+                          ": this communicator already has a GPU transport (" + dev_->transport() +
+                          " on GPU " + std::to_string(dev_->device()) + ")");
+  if (q->rank() != rank_ || q->size() != size_)
+    throw InvalidArgument("a GPU queue of rank " + std::to_string(q->rank()) + " of " +
+                          std::to_string(q->size()) + " cannot serve rank " +
+                          std::to_string(rank_) + " of " + std::to_string(size_));
+  dev_ = std::move(q);
+}
+
+std::shared_ptr<DeviceQueue> Communicator::device_queue() {
+  std::lock_guard<std::mutex> lk(dev_mu_);
+  return dev_;
+}
+
+void Communicator::call_device(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root,
+                               int peer, int64_t tag, const std::string& algo,
+                               std::optional<double> timeout_s) {
+  std::shared_ptr<DeviceQueue> q = device_queue();
+  const std::string head = "rank " + std::to_string(rank_) + ": " + coll_name(c);
+  if (!q)
+    fail(ErrorKind::invalid, head +
+                                 ": GPU arrays need this communicator's GPU transport, which "
+                                 "the first GPU call creates on every rank (plait._gpu)");
+  if (tag != 0)
+    fail(ErrorKind::invalid,
+         head + ": tag " + std::to_string(tag) +
+             ": GPU send/recv have no tags; they match in issue order per pair of ranks (tag=0)");
+  const bool ipc = std::string(q->transport()) == "ipc";
+  // The queue's own errors reach every rank through it (GpuPeers); the check's go through
+  // fail(), like a host call's.
+  q->call(c, in, out, op, root, peer, algo, timeout_s.value_or(-1.0),
+          [&](const CallArgs& a, const char* name) {
+            const Buffer& any = in.present ? in : out;
+            check_gpu_call(c, a.dtype, a.op, a.count, a.root, name, ipc,
+                           head + " (" + dtype_name(a.dtype) + " x " + std::to_string(a.count) +
+                               " on GPU " + std::to_string(any.device_index) + ")");
+          });
 }
 
 std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer& out, RedOp op,
@@ -406,6 +341,10 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
                      " needs a live one");
   if (reported_abort_)
     throw PlaitError("communicator aborted after an earlier error: " + first_error_);
+  if ((in.present ? in : out).device == Device::cuda) {
+    call_device(c, in, out, op, root, peer, tag, algo, timeout_s);
+    return nullptr;
+  }
   CallArgs a = validate(c, in, out, op, root, peer, tag, algo, timeout_s);
   if (!async) {
     std::unique_lock<std::mutex> ex(exec_mu_, std::try_to_lock);

@@ -1,4 +1,6 @@
 // A communicator: one shared-memory segment, one progress thread, calls executed in issue order.
+// Calls on GPU buffers take the same path (validate -> select -> check -> run) and are enqueued
+// on the caller's CUDA stream by the GPU transport's queue attached to it (core/device.h).
 // Each call is validated (bad input aborts the communicator on every rank, so no peer hangs),
 // an algorithm is selected, and it runs either inline on the caller's thread (a synchronous
 // call with nothing queued) or on the progress thread (asynchronous calls, and anything issued
@@ -18,23 +20,13 @@
 #include <vector>
 
 #include "algo/algo.h"
+#include "core/device.h"
 #include "core/errors.h"
 #include "core/flight.h"
 #include "core/trace.h"
 #include "transport/shm.h"
 
 namespace plait {
-
-// A contiguous array as it crosses the binding (device: the seam for GPU buffers).
-struct Buffer {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  DType dtype = DType::f32;
-  Device device = Device::cpu;
-  bool writable = true;
-  bool contiguous = true;
-  bool present = false;
-};
 
 // Deadlines are seconds >= 0: 0 has passed when the wait starts (a wait fails unless its peer is
 // already there), inf never passes (peers' liveness is still checked). NaN and negative values
@@ -45,9 +37,6 @@ struct Options {
   bool oversubscribed = false;
   double init_timeout_s = 300;
 };
-
-// recv's peer for "from any rank": the first message of its tag from whichever sender.
-constexpr int kAnySource = -1;
 
 class Task {
  public:
@@ -94,6 +83,8 @@ class Communicator {
   bool closed() const { return closed_; }
 
   // Validates and runs (or queues) one call. Returns the Task for async calls, null otherwise.
+  // GPU buffers (Device::cuda) go to the attached DeviceQueue, enqueued on their stream: always
+  // "async" on the host (null is returned; completion is the stream's).
   // timeout_s: the call's deadline (nullopt: the communicator's); a bad one aborts the call on
   // every rank, as any invalid argument does.
   std::shared_ptr<Task> call(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root,
@@ -113,6 +104,10 @@ class Communicator {
   // The call is then kept in the flight recorder as enqueued over NCCL (or CUDA IPC when ipc).
   void check_gpu_call(Coll c, DType dtype, RedOp op, int64_t count, int32_t root,
                       const std::string& algo, bool ipc, const std::string& head);
+  // The GPU transport's queue GPU calls are enqueued on (created by the first GPU call, once every
+  // rank agreed on the transport: plait._gpu). Attaching twice is refused.
+  void attach_device(std::shared_ptr<DeviceQueue> q);
+  std::shared_ptr<DeviceQueue> device_queue();
   // Throws the communicator-wide abort if any rank recorded one. Reads only the shared segment,
   // so other threads may call it (the GPU communicator polls it while it waits).
   void throw_if_aborted() { tp_.throw_if_aborted(); }
@@ -159,6 +154,8 @@ class Communicator {
                     int64_t tag, const std::string& algo, std::optional<double> timeout_s);
   void parse_algo_override();
   int resolve_algo(Coll c, const std::string& name, size_t bytes);
+  void call_device(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root, int peer,
+                   int64_t tag, const std::string& algo, std::optional<double> timeout_s);
   void run(CallArgs& a);  // one collective, on whichever thread holds exec_mu_
   void run_local(const CallArgs& a);
   void run_p2p(std::vector<P2P>& ops);
@@ -187,6 +184,8 @@ class Communicator {
   std::vector<std::string> forced_;  // per collective, from PLAIT_ALGO
   uint64_t seq_ = 0;
   std::atomic<uint64_t> gpu_seq_{0};  // GPU calls checked (check_gpu_call)
+  std::mutex dev_mu_;
+  std::shared_ptr<DeviceQueue> dev_;  // GPU calls' queue; null until the first GPU call
   bool reported_abort_ = false;
   std::string first_error_;
   bool closed_ = false;

@@ -1,18 +1,23 @@
-"""GPU arrays on a Communicator: the checks, the lazily created GPU communicator, the call.
+"""GPU arrays on a Communicator: the Python-side checks, the GPU queue created by the first GPU
+call, and the call itself.
 
-Every rank creates the GPU communicator inside the same (first) GPU collective. The ranks first
-agree over the CPU communicator (its deadline and abort) on which GPU each uses and whether each
-loaded NCCL. With one GPU per rank it is NCCL's: rank 0's unique id is broadcast over the CPU
-communicator. When ranks share a GPU (NCCL refuses that), or PLAIT_GPU_TRANSPORT=ipc, it is the
-CUDA IPC transport's: the ranks exchange cudaIpc handles of their staging the same way. Input a
-rank rejects aborts the call on every rank through the CPU communicator (`comm.fail`), as on the
-CPU path.
+A GPU call takes the communicator's own call path (csrc/core/communicator.cc: validate -> select
+-> check -> run); only the run differs: the communicator's GPU queue enqueues it on the caller's
+stream, through the transport that connects the ranks (cuda/stream_queue.h). Every rank creates
+that queue inside the same (first) GPU collective. The ranks first agree over the communicator
+(its deadline and abort) on which GPU each uses and whether each loaded NCCL; the ordered
+transport table then picks the transport. With one GPU per rank it is NCCL: rank 0's unique id is
+broadcast over the communicator. When ranks share a GPU (NCCL refuses that), or
+PLAIT_GPU_TRANSPORT=ipc, it is CUDA IPC: the ranks exchange cudaIpc handles of their staging the
+same way. Input a rank rejects aborts the call on every rank through the communicator
+(`comm.fail`), as on the host path.
 
-A HierCommunicator (ranks on several hosts) gets one flat NCCL communicator of all its ranks: NCCL
-does its own steps inside and between hosts. The ranks agree and exchange the unique id over the
-HierCommunicator; the GPU communicator's abort coupling is the host-local CPU communicator (other
-hosts learn of an error through NCCL's errors and the call's deadline). The CUDA IPC transport
-reaches one host only, so it is refused there.
+A HierCommunicator (ranks on several hosts) gets one flat NCCL queue of all its ranks, standing
+alone: NCCL does its own steps inside and between hosts. The ranks agree and exchange the unique
+id over the HierCommunicator, and compare each call with one small allreduce (no segment reaches
+every host); the queue's abort coupling is the host-local communicator (other hosts learn of an
+error through NCCL's errors and the call's deadline). The CUDA IPC transport reaches one host
+only, so it is refused there.
 """
 
 import os
@@ -31,7 +36,6 @@ _CODES = {
         ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "barrier")
     )
 }
-_IPC = getattr(_C, "IpcCommunicator", None)  # None on a CPU-only build
 _OP_CODES = {o: i for i, o in enumerate(("sum", "prod", "min", "max", "avg"))}
 
 
@@ -132,19 +136,19 @@ def check_input(comm, coll, x):
 _FIELDS = ("GPU call number", "collective", "count", "dtype", "op", "root", "algorithm")
 
 
-def _check_calls(comm, head, coll, dt, count, op, root, algorithm, timeout, transport="nccl"):
-    """GPU calls are compared across ranks like host calls (NCCL would hang or mix data on a
-    mismatch). On one host the native check compares them through the shared segment without
-    waiting for anyone (csrc/core/call_check.cc); across hosts (a HierCommunicator's GPU calls,
-    which have no engine frame of their own), one tiny max-allreduce of the call's fields and
-    their negatives. Ranks that disagree raise MismatchError."""
+def _check_calls(comm, g, head, coll, dt, count, op, root, algorithm, timeout):
+    """A multi-host job's GPU calls are compared across ranks like host calls (NCCL would hang or
+    mix data on a mismatch). On one host the communicator's call path compares them through the
+    shared segment without waiting for anyone (csrc/core/call_check.cc); across hosts no segment
+    reaches every rank, so the check is one tiny max-allreduce of the call's fields and their
+    negatives over the HierCommunicator. Ranks that disagree raise MismatchError."""
     root = int(root) if coll in ("broadcast", "reduce") else 0
-    native = getattr(comm, "_check_gpu_call", None)
-    if native is not None:
-        native(
-            coll, dt, op if op in _OP_CODES else "sum", int(count), root, algorithm or "auto", transport, head
-        )
-        return
+    # The algorithm that will run, not the one asked for: "auto" and its name agree, and a
+    # PLAIT_GPU_ALGO that differs between ranks is caught here instead of hanging.
+    try:
+        algorithm = g.resolve(coll, algorithm)
+    except _errors.InvalidArgument as e:
+        comm.fail(f"{head}: {e}")
     seq = getattr(comm, "_gpu_calls", 0) + 1
     comm._gpu_calls = seq
     codes = (
@@ -222,31 +226,16 @@ def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result, ro
         except _errors.InvalidArgument as e:
             fail(f"{head}: {e}")
     g = _communicator(comm, ga.device, timeout, head)
-    t = -1.0 if timeout is None else float(timeout)  # < 0: the communicator's deadline
-    if coll not in ("send", "recv"):
-        # The algorithm that will run, not the one asked for: "auto" and its name agree, and a
-        # PLAIT_GPU_ALGO that differs between ranks is caught here instead of hanging.
-        resolve = getattr(g, "resolve", None)
-        algo = algorithm or "auto"
-        if resolve is not None:
-            try:
-                algo = resolve(coll, algo)
-            except _errors.InvalidArgument as e:
-                fail(f"{head}: {e}")
-        transport = "ipc" if _IPC is not None and isinstance(g, _IPC) else "nccl"
-        _check_calls(comm, head, coll, dt, ga.nbytes // _ITEMSIZE[dt], op, root, algo, timeout, transport)
-    g.call(
-        coll,
-        gx,  # plait._arrays.GpuArray: pointer, bytes, dtype, device and the owner keeping it alive
-        go,
-        dt,
-        op,
-        algorithm,
-        ga.stream,
-        t,
-        root,
-        peer,
-    )
+    t = -1.0 if timeout is None else float(timeout)  # < 0: the queue's deadline
+    algo = algorithm or "auto"
+    # gx, go: plait._arrays.GpuArray (pointer, bytes, dtype, device and the owner keeping it alive)
+    if _hierarchical(comm):
+        if coll not in ("send", "recv"):
+            _check_calls(comm, g, head, coll, dt, ga.nbytes // _ITEMSIZE[dt], op, root, algo, timeout)
+        g.call(coll, gx, go, dt, op, algo, ga.stream, t, root, peer)
+    else:
+        # The communicator's own call path: validate -> select -> check -> enqueue on g.
+        _C.gpu_call(comm._c, coll, gx, go, dt, op, algo, ga.stream, t, root, peer)
     if async_op:
         return GpuHandle(g.record(ga.stream, t), (x, out), result, ga.device)
     _record_streams(ga.stream, gx, go)
@@ -304,7 +293,7 @@ def _communicator(comm, device, timeout, head):
         prefer=transport,
     )
     if chosen == "ipc":
-        g = _ipc_communicator(comm, device, t, head)
+        g = _ipc_queue(comm, device, t, head)
     else:  # nccl, or none: say why NCCL cannot connect them
         if shared is not None and hier:
             raise _errors.InvalidArgument(
@@ -325,12 +314,14 @@ def _communicator(comm, device, timeout, head):
             )
         if chosen != "nccl":
             raise _errors.PlaitError(f"{head}: no transport of this build connects these ranks' GPU arrays")
-        g = _nccl_communicator(comm, device, t, head)
+        g = _nccl_queue(comm, device, t, head)
+    if not hier:
+        _C.gpu_attach(comm._c, g)  # the communicator enqueues its GPU calls there
     comm._gpu = g
     return g
 
 
-def _nccl_communicator(comm, device, t, head):
+def _nccl_queue(comm, device, t, head):
     uid = np.zeros(128, dtype=np.uint8)
     if comm.rank == 0:
         try:
@@ -340,7 +331,7 @@ def _nccl_communicator(comm, device, t, head):
     comm.broadcast(uid, 0, timeout=t)
     chunk = int(os.environ.get("PLAIT_GPU_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
     if _hierarchical(comm):
-        return _C.GpuCommunicator(
+        return _C.nccl_queue(
             comm.local._c,
             uid.tobytes(),
             device,
@@ -351,15 +342,15 @@ def _nccl_communicator(comm, device, t, head):
             rank=comm.rank,
             size=comm.size,
         )
-    return _C.GpuCommunicator(
+    return _C.nccl_queue(
         comm._c, uid.tobytes(), device, t, chunk, os.environ.get("PLAIT_GPU_ALGO", ""), _cuda.nccl_path()
     )
 
 
-def _ipc_communicator(comm, device, t, head):
+def _ipc_queue(comm, device, t, head):
     staging = int(os.environ.get("PLAIT_GPU_IPC_BYTES", DEFAULT_IPC_BYTES))
     try:
-        g = _C.IpcCommunicator(comm._c, device, t, staging)
+        g = _C.ipc_queue(comm._c, device, t, staging)
         mine = np.frombuffer(g.handle(), dtype=np.uint8)
     except _errors.PlaitError as e:
         comm.fail(f"{head}: setting up the CUDA IPC transport: {e}")

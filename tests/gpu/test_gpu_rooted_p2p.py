@@ -182,9 +182,9 @@ def test_ipc_transport_refuses_them_on_every_rank(case):
 @pytest.mark.parametrize(
     "case,pattern",
     [
-        ("send_self", r"peer 0 is not another rank of a world of 1"),
+        ("send_self", r"peer 0 is not another rank of this 1-rank communicator"),
         ("alltoall_in_place", r"alltoall cannot run in place"),
-        ("bad_root", r"root 1 is outside a world of 1"),
+        ("bad_root", r"root 1 is out of range for 1 ranks"),
     ],
 )
 def test_nccl_bad_calls_are_refused(case, pattern):

@@ -1,0 +1,130 @@
+// The GPU call path (validate -> select -> check -> enqueue), the algorithm override and the
+// choice of a GPU row, and the recording queue CPU tests drive it with.
+#include "core/device.h"
+
+namespace plait {
+
+DeviceAlgoOverride::DeviceAlgoOverride(const std::string& t)
+    : text(t), forced(size_t(Coll::kCount)) {
+  size_t at = 0;
+  while (!text.empty() && at <= text.size()) {
+    const size_t comma = text.find(',', at);
+    const std::string item =
+        text.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+    const size_t eq = item.find('=');
+    for (int c = 0; c < int(Coll::kCount); ++c)
+      if (eq == std::string::npos || item.substr(0, eq) == coll_name(Coll(c)))
+        forced[size_t(c)] = eq == std::string::npos ? item : item.substr(eq + 1);
+    if (comma == std::string::npos) break;
+    at = comma + 1;
+  }
+}
+
+const Algorithm& resolve_device_algo(Coll c, const std::string& algo, Caps caps,
+                                     const DeviceAlgoOverride& ov, int rank) {
+  const auto& algos = algorithms_for(c, caps);
+  const std::string head = "rank " + std::to_string(rank) + ": " + coll_name(c);
+  const bool asked_auto = algo == "auto" || algo.empty();
+  std::string names;
+  for (const Algorithm* a : algos) names += std::string(names.empty() ? "" : ", ") + a->name;
+  auto named = [&](const std::string& want) -> const Algorithm* {
+    for (const Algorithm* a : algos)
+      if (want == a->name) return a;
+    return nullptr;
+  };
+  if (caps & kCapCudaIpc) {  // PLAIT_GPU_ALGO is NCCL's; IPC rows are chosen by name or auto
+    if (algos.empty())
+      throw InvalidArgument(
+          head +
+          " of GPU arrays has no path over the CUDA IPC transport (ranks sharing a GPU) in this "
+          "version: it runs over NCCL, with one GPU per rank; IPC has allreduce, reduce_scatter "
+          "and allgather");
+    if (const Algorithm* a = named(asked_auto ? auto_algorithm(c, {caps}) : algo)) return *a;
+    throw InvalidArgument(head + ": no algorithm '" + algo + "' over the CUDA IPC transport (" +
+                          names + "; the others run over NCCL, with one GPU per rank)");
+  }
+  const std::string& want = asked_auto ? ov.forced[size_t(c)] : algo;
+  if (const Algorithm* a = named(want)) return *a;
+  // PLAIT_GPU_ALGO=ring forces ring where there is one; collectives without it keep auto.
+  const bool blanket = asked_auto && ov.text.find('=') == std::string::npos;
+  if (!algos.empty() && (want.empty() || blanket))
+    if (const Algorithm* a = named(auto_algorithm(c, {caps}))) return *a;
+  throw InvalidArgument(head + ": no GPU algorithm '" + want + "' (" +
+                        (names.empty() ? "this collective has no GPU path yet" : names) + ")");
+}
+
+void DeviceQueue::call(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root, int peer,
+                       const std::string& algo, double timeout_s, const Check& check) {
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  throw_if_failed();
+  CallArgs a;
+  std::string why = validate_call(c, in, out, op, root, peer, 0,
+                                  timeout_s >= 0 ? timeout_s : timeout_s_, rank_, size_,
+                                  /*any_source=*/false, &a);
+  const Buffer& any = in.present ? in : out;
+  if (why.empty() && any.device_index != device_)
+    why = "rank " + std::to_string(rank_) + ": " + coll_name(c) + ": the arrays are on GPU " +
+          std::to_string(any.device_index) + "; this communicator's GPU work runs on GPU " +
+          std::to_string(device_);
+  // NCCL's alltoall sends from the input while it receives into the output.
+  if (why.empty() && c == Coll::alltoall && in.present && out.present && in.bytes &&
+      static_cast<const char*>(in.ptr) < static_cast<const char*>(out.ptr) + out.bytes &&
+      static_cast<const char*>(out.ptr) < static_cast<const char*>(in.ptr) + in.bytes)
+    why = "rank " + std::to_string(rank_) +
+          ": alltoall: input and output overlap (alltoall cannot run in place on a GPU)";
+  if (c == Coll::barrier && why.empty())
+    why = "rank " + std::to_string(rank_) + ": barrier takes no GPU arrays";
+  const Algorithm* alg = nullptr;
+  if (why.empty()) {
+    try {
+      alg = &resolve_device_algo(c, algo, caps(), ov_, rank_);
+    } catch (const InvalidArgument& e) {
+      why = e.what();
+    }
+  }
+  // Bad input aborts the call on every rank, as on the host path; no peer then waits on GPU
+  // work this rank will never enqueue.
+  if (!why.empty()) fail(ErrorKind::invalid, why);
+  if (check && c != Coll::send && c != Coll::recv) check(a, alg->name);
+  enqueue(*alg, a, any.stream);
+}
+
+FakeDeviceQueue::FakeDeviceQueue(int rank, int size, int device, const std::string& transport,
+                                 double timeout_s, const std::string& algo_override, GpuPeers peers)
+    : DeviceQueue(rank, size, device, timeout_s, algo_override),
+      transport_(transport),
+      caps_(transport_caps(transport)),
+      peers_(std::move(peers)) {
+  if (!(caps_ & (kCapCudaIpc | kCapNcclP2p)))
+    throw InvalidArgument("a fake GPU queue stands in for nccl or ipc, not " + transport);
+}
+
+std::vector<FakeDeviceQueue::Record> FakeDeviceQueue::records() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return records_;
+}
+
+void FakeDeviceQueue::throw_if_failed() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_)
+      throw_error(first_kind_, "GPU communicator aborted after an earlier error: " + first_error_);
+  }
+  if (peers_.throw_if_aborted) peers_.throw_if_aborted();
+}
+
+void FakeDeviceQueue::fail(ErrorKind kind, const std::string& msg) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failed_) failed_ = true, first_kind_ = kind, first_error_ = msg;
+  }
+  peers_.tell(kind, msg);
+  throw_error(kind, msg);
+}
+
+void FakeDeviceQueue::enqueue(const Algorithm& alg, const CallArgs& a, uintptr_t stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  records_.push_back(Record{coll_name(a.coll), alg.name, a.count, stream});
+}
+
+}  // namespace plait

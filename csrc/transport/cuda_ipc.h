@@ -1,0 +1,40 @@
+// The CUDA IPC transport as the stream queue drives it: ranks of one host (several per GPU
+// allowed, which NCCL refuses) exchange data through each other's device staging, mapped with
+// cudaIpc handles (cuda/ipc.h: the mapping, the flags and the waiting kernels). Calls count
+// epochs over the transport's life; a waiting kernel gives up on its own deadline or the host's
+// abort word, and reports why in an error word the host reads. CUDA builds only.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda/ipc.h"
+#include "transport/device.h"
+
+namespace plait {
+
+class CudaIpcTransport final : public DeviceTransport {
+ public:
+  // staging_bytes: PLAIT_GPU_IPC_BYTES (>= 4096) of device memory per rank.
+  CudaIpcTransport(int rank, int size, int device, size_t staging_bytes);
+
+  const char* name() const override { return "ipc"; }
+  std::string describe() const override { return "CUDA IPC"; }
+  Caps caps() const override { return kIpcCaps; }
+  std::string handle() const override { return tp_->handle(); }
+  void open(const std::vector<std::string>& handles) override { tp_->open(handles); }
+  IpcTransport& mapping() { return *tp_; }
+  uint64_t& epoch() { return epoch_; }  // exchanges so far (IpcCtx::begin counts them)
+  std::string async_error(ErrorKind* kind) override;
+  void signal_abort() override { tp_->abort(); }
+  void abort() override { tp_->abort(); }
+  void drain(cudaStream_t s, double timeout_s) override;
+  void teardown(cudaEvent_t last) override;
+
+ private:
+  int rank_, size_;
+  std::unique_ptr<IpcTransport> tp_;
+  uint64_t epoch_ = 0;
+};
+
+}  // namespace plait
