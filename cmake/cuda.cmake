@@ -62,7 +62,7 @@ function(plait_add_cuda target)
     csrc/cuda/nccl_loader.cc
     csrc/cuda/stream_queue.cc
     csrc/transport/nccl.cc
-    csrc/cuda/ipc.cu
+    csrc/transport/cuda_ipc.cu
     csrc/transport/cuda_ipc.cc
     csrc/algo/ipc_one_shot.cc
     csrc/algo/ipc_two_shot.cc

@@ -9,8 +9,8 @@
 
 #include "algo/algo.h"
 #include "algo/gpu_plan.h"
-#include "cuda/ipc.h"
 #include "cuda/nccl_abi.h"
+#include "transport/cuda_ipc_mapping.h"
 #include "transport/nccl.h"  // GpuOps
 
 namespace plait {
@@ -41,7 +41,7 @@ struct GpuCtx {
 // of the previous epoch, publish() posts this rank's staging and waits for every peer's,
 // finish() says this rank is done reading the others'.
 struct IpcCtx {
-  IpcTransport& tp;
+  IpcMapping& tp;
   const CallArgs& a;
   cudaStream_t stream;
   size_t esize;
@@ -51,14 +51,14 @@ struct IpcCtx {
 
   uint64_t begin() {
     const uint64_t e = ++epoch;
-    if (e > 1) tp.wait(IpcTransport::kDone, e - 1, timeout_ns, stream);
+    if (e > 1) tp.wait(IpcMapping::kDone, e - 1, timeout_ns, stream);
     return e;
   }
   void publish(uint64_t e) {
-    tp.post(IpcTransport::kPost, e, stream);
-    tp.wait(IpcTransport::kPost, e, timeout_ns, stream);
+    tp.post(IpcMapping::kPost, e, stream);
+    tp.wait(IpcMapping::kPost, e, timeout_ns, stream);
   }
-  void finish(uint64_t e) { tp.post(IpcTransport::kDone, e, stream); }
+  void finish(uint64_t e) { tp.post(IpcMapping::kDone, e, stream); }
   const char* in_at(int64_t e) const { return static_cast<const char*>(a.in) + e * int64_t(esize); }
   char* out_at(int64_t e) const { return static_cast<char*>(a.out) + e * int64_t(esize); }
   size_t bytes(int64_t elems) const { return size_t(elems) * esize; }

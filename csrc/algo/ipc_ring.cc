@@ -34,9 +34,9 @@ void run_ring(IpcCtx& c) {
     const uint64_t read = base + uint64_t(s.read), post = base + uint64_t(s.post);
     const char* from = s.read ? slot(left, read) : nullptr;
     char* to = s.post ? slot(c.rank, post) : nullptr;
-    if (s.read) c.tp.wait(IpcTransport::kPost, read, c.timeout_ns, c.stream, left);
+    if (s.read) c.tp.wait(IpcMapping::kPost, read, c.timeout_ns, c.stream, left);
     // The slot last held epoch post - 2; those of earlier calls are covered by begin().
-    if (s.post > 2) c.tp.wait(IpcTransport::kDone, post - 2, c.timeout_ns, c.stream, right);
+    if (s.post > 2) c.tp.wait(IpcMapping::kDone, post - 2, c.timeout_ns, c.stream, right);
     switch (s.kind) {
       case IpcRingStep::load:  // avg: every input is divided as it enters (NCCL's pre-scaled avg)
         c.load(to, c.in_at(s.in_offset), s.count);
@@ -54,8 +54,8 @@ void run_ring(IpcCtx& c) {
         if (to) c.copy(to, c.out_at(s.out_offset), s.count);
         break;
     }
-    if (s.read) c.tp.post(IpcTransport::kDone, read, c.stream);
-    if (s.post) c.tp.post(IpcTransport::kPost, post, c.stream);
+    if (s.read) c.tp.post(IpcMapping::kDone, read, c.stream);
+    if (s.post) c.tp.post(IpcMapping::kPost, post, c.stream);
   }
   c.epoch = base + uint64_t(plan.back().read);  // the last step reads the last epoch anyone posted
 }

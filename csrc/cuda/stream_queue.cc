@@ -293,7 +293,7 @@ void StreamQueue::run(const Algorithm& alg, const CallArgs& a, const std::string
                rank_,
                size_,
                ipc->epoch(),
-               IpcTransport::clamp_timeout_ns(a.timeout_s)};
+               IpcMapping::clamp_timeout_ns(a.timeout_s)};
     alg.run.on_ipc(ctx);
   } else {
     throw PlaitError(who() + ": " + what + ": the row does not run over " + tp_->describe());

@@ -15,17 +15,17 @@ CudaIpcTransport::CudaIpcTransport(int rank, int size, int device, size_t stagin
     throw InvalidArgument("PLAIT_GPU_IPC_BYTES must be >= 4096, got " +
                           std::to_string(staging_bytes));
   DeviceGuard g(device);
-  tp_ = std::make_unique<IpcTransport>(rank, size, device, staging_bytes);
+  tp_ = std::make_unique<IpcMapping>(rank, size, device, staging_bytes);
 }
 
 std::string CudaIpcTransport::async_error(ErrorKind* kind) {
   switch (tp_->error()) {
-    case IpcTransport::ok:
+    case IpcMapping::ok:
       return "";
-    case IpcTransport::timed_out:
+    case IpcMapping::timed_out:
       *kind = ErrorKind::timeout;
       return "a peer did not reach the same step within the deadline (the waiting kernel gave up)";
-    case IpcTransport::peer_gave_up:
+    case IpcMapping::peer_gave_up:
       *kind = ErrorKind::generic;
       return "a peer gave up on this call (its flag carries the poison: it timed out or was "
              "aborted)";
@@ -37,8 +37,7 @@ std::string CudaIpcTransport::async_error(ErrorKind* kind) {
 
 void CudaIpcTransport::drain(cudaStream_t s, double timeout_s) {
   // Peers may still be reading this rank's staging of the last epoch: free it only after.
-  if (epoch_ > 0)
-    tp_->wait(IpcTransport::kDone, epoch_, IpcTransport::clamp_timeout_ns(timeout_s), s);
+  if (epoch_ > 0) tp_->wait(IpcMapping::kDone, epoch_, IpcMapping::clamp_timeout_ns(timeout_s), s);
 }
 
 void CudaIpcTransport::teardown(cudaEvent_t last) {
@@ -51,7 +50,7 @@ void CudaIpcTransport::teardown(cudaEvent_t last) {
   cudaStream_t s = nullptr;
   if (cudaEventQuery(last) == cudaSuccess &&
       cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess) {
-    tp_->wait(IpcTransport::kDone, epoch_, IpcTransport::clamp_timeout_ns(kTeardownWaitS), s);
+    tp_->wait(IpcMapping::kDone, epoch_, IpcMapping::clamp_timeout_ns(kTeardownWaitS), s);
     cudaStreamSynchronize(s);
     cudaStreamDestroy(s);
   }

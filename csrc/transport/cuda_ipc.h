@@ -1,14 +1,14 @@
 // The CUDA IPC transport as the stream queue drives it: ranks of one host (several per GPU
 // allowed, which NCCL refuses) exchange data through each other's device staging, mapped with
-// cudaIpc handles (cuda/ipc.h: the mapping, the flags and the waiting kernels). Calls count
-// epochs over the transport's life; a waiting kernel gives up on its own deadline or the host's
-// abort word, and reports why in an error word the host reads. CUDA builds only.
+// cudaIpc handles (transport/cuda_ipc_mapping.h: the mapping, the flags and the waiting kernels).
+// Calls count epochs over the transport's life; a waiting kernel gives up on its own deadline or
+// the host's abort word, and reports why in an error word the host reads. CUDA builds only.
 #pragma once
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "cuda/ipc.h"
+#include "transport/cuda_ipc_mapping.h"
 #include "transport/device.h"
 
 namespace plait {
@@ -23,7 +23,7 @@ class CudaIpcTransport final : public DeviceTransport {
   Caps caps() const override { return kIpcCaps; }
   std::string handle() const override { return tp_->handle(); }
   void open(const std::vector<std::string>& handles) override { tp_->open(handles); }
-  IpcTransport& mapping() { return *tp_; }
+  IpcMapping& mapping() { return *tp_; }
   uint64_t& epoch() { return epoch_; }  // exchanges so far (IpcCtx::begin counts them)
   std::string async_error(ErrorKind* kind) override;
   void signal_abort() override { tp_->abort(); }
@@ -33,7 +33,7 @@ class CudaIpcTransport final : public DeviceTransport {
 
  private:
   int rank_, size_;
-  std::unique_ptr<IpcTransport> tp_;
+  std::unique_ptr<IpcMapping> tp_;
   uint64_t epoch_ = 0;
 };
 

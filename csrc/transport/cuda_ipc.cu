@@ -1,4 +1,4 @@
-#include "cuda/ipc.h"
+#include "transport/cuda_ipc_mapping.h"
 
 #include <cstring>
 
@@ -26,7 +26,7 @@ __device__ __forceinline__ uint64_t global_ns() {
 __global__ void post_kernel(uint64_t* flag, uint64_t epoch, const volatile int* skip) {
   __threadfence_system();  // everything this stream wrote before is visible before the flag
   // After a wait of this rank gave up, what this stream wrote is not what the epoch promises.
-  store_release(flag, *skip != 0 ? IpcTransport::kPoison : epoch);
+  store_release(flag, *skip != 0 ? IpcMapping::kPoison : epoch);
 }
 
 // One thread per peer (or only `only`'s when >= 0). Gives up on the host's abort, the deadline,
@@ -41,19 +41,19 @@ __global__ void wait_kernel(uint64_t** flags, int which, int self, int only, int
   const uint64_t start = global_ns();
   for (;;) {
     const uint64_t v = load_acquire(f);
-    int why = IpcTransport::ok;
-    if (v & IpcTransport::kPoison)
-      why = IpcTransport::peer_gave_up;
+    int why = IpcMapping::ok;
+    if (v & IpcMapping::kPoison)
+      why = IpcMapping::peer_gave_up;
     else if (v >= epoch)
       return;
     else if (words[0] != 0)
-      why = IpcTransport::aborted;
+      why = IpcMapping::aborted;
     else if (global_ns() - start > timeout_ns)
-      why = IpcTransport::timed_out;
+      why = IpcMapping::timed_out;
     else if (*skip != 0)
       return;  // another thread of this kernel gave up and said why
-    if (why != IpcTransport::ok) {
-      if (words[1] == IpcTransport::ok) words[1] = why;
+    if (why != IpcMapping::ok) {
+      if (words[1] == IpcMapping::ok) words[1] = why;
       *skip = 1;
       __threadfence_system();
       return;
@@ -69,7 +69,7 @@ void cuda_check(cudaError_t e, const std::string& what) {
 
 }  // namespace
 
-IpcTransport::IpcTransport(int rank, int size, int device, size_t staging_bytes)
+IpcMapping::IpcMapping(int rank, int size, int device, size_t staging_bytes)
     : rank_(rank),
       size_(size),
       device_(device),
@@ -91,7 +91,7 @@ IpcTransport::IpcTransport(int rank, int size, int device, size_t staging_bytes)
   cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
-IpcTransport::~IpcTransport() {
+IpcMapping::~IpcMapping() {
   for (int r = 0; r < size_; ++r) {
     if (!base_[size_t(r)]) continue;
     if (r == rank_)
@@ -103,13 +103,13 @@ IpcTransport::~IpcTransport() {
   if (host_words_) cudaFreeHost(const_cast<int*>(host_words_));
 }
 
-std::string IpcTransport::handle() const {
+std::string IpcMapping::handle() const {
   cudaIpcMemHandle_t h;
   cuda_check(cudaIpcGetMemHandle(&h, base_[size_t(rank_)]), "cudaIpcGetMemHandle");
   return std::string(reinterpret_cast<const char*>(&h), sizeof h);
 }
 
-void IpcTransport::open(const std::vector<std::string>& handles) {
+void IpcMapping::open(const std::vector<std::string>& handles) {
   if (handles.size() != size_t(size_))
     throw InvalidArgument("CUDA IPC transport: one handle per rank is needed");
   std::vector<uint64_t*> flags(static_cast<size_t>(size_));
@@ -132,13 +132,13 @@ void IpcTransport::open(const std::vector<std::string>& handles) {
              "cudaMemcpy");
 }
 
-void IpcTransport::post(int which, uint64_t epoch, cudaStream_t s) {
+void IpcMapping::post(int which, uint64_t epoch, cudaStream_t s) {
   post_kernel<<<1, 1, 0, s>>>(reinterpret_cast<uint64_t*>(base_[size_t(rank_)]) + which, epoch,
                               reinterpret_cast<const volatile int*>(skip_word()));
   cuda_check(cudaGetLastError(), "post kernel launch");
 }
 
-void IpcTransport::wait(int which, uint64_t epoch, uint64_t timeout_ns, cudaStream_t s, int peer) {
+void IpcMapping::wait(int which, uint64_t epoch, uint64_t timeout_ns, cudaStream_t s, int peer) {
   const int threads = (size_ + 31) / 32 * 32;
   wait_kernel<<<1, threads, 0, s>>>(
       flag_ptrs_, which, rank_, peer, size_, epoch, timeout_ns, dev_words_,
@@ -146,8 +146,8 @@ void IpcTransport::wait(int which, uint64_t epoch, uint64_t timeout_ns, cudaStre
   cuda_check(cudaGetLastError(), "wait kernel launch");
 }
 
-void IpcTransport::abort() { host_words_[0] = 1; }
+void IpcMapping::abort() { host_words_[0] = 1; }
 
-int IpcTransport::error() const { return host_words_[1]; }
+int IpcMapping::error() const { return host_words_[1]; }
 
 }  // namespace plait

@@ -1,13 +1,14 @@
-// The CUDA IPC transport: each rank owns one device region (flags + staging) that the other
-// ranks of the host map through cudaIpc handles, so ranks on one GPU (which NCCL refuses) or on
-// GPUs of one host exchange data through device memory. Synchronisation is by monotonic epochs
-// in device memory, published with system-scope release stores and read with acquire loads by
-// small kernels on the caller's stream. A waiting kernel gives up on a %globaltimer deadline, when
-// the host raises its abort word (mapped host memory) or when a peer's flag carries the poison
-// bit; it then reports why in an error word the host reads (IpcTransport::error()) and sets this
-// rank's skip word (device memory): every later kernel of the rank does nothing (reductions and
-// copies skip, waits return at once) and its posts publish the poison instead of an epoch, so no
-// peer takes unready data for ready, and every peer's waits give up too.
+// The CUDA IPC transport's mapping (transport/cuda_ipc.h drives it): each rank owns one device
+// region (flags + staging) that the other ranks of the host map through cudaIpc handles, so ranks
+// on one GPU (which NCCL refuses) or on GPUs of one host exchange data through device memory.
+// Synchronisation is by monotonic epochs in device memory, published with system-scope release
+// stores and read with acquire loads by small kernels on the caller's stream. A waiting kernel
+// gives up on a %globaltimer deadline, when the host raises its abort word (mapped host memory) or
+// when a peer's flag carries the poison bit; it then reports why in an error word the host reads
+// (IpcMapping::error()) and sets this rank's skip word (device memory): every later kernel of the
+// rank does nothing (reductions and copies skip, waits return at once) and its posts publish the
+// poison instead of an epoch, so no peer takes unready data for ready, and every peer's waits give
+// up too.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -19,7 +20,7 @@
 
 namespace plait {
 
-class IpcTransport {
+class IpcMapping {
  public:
   static constexpr int kPost = 0;  // flag: my staging holds epoch e's data
   static constexpr int kDone = 1;  // flag: I finished reading everyone's staging of epoch e
@@ -27,10 +28,10 @@ class IpcTransport {
   static constexpr uint64_t kPoison = uint64_t(1) << 63;  // a flag value: "I gave up"
   static uint64_t clamp_timeout_ns(double seconds) { return gpu_timeout_ns(seconds); }
 
-  IpcTransport(int rank, int size, int device, size_t staging_bytes);
-  ~IpcTransport();
-  IpcTransport(const IpcTransport&) = delete;
-  IpcTransport& operator=(const IpcTransport&) = delete;
+  IpcMapping(int rank, int size, int device, size_t staging_bytes);
+  ~IpcMapping();
+  IpcMapping(const IpcMapping&) = delete;
+  IpcMapping& operator=(const IpcMapping&) = delete;
 
   // This rank's cudaIpcMemHandle (64 bytes), to be given to every peer.
   std::string handle() const;
