@@ -73,13 +73,6 @@ struct Slots {
   const size_t bytes;
 };
 
-// Ring neighbours, and block b (mod n) of `n` equal blocks of `m` elements as an element offset.
-struct Ring {
-  Ring(int rank, int n) : n(n), left((rank + n - 1) % n), right((rank + 1) % n) {}
-  int64_t block(int b, int64_t m) const { return int64_t(((b % n) + n) % n) * m; }
-  int n, left, right;
-};
-
 // The views a GPU algorithm runs in (algo/gpu_algo.h, CUDA builds only).
 struct GpuCtx;
 struct IpcCtx;

@@ -1,4 +1,5 @@
-// allreduce "tree": reduce up a binary tree rooted at rank 0 (children of r: 2r+1, 2r+2), then
+// allreduce "tree": reduce up a binary tree rooted at rank 0 (tree_links in algo/plan.h, the tree
+// the GPU tree runs too: children of r are 2r+1, 2r+2), then
 // broadcast the result down it, chunk by chunk with the two phases overlapped (the down phase
 // trails the up phase by kLag chunks). A node waits for at most 3 peers per chunk and phase, so
 // latency grows with log2(n) rather than n; each rank moves about 3S. Rank 0 computes every
@@ -10,17 +11,17 @@
 // as many half elements.
 #include <cstring>
 
-#include "algo/algo.h"
+#include "algo/plan.h"
 
 namespace plait {
 
 void allreduce_tree(Ctx& c) {
   Transport& tp = c.tp;
   const int n = c.size, r = c.rank;
-  const int parent = r == 0 ? -1 : (r - 1) / 2;
-  int kids[2], nkids = 0;
-  for (int k = 2 * r + 1; k <= 2 * r + 2; ++k)
-    if (k < n) kids[nkids++] = k;
+  const TreeLinks links = tree_links(r, n);
+  const int parent = links.parent;
+  const std::vector<int>& kids = links.children;
+  const int nkids = int(kids.size());
   constexpr int kSlots = 4, kLag = 2;
   const size_t slot_bytes = tp.staging_bytes() / (2 * kSlots);
   const int64_t chunk = c.elems_in(slot_bytes, n > 3 ? c.psize : c.esize);

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "algo/algo.h"
-#include "algo/gpu_plan.h"
+#include "algo/plan.h"
 #include "cuda/nccl_abi.h"
 #include "transport/cuda_ipc_mapping.h"
 #include "transport/nccl.h"  // GpuOps

@@ -10,7 +10,7 @@
 #include <pybind11/stl.h>
 
 #include "algo/algo.h"
-#include "algo/gpu_plan.h"
+#include "algo/plan.h"
 #include "core/communicator.h"
 #include "core/device.h"
 #include "core/watchdog.h"

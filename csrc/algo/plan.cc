@@ -1,4 +1,4 @@
-#include "algo/gpu_plan.h"
+#include "algo/plan.h"
 
 #include "core/errors.h"
 

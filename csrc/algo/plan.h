@@ -1,5 +1,9 @@
-// Host-side planning for the GPU algorithms: plain C++ with no CUDA, compiled into every build so
-// the CPU tests check it (plait._C.gpu_plan_*). The GPU algorithms execute exactly these plans.
+// The schedules algorithms share across transports: plain C++ with no CUDA, compiled into every
+// build so the CPU tests check them (plait._C.gpu_plan_*). A ring (ring_plan) or a tree
+// (tree_links) is planned once here and executed by the host algorithms over shared-memory
+// staging (allreduce_ring.cc, reduce_scatter_ring.cc, allgather_ring.cc, allreduce_tree.cc), by
+// the GPU algorithms over NCCL send/recv (gpu_ring.cc, gpu_tree.cc) and over CUDA IPC epochs
+// (ipc_ring.cc, through ipc_ring_plan); only how a step moves its block differs.
 #pragma once
 #include <cstdint>
 #include <vector>
