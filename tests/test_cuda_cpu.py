@@ -734,7 +734,7 @@ def _gpu_path(rank, n, store, case):
         ("allgather_size", "output has 36 bytes but must be 2 x the input's 16"),
         ("alltoall_in_place", "alltoall cannot run in place on a GPU"),
         ("ipc_broadcast", "no path over the CUDA IPC transport"),
-        ("unknown_algorithm", "no GPU algorithm 'nope'"),
+        ("unknown_algorithm", "has no algorithm 'nope' (choose auto, nccl, ring, tree) over NCCL"),
     ],
 )
 def test_gpu_call_path_refuses_bad_calls_on_every_rank(case, pattern):
@@ -801,7 +801,7 @@ def test_a_communicator_takes_one_gpu_queue():
 def test_gpu_algorithm_override_resolves_by_name(override, coll, algo, want):
     (got,) = run_ranks(_resolve_with, 1, RUN_TIMEOUT, args=(override, coll, algo))
     if want is None:
-        assert got[0] == "InvalidArgument" and "no GPU algorithm 'nope'" in got[1], got
+        assert got[0] == "InvalidArgument" and "has no algorithm 'nope'" in got[1], got
     else:
         assert got == want
     (ipc,) = run_ranks(_resolve_with, 1, RUN_TIMEOUT, args=(override, "allreduce", "auto", "ipc"))

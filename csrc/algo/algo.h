@@ -124,6 +124,26 @@ struct AutoInputs {
 // Deterministic in its inputs, so that every rank picks the same one.
 const char* auto_algorithm(Coll c, const AutoInputs& in);
 
+// An algorithm override (PLAIT_ALGO for host calls, PLAIT_GPU_ALGO over NCCL): "ring" (every
+// collective with a row of that name among `offered`'s), or "allreduce=tree,allgather=direct".
+// strict: an item that names no row of `offered` is an InvalidArgument now (a host
+// communicator refuses it at init); otherwise a "collective=name" item is kept, and the call
+// that would run it is refused.
+struct AlgoOverride {
+  std::string text;
+  std::vector<std::string> forced;  // per collective; "" = auto
+  AlgoOverride() : forced(size_t(Coll::kCount)) {}
+  AlgoOverride(const std::string& text, Caps offered, bool strict, const char* env_name);
+};
+
+// The one selector: the index in algorithms_for(c, offered) of the row a call runs (`asked`:
+// "auto", "" or a name; auto takes the override's choice, else auto_algorithm(c, in)), or -1
+// with *why saying what is wrong, starting "rank R: collective". A row whose needs the live
+// capabilities (in.caps) lack is refused with `unavailable` as the reason.
+int select_algorithm(Coll c, const std::string& asked, const AlgoOverride& ov, Caps offered,
+                     const AutoInputs& in, int rank, const std::string& unavailable,
+                     std::string* why);
+
 // Private scratch memory of this thread, at least `bytes`, 64-byte aligned; reused by later
 // calls on the same thread (so it grows to the largest request and stays).
 inline char* scratch(size_t bytes) {

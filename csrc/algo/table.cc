@@ -1,5 +1,8 @@
 // The one ordered table of algorithms, host and GPU, and the "auto" choice between them.
+#include <cstring>
+
 #include "algo/algo.h"
+#include "core/errors.h"
 
 namespace plait {
 
@@ -127,6 +130,53 @@ int algorithm_row(const std::string& name) {
   const auto& table = algorithm_table();
   for (size_t i = 0; i < table.size(); ++i)
     if (name == table[i].name) return int(i);
+  return -1;
+}
+
+AlgoOverride::AlgoOverride(const std::string& t, Caps offered, bool strict, const char* env_name)
+    : text(t), forced(size_t(Coll::kCount)) {
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t comma = text.find(',', at);
+    if (comma == std::string::npos) comma = text.size();
+    const std::string item = text.substr(at, comma - at);
+    at = comma + 1;
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    const std::string name = eq == std::string::npos ? item : item.substr(eq + 1);
+    bool used = false;
+    for (int c = 0; c < int(Coll::kCount); ++c) {
+      if (eq != std::string::npos && item.substr(0, eq) != coll_name(Coll(c))) continue;
+      // A bare name applies where the collective has it; "coll=name" applies to that one.
+      const bool has = algorithm_index(Coll(c), offered, name) >= 0;
+      if (has || (eq != std::string::npos && !strict)) forced[size_t(c)] = name, used = true;
+    }
+    if (!used && strict)
+      throw InvalidArgument(std::string(env_name) + ": '" + item +
+                            "' names no algorithm (see plait.algorithms(collective))");
+  }
+}
+
+int select_algorithm(Coll c, const std::string& asked, const AlgoOverride& ov, Caps offered,
+                     const AutoInputs& in, int rank, const std::string& unavailable,
+                     std::string* why) {
+  const bool asked_auto = asked == "auto" || asked.empty();
+  const std::string& forced = asked_auto ? ov.forced[size_t(c)] : asked;
+  const char* want = forced.empty() ? auto_algorithm(c, in) : forced.c_str();
+  const auto& algos = algorithms_for(c, offered);
+  for (size_t i = 0; i < algos.size(); ++i) {
+    if (std::strcmp(want, algos[i]->name) != 0) continue;
+    if ((algos[i]->needs & ~in.caps) && in.world > 1) {
+      *why = "rank " + std::to_string(rank) + ": " + coll_name(c) + " algorithm '" + want +
+             "' is not available on this communicator: " + unavailable;
+      return -1;
+    }
+    return int(i);
+  }
+  std::string names;
+  for (const Algorithm* a : algos) names += std::string(names.empty() ? "" : ", ") + a->name;
+  *why = "rank " + std::to_string(rank) + ": " + coll_name(c) + " has no algorithm '" + want +
+         "' (" + (names.empty() ? "none here" : "choose auto, " + names) + ")";
   return -1;
 }
 

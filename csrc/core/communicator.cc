@@ -67,14 +67,13 @@ Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options
       opt_(opt),
       tp_(*seg_, rank, policy_, shm_algo_name) {
   if (opt_.oversubscribed) policy_.spin_iters = 16;
-  forced_.assign(size_t(Coll::kCount), "");
   try {
     if (!(opt_.timeout_s >= 0))
       throw InvalidArgument(bad_seconds("timeout", opt_.timeout_s, "0: calls never wait"));
     if (!(opt_.init_timeout_s >= 0))
       throw InvalidArgument(
           bad_seconds("init_timeout", opt_.init_timeout_s, "0: init never waits"));
-    parse_algo_override();
+    override_ = AlgoOverride(opt_.algo_override, kShmCaps, /*strict=*/true, "PLAIT_ALGO");
   } catch (...) {
     seg_->unlink();
     throw;
@@ -107,24 +106,6 @@ Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options
     throw;
   }
   seg_->unlink();
-}
-
-void Communicator::parse_algo_override() {
-  std::stringstream ss(opt_.algo_override);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (item.empty()) continue;
-    auto eq = item.find('=');
-    bool used = false;
-    for (int c = 0; c < int(Coll::kCount); ++c) {
-      std::string name = eq == std::string::npos ? item : item.substr(eq + 1);
-      if (eq != std::string::npos && item.substr(0, eq) != coll_name(Coll(c))) continue;
-      if (algorithm_index(Coll(c), kShmCaps, name) >= 0) forced_[size_t(c)] = name, used = true;
-    }
-    if (!used)
-      throw InvalidArgument("PLAIT_ALGO: '" + item +
-                            "' names no algorithm (see plait.algorithms(collective))");
-  }
 }
 
 Communicator::~Communicator() { finalize(); }
@@ -256,24 +237,13 @@ void Communicator::rethrow(const PlaitError& e) {
 }
 
 int Communicator::resolve_algo(Coll c, const std::string& name, size_t bytes) {
-  const Caps live = tp_.caps();
-  const std::string& forced = name == "auto" || name.empty() ? forced_[size_t(c)] : name;
-  const char* want = forced.c_str();
-  if (forced.empty())
-    want = auto_algorithm(c, {live, bytes, size_, tp_.staging_bytes(), opt_.oversubscribed});
-  const auto& algos = algorithms_for(c, kShmCaps);
-  for (size_t i = 0; i < algos.size(); ++i) {
-    if (std::strcmp(want, algos[i]->name) != 0) continue;
-    if ((algos[i]->needs & ~live) && size_ > 1)
-      fail(ErrorKind::invalid,
-           "rank " + std::to_string(rank_) + ": " + coll_name(c) + " algorithm '" + want +
-               "' is not available on this communicator: " + tp_.read_unavailable());
-    return int(i);
-  }
-  std::string names;
-  for (auto* a : algos) names += std::string(names.empty() ? "" : ", ") + a->name;
-  fail(ErrorKind::invalid, "rank " + std::to_string(rank_) + ": " + coll_name(c) +
-                               " has no algorithm '" + want + "' (choose auto, " + names + ")");
+  std::string why;
+  const int i =
+      select_algorithm(c, name, override_, kShmCaps,
+                       {tp_.caps(), bytes, size_, tp_.staging_bytes(), opt_.oversubscribed}, rank_,
+                       tp_.read_unavailable(), &why);
+  if (i < 0) fail(ErrorKind::invalid, why);
+  return i;
 }
 
 CallArgs Communicator::validate(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root,

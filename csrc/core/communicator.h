@@ -152,7 +152,6 @@ class Communicator {
 
   CallArgs validate(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root, int peer,
                     int64_t tag, const std::string& algo, std::optional<double> timeout_s);
-  void parse_algo_override();
   int resolve_algo(Coll c, const std::string& name, size_t bytes);
   void call_device(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root, int peer,
                    int64_t tag, const std::string& algo, std::optional<double> timeout_s);
@@ -181,7 +180,7 @@ class Communicator {
   Options opt_;
   WaitPolicy policy_;
   ShmTransport tp_;
-  std::vector<std::string> forced_;  // per collective, from PLAIT_ALGO
+  AlgoOverride override_;  // PLAIT_ALGO
   uint64_t seq_ = 0;
   std::atomic<uint64_t> gpu_seq_{0};  // GPU calls checked (check_gpu_call)
   std::mutex dev_mu_;

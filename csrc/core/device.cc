@@ -4,53 +4,25 @@
 
 namespace plait {
 
-DeviceAlgoOverride::DeviceAlgoOverride(const std::string& t)
-    : text(t), forced(size_t(Coll::kCount)) {
-  size_t at = 0;
-  while (!text.empty() && at <= text.size()) {
-    const size_t comma = text.find(',', at);
-    const std::string item =
-        text.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
-    const size_t eq = item.find('=');
-    for (int c = 0; c < int(Coll::kCount); ++c)
-      if (eq == std::string::npos || item.substr(0, eq) == coll_name(Coll(c)))
-        forced[size_t(c)] = eq == std::string::npos ? item : item.substr(eq + 1);
-    if (comma == std::string::npos) break;
-    at = comma + 1;
-  }
-}
-
 const Algorithm& resolve_device_algo(Coll c, const std::string& algo, Caps caps,
-                                     const DeviceAlgoOverride& ov, int rank) {
+                                     const AlgoOverride& ov, int rank) {
+  const bool ipc = (caps & kCapCudaIpc) != 0;
   const auto& algos = algorithms_for(c, caps);
   const std::string head = "rank " + std::to_string(rank) + ": " + coll_name(c);
-  const bool asked_auto = algo == "auto" || algo.empty();
-  std::string names;
-  for (const Algorithm* a : algos) names += std::string(names.empty() ? "" : ", ") + a->name;
-  auto named = [&](const std::string& want) -> const Algorithm* {
-    for (const Algorithm* a : algos)
-      if (want == a->name) return a;
-    return nullptr;
-  };
-  if (caps & kCapCudaIpc) {  // PLAIT_GPU_ALGO is NCCL's; IPC rows are chosen by name or auto
-    if (algos.empty())
-      throw InvalidArgument(
-          head +
-          " of GPU arrays has no path over the CUDA IPC transport (ranks sharing a GPU) in this "
-          "version: it runs over NCCL, with one GPU per rank; IPC has allreduce, reduce_scatter "
-          "and allgather");
-    if (const Algorithm* a = named(asked_auto ? auto_algorithm(c, {caps}) : algo)) return *a;
-    throw InvalidArgument(head + ": no algorithm '" + algo + "' over the CUDA IPC transport (" +
-                          names + "; the others run over NCCL, with one GPU per rank)");
-  }
-  const std::string& want = asked_auto ? ov.forced[size_t(c)] : algo;
-  if (const Algorithm* a = named(want)) return *a;
-  // PLAIT_GPU_ALGO=ring forces ring where there is one; collectives without it keep auto.
-  const bool blanket = asked_auto && ov.text.find('=') == std::string::npos;
-  if (!algos.empty() && (want.empty() || blanket))
-    if (const Algorithm* a = named(auto_algorithm(c, {caps}))) return *a;
-  throw InvalidArgument(head + ": no GPU algorithm '" + want + "' (" +
-                        (names.empty() ? "this collective has no GPU path yet" : names) + ")");
+  if (algos.empty() && ipc)
+    throw InvalidArgument(
+        head +
+        " of GPU arrays has no path over the CUDA IPC transport (ranks sharing a GPU) in this "
+        "version: it runs over NCCL, with one GPU per rank; IPC has allreduce, reduce_scatter "
+        "and allgather");
+  if (algos.empty()) throw InvalidArgument(head + " of GPU arrays has no GPU path in this version");
+  static const AlgoOverride none;
+  std::string why;
+  const int i = select_algorithm(c, algo, ipc ? none : ov, caps, AutoInputs{caps}, rank, "", &why);
+  if (i >= 0) return *algos[size_t(i)];
+  throw InvalidArgument(why + (ipc ? " over the CUDA IPC transport; the others run over NCCL, "
+                                     "with one GPU per rank"
+                                   : " over NCCL"));
 }
 
 void DeviceQueue::call(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root, int peer,

@@ -20,18 +20,12 @@
 
 namespace plait {
 
-// PLAIT_GPU_ALGO: "ring" (every collective that has one) or "allreduce=tree,allgather=nccl".
-struct DeviceAlgoOverride {
-  std::string text;
-  std::vector<std::string> forced;  // per collective; "" = auto
-  explicit DeviceAlgoOverride(const std::string& text = "");
-};
-
-// The row `algo` ("auto", "", or a name) runs as for collective c over a transport offering
-// `caps`; throws InvalidArgument naming the choices. Every rank resolves alike, so a setting that
-// differs between ranks is caught by the call check (the algorithm is in the fingerprint).
+// The row `algo` ("auto", "", or a name) runs as for collective c over a GPU transport offering
+// `caps` (select_algorithm, with PLAIT_GPU_ALGO over NCCL; IPC rows go by name or auto); throws
+// InvalidArgument naming the choices. Every rank resolves alike, so a setting that differs
+// between ranks is caught by the call check (the algorithm is in the fingerprint).
 const Algorithm& resolve_device_algo(Coll c, const std::string& algo, Caps caps,
-                                     const DeviceAlgoOverride& ov, int rank);
+                                     const AlgoOverride& ov, int rank);
 
 class DeviceQueue {
  public:
@@ -39,7 +33,11 @@ class DeviceQueue {
   using Check = std::function<void(const CallArgs&, const char* algo)>;
 
   DeviceQueue(int rank, int size, int device, double timeout_s, const std::string& algo_override)
-      : rank_(rank), size_(size), device_(device), timeout_s_(timeout_s), ov_(algo_override) {}
+      : rank_(rank),
+        size_(size),
+        device_(device),
+        timeout_s_(timeout_s),
+        ov_(algo_override, kNcclCaps, /*strict=*/false, "PLAIT_GPU_ALGO") {}
   virtual ~DeviceQueue() = default;
   DeviceQueue(const DeviceQueue&) = delete;
   DeviceQueue& operator=(const DeviceQueue&) = delete;
@@ -72,7 +70,7 @@ class DeviceQueue {
 
   const int rank_, size_, device_;
   const double timeout_s_;
-  const DeviceAlgoOverride ov_;
+  const AlgoOverride ov_;  // PLAIT_GPU_ALGO (applies over NCCL)
 
  private:
   std::mutex issue_mu_;  // one call at a time: checked in the order it is enqueued
