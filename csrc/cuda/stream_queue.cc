@@ -104,10 +104,15 @@ StreamQueue::StreamQueue(std::unique_ptr<DeviceTransport> tp, int rank, int size
     std::lock_guard<std::mutex> lock(call_mu_);
     deadline_ = gpu_now_s() + timeout_s_;
     tp_->connect([this](const std::string& what) { poll_once(what); });
+  } catch (const PlaitError& e) {
+    if (!failed_) record(e.kind(), e.what());  // peers stop waiting in their own init
+    tp_->abort();
+    cudaEventDestroy(last_);  // no destructor runs for a constructor that throws
+    throw;
   } catch (...) {
     tp_->signal_abort();
     tp_->abort();
-    cudaEventDestroy(last_);  // no destructor runs for a constructor that throws
+    cudaEventDestroy(last_);
     throw;
   }
   Watchdog::Hooks h = cuda_event_hooks(device_);
@@ -332,6 +337,11 @@ void StreamQueue::finalize() {
     const std::string err = tp_->async_error(&k);  // a kernel that gave up in the last call
     if (!err.empty()) fail_locked(k, who() + ": " + err + "; communicator aborted");
     tp_->close(poll);
+  } catch (const PlaitError& e) {
+    if (!failed_) record(e.kind(), e.what());  // a transport error: every rank learns of it
+    tp_->abort();
+    cudaStreamDestroy(s);
+    throw;
   } catch (...) {
     cudaStreamDestroy(s);
     throw;
