@@ -10,7 +10,7 @@ constexpr double kTeardownWaitS = 5;
 }  // namespace
 
 CudaIpcTransport::CudaIpcTransport(int rank, int size, int device, size_t staging_bytes)
-    : rank_(rank), size_(size) {
+    : rank_(rank), size_(size), device_(device) {
   if (staging_bytes < 4096)
     throw InvalidArgument("PLAIT_GPU_IPC_BYTES must be >= 4096, got " +
                           std::to_string(staging_bytes));
@@ -33,6 +33,11 @@ std::string CudaIpcTransport::async_error(ErrorKind* kind) {
       *kind = ErrorKind::generic;
       return "the GPU work was aborted";
   }
+}
+
+CudaIpcTransport::~CudaIpcTransport() {
+  DeviceGuard g(device_);  // frees and unmaps on this rank's GPU, whoever drops the transport
+  tp_.reset();
 }
 
 void CudaIpcTransport::drain(cudaStream_t s, double timeout_s) {

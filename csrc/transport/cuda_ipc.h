@@ -17,6 +17,7 @@ class CudaIpcTransport final : public DeviceTransport {
  public:
   // staging_bytes: PLAIT_GPU_IPC_BYTES (>= 4096) of device memory per rank.
   CudaIpcTransport(int rank, int size, int device, size_t staging_bytes);
+  ~CudaIpcTransport() override;
 
   const char* name() const override { return "ipc"; }
   std::string describe() const override { return "CUDA IPC"; }
@@ -32,7 +33,7 @@ class CudaIpcTransport final : public DeviceTransport {
   void teardown(cudaEvent_t last) override;
 
  private:
-  int rank_, size_;
+  int rank_, size_, device_;
   std::unique_ptr<IpcMapping> tp_;
   uint64_t epoch_ = 0;
 };

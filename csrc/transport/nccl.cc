@@ -40,6 +40,7 @@ NcclTransport::NcclTransport(const NcclApi& api, const nccl::UniqueId& id, int r
 }
 
 NcclTransport::~NcclTransport() {
+  DeviceGuard g(device_);  // also when a queue that failed to connect drops it
   abort();  // never a hang: work still in flight is aborted (finalize() closes in order)
   if (scratch_) cudaFree(scratch_);
 }
