@@ -358,24 +358,6 @@ void bind_comm(py::module_& m) {
              c.finalize();
            })
       .def(
-          "check_gpu_call",
-          [](Communicator& c, const std::string& coll, const std::string& dtype,
-             const std::string& op, int64_t count, int32_t root, const std::string& algo,
-             const std::string& transport, const std::string& head) {
-            int code = 0;
-            while (code < int(Coll::kCount) && coll != coll_name(Coll(code))) ++code;
-            if (code == int(Coll::kCount))
-              throw InvalidArgument("check_gpu_call: no collective " + coll);
-            if (transport != "nccl" && transport != "ipc")
-              throw InvalidArgument("check_gpu_call: transport nccl or ipc, not " + transport);
-            c.check_gpu_call(Coll(code), parse_dtype(dtype), parse_op(op), count, root, algo,
-                             transport == "ipc", head);
-          },
-          py::arg("coll"), py::arg("dtype"), py::arg("op"), py::arg("count"), py::arg("root"),
-          py::arg("algorithm"), py::arg("transport"), py::arg("head"),
-          "Compares a GPU call with the other ranks' same call without waiting (MismatchError on "
-          "every rank when they disagree), then records it in the flight recorder.")
-      .def(
           "fail",
           [](Communicator& c, const std::string& msg, const std::string& kind) {
             // Aborts the communicator on every rank and raises; kind: invalid (default) or

@@ -53,8 +53,14 @@ uint32_t algo_hash(const std::string& name) {
   return h;
 }
 
-void Communicator::check_gpu_call(Coll c, DType dtype, RedOp op, int64_t count, int32_t root,
-                                  const std::string& algo, bool ipc, const std::string& head) {
+void Communicator::check_gpu_call(const CallArgs& call, const char* algo_name, bool ipc,
+                                  int device) {
+  const Coll c = call.coll;
+  const DType dtype = call.dtype;
+  const RedOp op = call.op;
+  const int64_t count = call.count;
+  const int32_t root = call.root;
+  const std::string algo = algo_name;
   tp_.throw_if_aborted();  // a mismatch a peer found in an earlier call surfaces here
   const uint64_t seq = gpu_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
   const Fields mine{count, root, algo_hash(algo), uint8_t(c), uint8_t(dtype), uint8_t(op)};
@@ -83,6 +89,9 @@ void Communicator::check_gpu_call(Coll c, DType dtype, RedOp op, int64_t count, 
     field(theirs.root == mine.root, "root");
     field(theirs.algo == mine.algo, "algorithm");
     if (diff.empty()) continue;
+    const std::string head = "rank " + std::to_string(rank_) + ": " + coll_name(c) + " (" +
+                             dtype_name(dtype) + " x " + std::to_string(count) + " on GPU " +
+                             std::to_string(device) + ")";
     fail(ErrorKind::mismatch,
          head + ": mismatched GPU calls: ranks " + std::to_string(rank_) + " and " +
              std::to_string(p) + " disagree on " + diff + " at GPU call #" + std::to_string(seq) +

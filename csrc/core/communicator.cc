@@ -281,25 +281,21 @@ void Communicator::call_device(Coll c, const Buffer& in, const Buffer& out, RedO
                                int peer, int64_t tag, const std::string& algo,
                                std::optional<double> timeout_s) {
   std::shared_ptr<DeviceQueue> q = device_queue();
-  const std::string head = "rank " + std::to_string(rank_) + ": " + coll_name(c);
+  auto head = [&] { return "rank " + std::to_string(rank_) + ": " + coll_name(c); };
   if (!q)
-    fail(ErrorKind::invalid, head +
+    fail(ErrorKind::invalid, head() +
                                  ": GPU arrays need this communicator's GPU transport, which "
                                  "the first GPU call creates on every rank (plait._gpu)");
   if (tag != 0)
     fail(ErrorKind::invalid,
-         head + ": tag " + std::to_string(tag) +
+         head() + ": tag " + std::to_string(tag) +
              ": GPU send/recv have no tags; they match in issue order per pair of ranks (tag=0)");
-  const bool ipc = std::string(q->transport()) == "ipc";
+  const bool ipc = std::strcmp(q->transport(), "ipc") == 0;
   // The queue's own errors reach every rank through it (GpuPeers); the check's go through
   // fail(), like a host call's.
+  const int device = (in.present ? in : out).device_index;
   q->call(c, in, out, op, root, peer, algo, timeout_s.value_or(-1.0),
-          [&](const CallArgs& a, const char* name) {
-            const Buffer& any = in.present ? in : out;
-            check_gpu_call(c, a.dtype, a.op, a.count, a.root, name, ipc,
-                           head + " (" + dtype_name(a.dtype) + " x " + std::to_string(a.count) +
-                               " on GPU " + std::to_string(any.device_index) + ")");
-          });
+          [&](const CallArgs& a, const char* name) { check_gpu_call(a, name, ipc, device); });
 }
 
 std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer& out, RedOp op,

@@ -97,13 +97,6 @@ class Communicator {
   // Aborts the communicator on every rank with this error (used for input the Python layer
   // rejects before it reaches call()).
   [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
-  // Compares a GPU call (enqueued on a stream, not run here) with the same call number on the
-  // other ranks without waiting for them (core/call_check.cc); a disagreement aborts the
-  // communicator on every rank with MismatchError. `head` starts the message ("rank 0: allreduce
-  // (torch float32 x 8 on GPU 0)").
-  // The call is then kept in the flight recorder as enqueued over NCCL (or CUDA IPC when ipc).
-  void check_gpu_call(Coll c, DType dtype, RedOp op, int64_t count, int32_t root,
-                      const std::string& algo, bool ipc, const std::string& head);
   // The GPU transport's queue GPU calls are enqueued on (created by the first GPU call, once every
   // rank agreed on the transport: plait._gpu). Attaching twice is refused.
   void attach_device(std::shared_ptr<DeviceQueue> q);
@@ -155,6 +148,11 @@ class Communicator {
   int resolve_algo(Coll c, const std::string& name, size_t bytes);
   void call_device(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root, int peer,
                    int64_t tag, const std::string& algo, std::optional<double> timeout_s);
+  // Compares a GPU call (enqueued on a stream, not run here) with the same call number on the
+  // other ranks without waiting for them (core/call_check.cc); a disagreement aborts the
+  // communicator on every rank with MismatchError naming both ranks' calls. The call is then
+  // kept in the flight recorder as enqueued over NCCL (or CUDA IPC when ipc).
+  void check_gpu_call(const CallArgs& a, const char* algo, bool ipc, int device);
   void run(CallArgs& a);  // one collective, on whichever thread holds exec_mu_
   void run_local(const CallArgs& a);
   void run_p2p(std::vector<P2P>& ops);

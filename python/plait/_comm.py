@@ -513,11 +513,6 @@ class Communicator:
     def label(self, value: str) -> None:
         self._c.label = str(value)
 
-    def _check_gpu_call(self, coll, dtype, op, count, root, algorithm, transport, head):
-        """plait._gpu's check of a GPU call against the other ranks (never waits; MismatchError),
-        which also keeps it in the flight recorder."""
-        self._c.check_gpu_call(coll, dtype, op, count, root, algorithm, transport, head)
-
     def fail(self, message: str, kind: str = "invalid") -> None:
         """Aborts this communicator on every rank with `message` and raises it here: how a layer
         above (GPU arrays, a hierarchical communicator) rejects input so that no peer waits on a
