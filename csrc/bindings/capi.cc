@@ -88,6 +88,8 @@ int c_task_run(void* comm, void* task) {
 
 int c_task_peer(void* task) { return (*static_cast<std::shared_ptr<Task>*>(task))->args.peer; }
 
+void c_task_start(void* task) { (*static_cast<std::shared_ptr<Task>*>(task))->start(); }
+
 void c_task_release(void* task) { delete static_cast<std::shared_ptr<Task>*>(task); }
 
 void c_finalize(void* comm) { static_cast<Communicator*>(comm)->finalize(); }
@@ -102,7 +104,8 @@ void* c_shared_alloc(size_t bytes, uint64_t* id) {
 
 const plait_capi kTable = {
     PLAIT_CAPI_VERSION, sizeof(plait_capi), c_rank,     c_size,      c_call,         c_fail,
-    c_task_run,         c_task_release,     c_finalize, c_task_peer, c_shared_alloc, shared_free};
+    c_task_run,         c_task_release,     c_finalize, c_task_peer, c_shared_alloc, shared_free,
+    c_task_start};
 
 }  // namespace
 

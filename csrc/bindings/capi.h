@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define PLAIT_CAPI_VERSION 1
+#define PLAIT_CAPI_VERSION 2
 #define PLAIT_CAPI_CAPSULE "plait._C._capi"
 #define PLAIT_COMM_CAPSULE "plait.Communicator"
 
@@ -88,6 +88,11 @@ typedef struct plait_capi {
   // Memory peers can map (plait.empty's): alloc returns NULL on failure; id frees it.
   void* (*shared_alloc)(size_t bytes, uint64_t* id);
   void (*shared_free)(uint64_t id);
+  // Version 2. Starts a queued async call now on plait's progress thread. An async collective is
+  // otherwise left up to a grace period to a caller that runs it when it waits (task_run;
+  // core/wakeup.h): callers that will not wait soon (they hand out its Future, or poll it) start
+  // it.
+  void (*task_start)(void* task);
 } plait_capi;
 
 #ifdef __cplusplus

@@ -321,7 +321,15 @@ void bind_comm(py::module_& m) {
             return t.wait(timeout);
           },
           py::arg("timeout") = py::none())
-      .def("done", &Task::done);
+      .def("done", &Task::done)
+      .def(
+          "poll",
+          [](Task& t) {
+            t.start();
+            return t.done();
+          },
+          "done(); a call plait left to its waiter (core/wakeup.h) starts now, since a caller "
+          "that polls may not wait soon.");
 
   py::class_<Communicator>(m, "Communicator")
       .def(py::init([](std::shared_ptr<Segment> seg, int rank, double timeout,
@@ -352,6 +360,15 @@ void bind_comm(py::module_& m) {
           "Every rank's last calls from the flight recorder, as JSON text.")
       .def("_flight_scribble", &Communicator::flight_scribble, py::arg("rank"), py::arg("seed"),
            "Test hook: overwrites rank's flight ring with garbage drawn from seed.")
+      .def(
+          "run_here",
+          [](Communicator& c, const std::shared_ptr<Task>& t) {
+            py::gil_scoped_release nogil;
+            return c.run_here(t);
+          },
+          py::arg("task"),
+          "Runs an async task on this thread if it is next in line (a caller about to wait on "
+          "it); true if it is finished.")
       .def("finalize",
            [](Communicator& c) {
              py::gil_scoped_release nogil;

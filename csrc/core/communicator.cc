@@ -32,6 +32,7 @@ bool Task::wait(std::optional<double> timeout_s) {
     throw InvalidArgument(
         bad_seconds("Handle.wait: timeout", *timeout_s, "0 only looks; None waits for the call"));
   if (!done()) {
+    start();  // deferred: the progress thread takes it now
     std::unique_lock<std::mutex> lk(m_);
     auto pred = [&] { return done(); };
     if (!timeout_s || std::isinf(*timeout_s)) {
@@ -74,6 +75,7 @@ Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options
       throw InvalidArgument(
           bad_seconds("init_timeout", opt_.init_timeout_s, "0: init never waits"));
     override_ = AlgoOverride(opt_.algo_override, kShmCaps, /*strict=*/true, "PLAIT_ALGO");
+    wake_ = std::make_shared<Wakeup>(async_grace_ns());
   } catch (...) {
     seg_->unlink();
     throw;
@@ -146,18 +148,11 @@ void Communicator::progress_loop() {
   ready_cv_.notify_all();
   if (!ok) return;
   std::vector<P2P> batch;
+  bool busy = false;
   for (;;) {
-    std::shared_ptr<Task> t;
-    // No spinning before sleeping here: the caller's thread usually shares this rank's core
-    // (plait-bench and torch pin ranks), and a spinning progress thread measured 5x slower
-    // async hand-offs than the ~30 us condition-variable wake-up.
-    {
-      std::unique_lock<std::mutex> lk(q_mu_);
-      q_cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) break;
-      t = queue_.front();
-      queue_.pop_front();
-    }
+    std::shared_ptr<Task> t = next_task(busy);
+    if (!t) break;
+    busy = true;
     if (t->args.coll == Coll::send || t->args.coll == Coll::recv) {
       batch.clear();
       batch.push_back(P2P{&t->args, t});
@@ -185,13 +180,72 @@ void Communicator::progress_loop() {
   pthread_mutex_unlock(&me->alive);
 }
 
-void Communicator::enqueue(const std::shared_ptr<Task>& t) {
-  pending_.fetch_add(1, std::memory_order_acq_rel);
-  {
-    std::lock_guard<std::mutex> lk(q_mu_);
-    queue_.push_back(t);
+// No spinning before sleeping in here: the caller's thread often shares this rank's core
+// (plait-bench pins ranks), and a spinning progress thread measured 5x slower async hand-offs
+// than a wake-up.
+std::shared_ptr<Task> Communicator::next_task(bool busy) {
+  std::unique_lock<std::mutex> lk(q_mu_);
+  for (;;) {
+    if (!queue_.empty()) {
+      const std::shared_ptr<Task>& t = queue_.front();
+      // A deferred task is left to its caller for half the grace period, unless the thread is
+      // awake anyway (busy: it ran a task), or someone waits or queued a call behind it.
+      const bool taken = busy || wake_->urgent() || !t->deferred_ns_;
+      if (taken || mono_ns() - t->deferred_ns_ >= wake_->grace_ns() / 2) {
+        // Its caller did not come for it: it overlaps calls with other work (FSDP's prefetch),
+        // so the next async calls start at once, without the grace's delay.
+        if (!taken) eager_calls_ = kEagerCalls;
+        std::shared_ptr<Task> r = t;
+        queue_.pop_front();
+        return r;
+      }
+      wake_->tick_on();
+    } else if (stop_) {
+      return nullptr;
+    } else {
+      wake_->clear_urgent();
+    }
+    busy = false;
+    sleeping_ = true;
+    lk.unlock();
+    const bool ticked = wake_->sleep();
+    lk.lock();
+    sleeping_ = false;
+    if (ticked && queue_.empty()) wake_->idle_tick();
   }
-  q_cv_.notify_one();
+}
+
+void Communicator::enqueue(const std::shared_ptr<Task>& t, bool deferred) {
+  pending_.fetch_add(1, std::memory_order_acq_rel);
+  std::lock_guard<std::mutex> lk(q_mu_);
+  if (deferred && eager_calls_ > 0) {
+    --eager_calls_;
+    deferred = false;
+  }
+  if (deferred) {
+    t->deferred_ns_ = mono_ns();
+    t->wake_ = wake_;
+  }
+  queue_.push_back(t);
+  if (deferred) {
+    if (sleeping_) wake_->tick_on();
+  } else {
+    wake_->kick(sleeping_);  // also hurries deferred tasks ahead of t
+  }
+}
+
+uint64_t Communicator::async_grace_ns() {
+  // PLAIT_ASYNC_GRACE_US: how long an async collective is left to its caller (core/wakeup.h).
+  const char* e = getenv("PLAIT_ASYNC_GRACE_US");
+  if (!e || !*e) return kAsyncGraceNs;
+  char* end = nullptr;
+  const double us = std::strtod(e, &end);
+  if (*end || !(us >= 0) || us > 1e7)
+    throw InvalidArgument(
+        "PLAIT_ASYNC_GRACE_US must be microseconds in [0, 1e7] (0: async calls "
+        "start at once), got '" +
+        std::string(e) + "'");
+  return uint64_t(us * 1000);
 }
 
 std::string Communicator::dead_peer() {
@@ -210,7 +264,7 @@ void Communicator::finalize() {
     std::lock_guard<std::mutex> lk(q_mu_);
     stop_ = true;
   }
-  q_cv_.notify_all();
+  wake_->kick();
   if (thread_.joinable()) thread_.join();
   if (trace_) trace_->flush();
 }
@@ -334,7 +388,9 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
   }
   auto t = std::make_shared<Task>(a);
   t->on_done_ = std::move(on_done);
-  enqueue(t);
+  // An async collective is left to its caller to run when it waits (core/wakeup.h); a send or
+  // recv is not (run_here does not take them: they progress in batches).
+  enqueue(t, async && c != Coll::send && c != Coll::recv && wake_->grace_ns() > 0);
   if (async) return t;
   try {
     notify_long_wait();
@@ -353,13 +409,18 @@ bool Communicator::run_here(const std::shared_ptr<Task>& t) {
   {
     // exec_mu_ first: once t leaves the queue, nothing issued later may run before it.
     std::unique_lock<std::mutex> ex(exec_mu_, std::try_to_lock);
-    if (!ex.owns_lock()) return false;
+    if (!ex.owns_lock()) {
+      wake_->kick();  // the caller waits next: deferred tasks ahead of t must start now
+      return false;
+    }
     {
       std::lock_guard<std::mutex> lk(q_mu_);
       // Nothing running (pending_ counts queued and running calls) and t next in line.
       if (queue_.empty() || queue_.front() != t ||
-          size_t(pending_.load(std::memory_order_acquire)) != queue_.size())
+          size_t(pending_.load(std::memory_order_acquire)) != queue_.size()) {
+        wake_->kick(sleeping_);  // the caller waits next: deferred tasks ahead of t must start now
         return false;
+      }
       queue_.pop_front();
     }
     try {

@@ -24,6 +24,7 @@
 #include "core/errors.h"
 #include "core/flight.h"
 #include "core/trace.h"
+#include "core/wakeup.h"
 #include "transport/shm.h"
 
 namespace plait {
@@ -45,6 +46,11 @@ class Task {
   // otherwise); true when finished. Throws the call's error.
   bool wait(std::optional<double> timeout_s);
   bool done() const { return state_.load(std::memory_order_acquire) != 0; }
+  // A deferred task (core/wakeup.h) that is not finished: has the progress thread start it now,
+  // for callers that will not wait on it soon.
+  void start() {
+    if (wake_ && !done()) wake_->kick();
+  }
 
   // Called once when the task finishes, on the thread that finished it (plait's progress
   // thread, or a waiter that ran the task itself): how callers complete their own futures
@@ -63,6 +69,8 @@ class Task {
   ErrorKind kind_ = ErrorKind::none;
   std::string msg_;
   std::shared_ptr<const std::string> flight_;
+  uint64_t deferred_ns_ = 0;      // queued without a wake-up at this time (core/wakeup.h)
+  std::shared_ptr<Wakeup> wake_;  // kicked by a waiter of a deferred task
 };
 
 class Communicator {
@@ -162,7 +170,12 @@ class Communicator {
       const CallArgs& a);  // 1 copied from the stash, 0 none there, -1 there but incomplete
   bool stash_head(int peer, const std::vector<P2P>& ops);
   void progress_loop();
-  void enqueue(const std::shared_ptr<Task>& t);
+  // Queues t for the progress thread; deferred: without waking it (core/wakeup.h).
+  void enqueue(const std::shared_ptr<Task>& t, bool deferred = false);
+  // The progress thread's next task, sleeping until there is one it should take; null at stop.
+  // busy: the thread ran a task since it last slept (it then takes deferred tasks at once).
+  std::shared_ptr<Task> next_task(bool busy);
+  static uint64_t async_grace_ns();  // PLAIT_ASYNC_GRACE_US, or kAsyncGraceNs
   void wait_for_all_ranks(double timeout_s);
   [[noreturn]] void rethrow(const PlaitError& e);
   // Ends a call's flight record and trace slice.
@@ -199,7 +212,12 @@ class Communicator {
 
   std::mutex exec_mu_;  // held while a call executes
   std::mutex q_mu_;
-  std::condition_variable q_cv_;
+  std::shared_ptr<Wakeup> wake_;
+  bool sleeping_ = false;  // the progress thread sleeps or is about to (q_mu_)
+  // Async calls still to start at once (not deferred), since the progress thread last had to
+  // start one its caller left beyond the grace (q_mu_).
+  int eager_calls_ = 0;
+  static constexpr int kEagerCalls = 64;
   std::deque<std::shared_ptr<Task>> queue_;
   std::atomic<int> pending_{0};  // queued or running on the progress thread
   bool stop_ = false;

@@ -52,6 +52,13 @@ class Op {
 
   // For Work.
   bool done() const { return state_.load(std::memory_order_acquire) != 0; }
+  // done(), starting the calls if not: a caller that polls may not wait soon.
+  bool poll() {
+    start();
+    return done();
+  }
+  // Has plait's progress thread start calls left to a waiter (capi.h's task_start).
+  void start();
   bool ok() const { return state_.load(std::memory_order_acquire) == 1; }
   std::exception_ptr error() const { return error_; }
   bool wait(std::chrono::milliseconds timeout);
@@ -104,7 +111,7 @@ class Op {
 class Work : public c10d::Work {
  public:
   Work(std::shared_ptr<Op> op, c10d::OpType type);
-  bool isCompleted() override { return op_->done(); }
+  bool isCompleted() override { return op_->poll(); }
   bool isSuccess() const override { return op_->ok(); }
   std::exception_ptr exception() const override { return op_->error(); }
   std::vector<at::Tensor> result() override;
@@ -241,12 +248,12 @@ class GroupWork : public c10d::Work {
   bool isSuccess() const override;
   std::exception_ptr exception() const override;
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return fut_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   void synchronize() override {}
 
  private:
   std::vector<std::shared_ptr<Op>> ops_;
-  c10::intrusive_ptr<c10::ivalue::Future> fut_;
+  c10::intrusive_ptr<c10::ivalue::Future> fut_;  // an empty group's
 };
 
 // Moves t's storage into plait shared memory in place (see the module's share_storage).

@@ -23,8 +23,15 @@ Op::Op(Backend* b, std::string what, std::vector<at::Tensor> value)
 
 std::string Op::where() const { return b_->label(what_); }
 
+void Op::start() {
+  if (done()) return;
+  for (void* t : tasks_) b_->api()->task_start(t);
+}
+
 c10::intrusive_ptr<c10::ivalue::Future> Op::future() {
-  // Made on first request: most calls (dist.* without async_op) never hand one out.
+  // Made on first request: most calls (dist.* without async_op) never hand one out. Whoever
+  // takes it (DDP's reducer) goes on without waiting: the calls start now.
+  start();
   std::lock_guard<std::mutex> lk(mu_);
   if (!fut_) {
     fut_ = new_future();
@@ -162,12 +169,17 @@ c10::intrusive_ptr<c10d::Work> Op::launch() {
 }
 
 bool Op::wait(std::chrono::milliseconds timeout) {
-  if (!done()) {
-    // Run the calls still queued here when plait's thread is idle: saves two thread hops.
+  if (!done() && timeout.count() > 0) {
+    start();  // running them here could outlast the timeout
+  } else if (!done()) {
+    // Run the calls still queued here when plait's thread is idle: saves two thread hops, or
+    // (for calls plait left to their waiter, core/wakeup.h) its wake-up.
     tl_running_here = true;
     for (void* t : tasks_)
       if (!b_->api()->task_run(b_->comm(), t)) break;
     tl_running_here = false;
+  }
+  if (!done()) {
     std::unique_lock<std::mutex> lk(mu_);
     auto pred = [&] { return done(); };
     if (timeout.count() <= 0) {
@@ -195,18 +207,21 @@ bool Work::wait(std::chrono::milliseconds timeout) { return op_->wait(timeout); 
 
 GroupWork::GroupWork(std::vector<std::shared_ptr<Op>> ops)
     : c10d::Work(-1, c10d::OpType::COALESCED), ops_(std::move(ops)) {
-  // plait runs the ops in issue order: the last one's future stands for the group.
-  if (!ops_.empty()) {
-    fut_ = ops_.back()->future();
-  } else {
+  if (ops_.empty()) {
     fut_ = new_future();
     fut_->markCompleted(c10::IValue(std::vector<at::Tensor>{}));
   }
 }
 
+c10::intrusive_ptr<c10::ivalue::Future> GroupWork::getFuture() {
+  // plait runs the ops in issue order: the last one's future stands for the group. Made on
+  // request only, since taking it starts the calls (Op::future).
+  return ops_.empty() ? fut_ : ops_.back()->future();
+}
+
 bool GroupWork::isCompleted() {
   for (auto& op : ops_)
-    if (!op->done()) return false;
+    if (!op->poll()) return false;
   return true;
 }
 

@@ -109,10 +109,11 @@ def close_all(things):
 class Handle:
     """An asynchronous call in flight. Keeps its arrays alive until it is finished."""
 
-    __slots__ = ("_task", "_keep", "_result")
+    __slots__ = ("_task", "_keep", "_result", "_comm")
 
-    def __init__(self, task, keep, result):
+    def __init__(self, task, keep, result, comm=None):
         self._task, self._keep, self._result = task, keep, result
+        self._comm = comm  # the native communicator, which can run the call on the waiting thread
 
     def wait(self, timeout: Timeout = None) -> Any:
         """Blocks until the call has finished and returns its result; raises its error.
@@ -127,13 +128,16 @@ class Handle:
                 timeout, "Handle.wait: timeout", "only look whether the call is done; None waits for it"
             )
         )
+        # Unbounded waits only: running it here could outlast a bounded wait.
+        if self._comm is not None and wait_s is None and not self._task.done():
+            self._comm.run_here(self._task)  # saves the progress thread's wake-up (core/wakeup.h)
         if not self._task.wait(wait_s):
             raise _errors.TimeoutError(f"the call is still running after {timeout} s of waiting")
         self._keep = None
         return self._result
 
     def done(self) -> bool:
-        return self._task.done()
+        return self._task.poll()
 
 
 class Communicator:
@@ -187,7 +191,7 @@ class Communicator:
             if len(self._inflight) >= 32:
                 self._inflight = [p for p in self._inflight if not p[0].done()]
             self._inflight.append((t, keep))
-            return Handle(t, keep, result)
+            return Handle(t, keep, result, self._c)
         return result
 
     def _new_out(self, x, coll, shape=None):

@@ -82,6 +82,8 @@ class _Task:
     def done(self):
         return self._f.done()
 
+    poll = done
+
 
 def _check_float(op, dtype, bf16, what):
     if op == "avg" and not (bf16 or dtype.kind == "f"):

@@ -1,0 +1,62 @@
+// How a communicator's progress thread sleeps and is woken: at once, or only after a grace period.
+//
+// An async collective is usually waited on within microseconds of being issued (torch's
+// dist.*(async_op=True).wait(), FSDP's next layer, Handle.wait), and the waiter then runs it on
+// its own thread (Communicator::run_here). Waking the progress thread for it anyway costs more
+// than the call: a futex wake-up of an idle vCPU takes ~27 us here (shared/notes/machine.md), and
+// the woken thread preempts the caller or races it for the task. Measured with the torch backend,
+// 8-byte dist.all_reduce(async_op=True).wait() against the sync call: 1.6-1.8x at 2 ranks and
+// 1.4-1.9x at 4 ranks on 2 cores with a wake-up per call, 1.1-1.3x and 0.7-1.1x without.
+//
+// So such a call is queued without a wake-up and a periodic timer (period grace/2) is started:
+// the thread takes a call nobody ran within the grace period, so every async call still starts
+// within `grace` of being issued even if its caller never waits (a peer may depend on it). A
+// waiter, a sync call behind async ones, a send/recv or finalize kicks the thread at once. The
+// timer is armed once per burst of async calls (arming costs ~6 us here, a VM exit) and stops
+// after a few idle periods. A communicator whose callers leave calls beyond the grace (they
+// overlap them with other work) starts its next async calls at once instead (Communicator).
+//
+// The grace trades the timer's wake-ups against how late an unwaited call may start: at 4 ranks
+// on 2 cores, async+wait / sync measured 1.24-1.78 with 1 ms (2,000 wake-ups a second per rank),
+// 1.18-1.26 with 2 ms, 1.13-1.19 with 5 ms, and 2.8-2.9 with every call waking the thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace plait {
+
+// The default grace (PLAIT_ASYNC_GRACE_US overrides it; 0 wakes the thread for every call).
+constexpr uint64_t kAsyncGraceNs = 2000000;
+
+class Wakeup {
+ public:
+  explicit Wakeup(uint64_t grace_ns);  // grace 0: no timer (nothing is ever deferred)
+  ~Wakeup();
+  Wakeup(const Wakeup&) = delete;
+  Wakeup& operator=(const Wakeup&) = delete;
+
+  uint64_t grace_ns() const { return grace_ns_; }
+  // Has the thread take every queued call, waking it now. Any thread, no lock needed; callers
+  // holding the queue lock pass whether the thread sleeps (no wake-up needed if not).
+  void kick(bool asleep = true);
+  bool urgent() const { return urgent_.load(std::memory_order_acquire); }
+  void clear_urgent() { urgent_.store(false, std::memory_order_release); }
+  // The thread must come back within grace: starts the periodic timer if it is off. Callers
+  // hold the communicator's queue lock (it guards the timer's state).
+  void tick_on();
+  // A period passed with nothing queued (queue lock held): the timer stops after a few.
+  void idle_tick();
+  // Blocks until kick() or a timer period (queue lock not held); true if the timer fired.
+  bool sleep();
+
+ private:
+  uint64_t grace_ns_;
+  int event_fd_ = -1;
+  int timer_fd_ = -1;
+  std::atomic<bool> urgent_{false};
+  bool ticking_ = false;
+  int idle_ticks_ = 0;
+};
+
+}  // namespace plait
