@@ -16,9 +16,10 @@
 // after a few idle periods. A communicator whose callers leave calls beyond the grace (they
 // overlap them with other work) starts its next async calls at once instead (Communicator).
 //
-// The grace trades the timer's wake-ups against how late an unwaited call may start: at 4 ranks
-// on 2 cores, async+wait / sync measured 1.24-1.78 with 1 ms (2,000 wake-ups a second per rank),
-// 1.18-1.26 with 2 ms, 1.13-1.19 with 5 ms, and 2.8-2.9 with every call waking the thread.
+// The grace trades the timer's wake-ups against how late an unwaited call may start. At 4 ranks
+// on 2 cores, torch's 8-byte async+wait / sync (median of paired batches, plait.torch.overhead)
+// measured 2.8-2.9 with a wake-up per call, 1.24-1.78 with 1 ms (2,000 timer wake-ups a second
+// per rank), 1.18-1.71 with 2 ms (4 of 5 runs under 1.5), 1.15-1.31 with 5 ms (5 of 5).
 #pragma once
 
 #include <atomic>
@@ -27,7 +28,7 @@
 namespace plait {
 
 // The default grace (PLAIT_ASYNC_GRACE_US overrides it; 0 wakes the thread for every call).
-constexpr uint64_t kAsyncGraceNs = 2000000;
+constexpr uint64_t kAsyncGraceNs = 5000000;
 
 class Wakeup {
  public:
