@@ -1,10 +1,10 @@
 """When an async collective starts (core/wakeup.h).
 
-plait leaves an async collective to its caller, who runs it on its own thread when it waits, for
-up to PLAIT_ASYNC_GRACE_US; after that the progress thread starts it. Everything that means "the
-caller will not run it itself soon" starts it at once: a bounded wait, done(), a later blocking
-call or send/recv queued behind it, a wait on a later call, finalize, and on the torch backend a
-Future handed out (DDP's reducer) or Work.is_completed().
+plait leaves a small async collective (up to 64 KiB) to its caller, who runs it on its own thread
+when it waits, for up to PLAIT_ASYNC_GRACE_US; after that the progress thread starts it.
+Everything that means "the caller will not run it itself soon" starts it at once: a bounded wait,
+done(), a later blocking call or send/recv queued behind it, a wait on a later call, finalize, and
+on the torch backend a Future handed out (DDP's reducer) or Work.is_completed().
 
 The tests set a grace of 10 s, so a path that forgot to start the call shows as a wait of 5 s or
 more (half the grace: the progress thread's first look), far beyond what the calls take even on a
@@ -114,37 +114,44 @@ def test_every_start_of_a_deferred_call(n):
         assert not slow, f"rank {rank}: these paths left the call to the progress thread's timer: {slow}"
 
 
-def _nobody_waits(rank, n, store, grace_s):
+def _nobody_waits(rank, n, store, count):
     """Rank 0 issues an async allreduce and then blocks outside plait: its progress thread must
     run the call for rank 1's blocking one to finish."""
     from plait._store import Store
 
     kv = Store(*store)
     with plait.init(rank, n, store=store, timeout=60) as comm:
-        x = np.full(3, rank + 1.0)
+        x = np.full(count, rank + 1.0)
         comm.barrier()
         if rank == 0:
             h = comm.allreduce(x, out=x, async_op=True)
             kv.wait(["peer-done"], timeout=30)  # raises if the call never ran
             assert h._task.done()  # done by the progress thread (poll() would have started it)
-            assert np.array_equal(h.wait(), np.full(3, 3.0))
+            assert np.array_equal(h.wait(), np.full(count, 3.0))
             return None
         t0 = time.monotonic()
         comm.allreduce(x, out=x)
         took = time.monotonic() - t0
         kv.set("peer-done", b"1")
-        assert np.array_equal(x, np.full(3, 3.0))
+        assert np.array_equal(x, np.full(count, 3.0))
         return took
 
 
 @pytest.mark.parametrize("grace_s", [0, 0.001, 1.0])
 def test_progress_thread_runs_a_call_nobody_waits_on(grace_s):
     env = {"PLAIT_ASYNC_GRACE_US": str(int(grace_s * 1e6))}
-    took = run_ranks(_nobody_waits, 2, timeout=60, args=(grace_s,), env=env)[1]
+    took = run_ranks(_nobody_waits, 2, timeout=60, args=(3,), env=env)[1]
     if grace_s >= 1.0:
         # Left to rank 0's waiter first: its progress thread looks after half the grace. A lower
         # bound only, which load can only make later.
         assert took >= 0.6 * grace_s / 2, f"rank 0's call started after {took:.3f} s, before the grace"
+
+
+def test_large_async_calls_start_at_once():
+    """Over 64 KiB a call is not left to its waiter: the wake-up is small beside the call, and
+    starting at once overlaps it with the caller's work."""
+    took = run_ranks(_nobody_waits, 2, timeout=60, args=(64 * 1024 // 8 + 1,), env=LONG)[1]
+    assert took < STALL_S, f"a 64 KiB + 8 B call waited {took:.2f} s for the progress thread's timer"
 
 
 def _bad_grace(rank, n, store):

@@ -388,9 +388,10 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
   }
   auto t = std::make_shared<Task>(a);
   t->on_done_ = std::move(on_done);
-  // An async collective is left to its caller to run when it waits (core/wakeup.h); a send or
-  // recv is not (run_here does not take them: they progress in batches).
-  enqueue(t, async && c != Coll::send && c != Coll::recv && wake_->grace_ns() > 0);
+  // A small async collective is left to its caller to run when it waits (core/wakeup.h); a send
+  // or recv is not (run_here does not take them: they progress in batches).
+  const bool small = size_t(a.count) * dtype_size(a.dtype) <= kDeferMaxBytes;
+  enqueue(t, async && small && c != Coll::send && c != Coll::recv && wake_->grace_ns() > 0);
   if (async) return t;
   try {
     notify_long_wait();
