@@ -217,21 +217,26 @@ std::shared_ptr<Task> Communicator::next_task(bool busy) {
 
 void Communicator::enqueue(const std::shared_ptr<Task>& t, bool deferred) {
   pending_.fetch_add(1, std::memory_order_acq_rel);
-  std::lock_guard<std::mutex> lk(q_mu_);
-  if (deferred && eager_calls_ > 0) {
-    --eager_calls_;
-    deferred = false;
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lk(q_mu_);
+    if (deferred && eager_calls_ > 0) {
+      --eager_calls_;
+      deferred = false;
+    }
+    if (deferred) {
+      t->deferred_ns_ = mono_ns();
+      t->wake_ = wake_;
+    }
+    queue_.push_back(t);
+    if (deferred) {
+      if (sleeping_) wake_->tick_on();
+    } else {
+      wake_->kick(/*asleep=*/false);  // hurries deferred tasks ahead of t
+      wake = sleeping_;
+    }
   }
-  if (deferred) {
-    t->deferred_ns_ = mono_ns();
-    t->wake_ = wake_;
-  }
-  queue_.push_back(t);
-  if (deferred) {
-    if (sleeping_) wake_->tick_on();
-  } else {
-    wake_->kick(sleeping_);  // also hurries deferred tasks ahead of t
-  }
+  if (wake) wake_->kick();  // with q_mu_ released, which the woken thread takes first
 }
 
 uint64_t Communicator::async_grace_ns() {
@@ -410,19 +415,19 @@ bool Communicator::run_here(const std::shared_ptr<Task>& t) {
   {
     // exec_mu_ first: once t leaves the queue, nothing issued later may run before it.
     std::unique_lock<std::mutex> ex(exec_mu_, std::try_to_lock);
-    if (!ex.owns_lock()) {
-      wake_->kick();  // the caller waits next: deferred tasks ahead of t must start now
-      return false;
-    }
-    {
+    auto take_if_next = [&] {
       std::lock_guard<std::mutex> lk(q_mu_);
       // Nothing running (pending_ counts queued and running calls) and t next in line.
       if (queue_.empty() || queue_.front() != t ||
-          size_t(pending_.load(std::memory_order_acquire)) != queue_.size()) {
-        wake_->kick(sleeping_);  // the caller waits next: deferred tasks ahead of t must start now
+          size_t(pending_.load(std::memory_order_acquire)) != queue_.size())
         return false;
-      }
       queue_.pop_front();
+      return true;
+    };
+    if (!ex.owns_lock() || !take_if_next()) {
+      if (ex.owns_lock()) ex.unlock();
+      wake_->kick();  // the caller waits next: deferred tasks ahead of t must start now
+      return false;
     }
     try {
       run(t->args);

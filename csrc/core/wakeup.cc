@@ -66,9 +66,9 @@ bool Wakeup::sleep() {
   pollfd fds[2] = {{event_fd_, POLLIN, 0}, {timer_fd_, POLLIN, 0}};
   while (poll(fds, 2, -1) < 0 && errno == EINTR) {
   }
-  uint64_t n;
-  (void)!read(event_fd_, &n, sizeof n);
-  return timer_fd_ >= 0 && read(timer_fd_, &n, sizeof n) == ssize_t(sizeof n);
+  uint64_t n;  // read only what is ready: each read is a syscall on the hand-off's path
+  if (fds[0].revents) (void)!read(event_fd_, &n, sizeof n);
+  return fds[1].revents && read(timer_fd_, &n, sizeof n) == ssize_t(sizeof n);
 }
 
 }  // namespace plait

@@ -191,7 +191,8 @@ class Communicator:
             if len(self._inflight) >= 32:
                 self._inflight = [p for p in self._inflight if not p[0].done()]
             self._inflight.append((t, keep))
-            return Handle(t, keep, result, self._c)
+            # sends and receives run in batches on the progress thread, never on the waiter's
+            return Handle(t, keep, result, None if code == _SEND or code == _RECV else self._c)
         return result
 
     def _new_out(self, x, coll, shape=None):
