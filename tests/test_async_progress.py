@@ -147,22 +147,40 @@ def test_progress_thread_runs_a_call_nobody_waits_on(grace_s):
         assert took >= 0.6 * grace_s / 2, f"rank 0's call started after {took:.3f} s, before the grace"
 
 
-def test_large_async_calls_start_at_once():
-    """Over 64 KiB a call is not left to its waiter: the wake-up is small beside the call, and
-    starting at once overlaps it with the caller's work."""
-    took = run_ranks(_nobody_waits, 2, timeout=60, args=(64 * 1024 // 8 + 1,), env=LONG)[1]
-    assert took < STALL_S, f"a 64 KiB + 8 B call waited {took:.2f} s for the progress thread's timer"
+@pytest.mark.parametrize(
+    "count, limit",
+    [(64 * 1024 // 8 + 1, None), (1, "0"), (64 * 1024 // 8 + 1, "1048576")],
+    ids=["64KiB+8B", "8B-limit0", "64KiB+8B-limit1MiB"],
+)
+def test_only_small_async_calls_wait_for_their_caller(count, limit):
+    """Over PLAIT_ASYNC_DEFER_BYTES (64 KiB) a call is not left to its waiter: the wake-up is small
+    beside the call, and starting at once overlaps it with the caller's work."""
+    deferred = count * 8 <= int(limit or 65536)
+    # deferred: a 1 s grace, and a lower bound on the wait; not: a 10 s one, and an upper bound
+    grace = "1000000" if deferred else LONG["PLAIT_ASYNC_GRACE_US"]
+    env = {"PLAIT_ASYNC_GRACE_US": grace, "PLAIT_ASYNC_DEFER_BYTES": limit}
+    took = run_ranks(_nobody_waits, 2, timeout=60, args=(count,), env=env)[1]
+    if deferred:
+        assert took >= 0.3, f"a {count * 8} B call under a limit of {limit} started after {took:.3f} s"
+    else:
+        assert took < STALL_S, (
+            f"a {count * 8} B call over the limit ({limit}) waited {took:.2f} s for the timer"
+        )
 
 
-def _bad_grace(rank, n, store):
-    with pytest.raises(plait.InvalidArgument, match="PLAIT_ASYNC_GRACE_US"):
+def _bad_grace(rank, n, store, var):
+    with pytest.raises(plait.InvalidArgument, match=var):
         plait.init(rank, n, store=store, timeout=10)
     return True
 
 
-@pytest.mark.parametrize("value", ["soon", "-5", "nan", "1e9"])
-def test_bad_grace_is_refused(value):
-    assert run_ranks(_bad_grace, 1, timeout=30, env={"PLAIT_ASYNC_GRACE_US": value}) == [True]
+@pytest.mark.parametrize(
+    "var, value",
+    [("PLAIT_ASYNC_GRACE_US", v) for v in ("soon", "-5", "nan", "1e9")]
+    + [("PLAIT_ASYNC_DEFER_BYTES", v) for v in ("lots", "-1")],
+)
+def test_bad_async_policy_is_refused(var, value):
+    assert run_ranks(_bad_grace, 1, timeout=30, args=(var,), env={var: value}) == [True]
 
 
 # ---------------------------------------------------------------- the torch backend

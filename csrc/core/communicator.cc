@@ -75,7 +75,7 @@ Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options
       throw InvalidArgument(
           bad_seconds("init_timeout", opt_.init_timeout_s, "0: init never waits"));
     override_ = AlgoOverride(opt_.algo_override, kShmCaps, /*strict=*/true, "PLAIT_ALGO");
-    wake_ = std::make_shared<Wakeup>(async_grace_ns());
+    read_async_policy();
   } catch (...) {
     seg_->unlink();
     throw;
@@ -239,18 +239,30 @@ void Communicator::enqueue(const std::shared_ptr<Task>& t, bool deferred) {
   if (wake) wake_->kick();  // with q_mu_ released, which the woken thread takes first
 }
 
-uint64_t Communicator::async_grace_ns() {
-  // PLAIT_ASYNC_GRACE_US: how long an async collective is left to its caller (core/wakeup.h).
-  const char* e = getenv("PLAIT_ASYNC_GRACE_US");
-  if (!e || !*e) return kAsyncGraceNs;
+namespace {
+// A number in [0, max] from the environment, or dflt when it is unset or empty; anything else
+// is refused naming the variable.
+double env_number(const char* name, double dflt, double max, const char* what) {
+  const char* e = getenv(name);
+  if (!e || !*e) return dflt;
   char* end = nullptr;
-  const double us = std::strtod(e, &end);
-  if (*end || !(us >= 0) || us > 1e7)
-    throw InvalidArgument(
-        "PLAIT_ASYNC_GRACE_US must be microseconds in [0, 1e7] (0: async calls "
-        "start at once), got '" +
-        std::string(e) + "'");
-  return uint64_t(us * 1000);
+  const double v = std::strtod(e, &end);
+  if (*end || !(v >= 0) || v > max) {
+    std::ostringstream m;
+    m << name << " must be " << what << " in [0, " << max << "], got '" << e << "'";
+    throw InvalidArgument(m.str());
+  }
+  return v;
+}
+}  // namespace
+
+void Communicator::read_async_policy() {
+  // How long a small async collective is left to its caller, and how small (core/wakeup.h).
+  const double us = env_number("PLAIT_ASYNC_GRACE_US", double(kAsyncGraceNs) / 1000, 1e7,
+                               "microseconds (0: async calls start at once)");
+  defer_max_bytes_ = size_t(env_number("PLAIT_ASYNC_DEFER_BYTES", double(kDeferMaxBytes), 1e15,
+                                       "bytes (0: only empty calls wait for their caller)"));
+  wake_ = std::make_shared<Wakeup>(uint64_t(us * 1000));
 }
 
 std::string Communicator::dead_peer() {
@@ -395,7 +407,7 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
   t->on_done_ = std::move(on_done);
   // A small async collective is left to its caller to run when it waits (core/wakeup.h); a send
   // or recv is not (run_here does not take them: they progress in batches).
-  const bool small = size_t(a.count) * dtype_size(a.dtype) <= kDeferMaxBytes;
+  const bool small = size_t(a.count) * dtype_size(a.dtype) <= defer_max_bytes_;
   enqueue(t, async && small && c != Coll::send && c != Coll::recv && wake_->grace_ns() > 0);
   if (async) return t;
   try {

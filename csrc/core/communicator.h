@@ -175,7 +175,8 @@ class Communicator {
   // The progress thread's next task, sleeping until there is one it should take; null at stop.
   // busy: the thread ran a task since it last slept (it then takes deferred tasks at once).
   std::shared_ptr<Task> next_task(bool busy);
-  static uint64_t async_grace_ns();  // PLAIT_ASYNC_GRACE_US, or kAsyncGraceNs
+  // PLAIT_ASYNC_GRACE_US and PLAIT_ASYNC_DEFER_BYTES (core/wakeup.h): makes wake_.
+  void read_async_policy();
   void wait_for_all_ranks(double timeout_s);
   [[noreturn]] void rethrow(const PlaitError& e);
   // Ends a call's flight record and trace slice.
@@ -217,6 +218,7 @@ class Communicator {
   // Async calls still to start at once (not deferred), since the progress thread last had to
   // start one its caller left beyond the grace (q_mu_).
   int eager_calls_ = 0;
+  size_t defer_max_bytes_ = kDeferMaxBytes;  // larger async calls start at once
   static constexpr int kEagerCalls = 64;
   std::deque<std::shared_ptr<Task>> queue_;
   std::atomic<int> pending_{0};  // queued or running on the progress thread

@@ -30,7 +30,8 @@ namespace plait {
 
 // The default grace (PLAIT_ASYNC_GRACE_US overrides it; 0 wakes the thread for every call).
 constexpr uint64_t kAsyncGraceNs = 5000000;
-// Only calls of at most this many bytes (count x item size) are deferred. A 64 KiB allreduce
+// Only calls of at most this many bytes (count x item size) are deferred (PLAIT_ASYNC_DEFER_BYTES
+// overrides it). A 64 KiB allreduce
 // takes ~10 us at 2 ranks, the order of the wake-up it saves; a larger call gains little and
 // loses overlap with its caller's work: FSDP2 steps (MiB all-gathers, prefetched, waited a layer
 // later) took ~7% longer with every async call deferred.
