@@ -224,12 +224,10 @@ void Communicator::enqueue(const std::shared_ptr<Task>& t, bool deferred) {
       --eager_calls_;
       deferred = false;
     }
+    queue_.push_back(t);
     if (deferred) {
       t->deferred_ns_ = mono_ns();
       t->wake_ = wake_;
-    }
-    queue_.push_back(t);
-    if (deferred) {
       if (sleeping_) wake_->tick_on();
     } else {
       wake_->kick(/*asleep=*/false);  // hurries deferred tasks ahead of t

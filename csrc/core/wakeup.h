@@ -1,12 +1,11 @@
 // How a communicator's progress thread sleeps and is woken: at once, or only after a grace period.
 //
-// An async collective is usually waited on within microseconds of being issued (torch's
-// dist.*(async_op=True).wait(), FSDP's next layer, Handle.wait), and the waiter then runs it on
-// its own thread (Communicator::run_here). Waking the progress thread for it anyway costs more
-// than the call: a futex wake-up of an idle vCPU takes ~27 us here (shared/notes/machine.md), and
-// the woken thread preempts the caller or races it for the task. Measured with the torch backend,
-// 8-byte dist.all_reduce(async_op=True).wait() against the sync call: 1.6-1.8x at 2 ranks and
-// 1.4-1.9x at 4 ranks on 2 cores with a wake-up per call, 1.1-1.3x and 0.7-1.1x without.
+// A small async collective is usually waited on within microseconds of being issued (torch's
+// dist.*(async_op=True).wait(), Handle.wait), and the waiter then runs it on its own thread
+// (Communicator::run_here). Waking the progress thread for it anyway costs more than the call: a
+// futex wake-up of an idle vCPU takes ~27 us here (shared/notes/machine.md), and the woken thread
+// preempts the caller or races it for the task (0.6 involuntary switches of the caller per call
+// at 2 ranks, counted from /proc/self/task/*/status).
 //
 // So such a call is queued without a wake-up and a periodic timer (period grace/2) is started:
 // the thread takes a call nobody ran within the grace period, so every async call still starts
