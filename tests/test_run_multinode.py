@@ -44,9 +44,19 @@ sys.exit(1 if "error" in rec else 0)
 
 
 def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port whose successor is free too: node 0's launcher serves plait's store at
+    MASTER_PORT+1, and node 1's launcher waits for that store for minutes if node 0 could not bind
+    it (a port taken by another test made this test time out)."""
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports")
 
 
 def _nodes(tmp_path, nproc, extra=(), grace=5):
