@@ -24,9 +24,9 @@ COLLS = [
     "recv",
 ]
 HOST = {
-    "allreduce": ["one_shot", "two_shot", "ring", "tree", "single_copy"],
+    "allreduce": ["one_shot", "two_shot", "ring", "tree", "single_copy", "shared_or_staged"],
     "reduce_scatter": ["direct", "ring", "single_copy"],
-    "allgather": ["direct", "ring", "single_copy"],
+    "allgather": ["direct", "ring", "single_copy", "shared_or_staged"],
     "broadcast": ["direct", "single_copy"],
     "reduce": ["direct", "single_copy"],
     "alltoall": ["direct", "single_copy"],
@@ -92,7 +92,7 @@ def test_offered_rows_are_those_the_caps_cover():
 def test_without_peer_read_no_single_copy():
     for coll in COLLS:
         staged = _C.algorithms_with(coll, ["host_staging"])
-        assert staged == [a for a in HOST[coll] if a != "single_copy"], coll
+        assert staged == [a for a in HOST[coll] if a not in ("single_copy", "shared_or_staged")], coll
         assert _C.algorithms_with(coll, ["peer_read"]) == []  # single copy stages too
         assert _C.algorithms_with(coll, ["host_staging", "peer_read"]) == HOST[coll]
     with pytest.raises(plait.InvalidArgument, match="unknown capability 'teleport'"):
@@ -113,17 +113,22 @@ def test_gpu_rows_are_never_offered_to_shm():
 
 
 def _old_auto(coll, nbytes, world, staging, single_copy, oversubscribed):
-    """auto_select as it was (index into the host table), written out again."""
+    """auto_select as table.cc's comment gives it (index into the host table), written out again."""
     sc = single_copy and not oversubscribed
-    k = 1024
+    k, m = 1024, 1 << 20
+    two = sc and world == 2  # the 2-rank crossovers measured on the AMD VM (RESULTS.md 2026-12-04)
     if coll == "reduce_scatter":
         i = 2 if sc and nbytes >= 16 * k else 0
+    elif coll == "allgather" and two and nbytes >= 8 * k:
+        i = 2 if 32 * k <= nbytes < 256 * k or nbytes >= 4 * m else 3
     elif coll == "allgather":
         i = 2 if sc and nbytes >= 8 * k else 0
     elif coll == "broadcast":
         i = 1 if sc and nbytes >= 16 * k else 0
     elif coll == "reduce":
         i = 1 if sc and 16 * k <= nbytes < (64 << 20) else 0
+    elif coll == "allreduce" and two and nbytes >= 2 * k:
+        i = 2 if nbytes < 16 * k else 4 if 64 * k <= nbytes < 256 * k or nbytes >= 8 * m else 5
     elif coll == "allreduce":
         one_shot_max = 64 * k if world <= 2 else 16 * k
         if sc and nbytes >= 16 * k:
@@ -149,7 +154,12 @@ SIZES = [
     32768,
     65536,
     65537,
+    262143,
+    262144,
     1 << 20,
+    (4 << 20) - 1,
+    4 << 20,
+    8 << 20,
     (64 << 20) - 1,
     64 << 20,
     1 << 30,

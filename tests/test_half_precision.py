@@ -72,7 +72,7 @@ def _body(rank, n, store):
     skipped = set()
     for coll in COLLS:
         for algo in plait.algorithms(coll):
-            if algo == "single_copy" and n > 1 and not comm.single_copy:
+            if algo in ("single_copy", "shared_or_staged") and n > 1 and not comm.single_copy:
                 skipped.add(coll)
                 continue
             for dt in DTYPES:

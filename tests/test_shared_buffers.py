@@ -31,6 +31,7 @@ SMALL = (0, 1, 37)
 DTS = ("int32", "float32", "float64", "int8", "uint8", "bfloat16")
 OPS4 = ("sum", "max", "min", "prod")
 COLLS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall")
+PEER_READ = ("single_copy", "shared_or_staged")  # the rows that map peers' shared buffers
 LOST_WITHIN_S = 2.0  # the PeerLostError contract (test_faults.py)
 
 
@@ -522,7 +523,7 @@ def _mixed_worker(rank, n, store):
 
         # The other algorithms take shared buffers like any others.
         for coll in COLLS:
-            for k, algo in enumerate(a for a in plait.algorithms(coll) if a != "single_copy"):
+            for k, algo in enumerate(a for a in plait.algorithms(coll) if a not in PEER_READ):
                 dt = ("float32", "int8", "bfloat16")[k % 3]
                 for count in (37, 20_001):
                     label = "%s %s on shared buffers %s count=%d" % (coll, algo, dt, count)
@@ -893,7 +894,7 @@ def _off_worker(rank, n, store):
     with comm:
         chk.true("single_copy is on despite PLAIT_SINGLE_COPY=0", not comm.single_copy)
         for k, coll in enumerate(COLLS):
-            algos = [a for a in plait.algorithms(coll) if a != "single_copy"] + ["auto"]
+            algos = [a for a in plait.algorithms(coll) if a not in PEER_READ] + ["auto"]
             for a, algo in enumerate(algos):
                 for count in (37, 20_001) + ((BIG,) if algo == "auto" else ()):
                     dt = ("int32", "float32", "bfloat16", "uint8")[(k + a) % 4]

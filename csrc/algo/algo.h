@@ -170,8 +170,14 @@ inline char* scratch(size_t bytes) {
 // output chunk together must fit L2 with room to spare: on the 2 MiB-L2 VM a 2-rank in-place
 // 64 MiB allreduce took 12.4 ms with 1 MiB, 8.2-10.0 ms with 128-512 KiB (256 KiB best).
 constexpr size_t kSingleCopyScratch = size_t(256) << 10;
-// Out-of-place single-copy outputs at least this large are written with non-temporal stores.
+// Out-of-place single-copy allreduce outputs at least this large, where a peer maps them (plait
+// shared buffers), are written with non-temporal stores.
 constexpr size_t kStreamOutMin = size_t(8) << 20;
+// allgather's copy of its own block (out of place) streams when the gathered output is at least
+// this large: below it, memcpy's cached copy was faster on the 32 MiB-L3 VM (2-rank 2 MiB out of
+// place 112-117 us vs 159-168 us streamed; 8 MiB even), above it streaming (16 MiB 1.85-2.27 vs
+// 2.23-2.47 ms; 64 MiB 5.5-5.9 vs 7.0-7.4 ms).
+constexpr size_t kGatherStreamMin = size_t(8) << 20;
 
 // The single-copy reductions' inner step: reads `len` elements at byte offset `off` of every
 // peer's input (Transport::read_peer) into scratch `tmp` (n-1 slots of `stride` bytes) and
@@ -213,6 +219,15 @@ inline void reduce_range_from_peers(Ctx& c, char* dst, int64_t first, int64_t co
                       size_t(first + lo) * c.esize, len, tmp, size_t(chunk) * c.esize, src);
   }
 }
+
+// Parts of algorithms that shared_or_staged runs too (each defined in its algorithm's file).
+// allreduce "ring" numbering its steps from first_step + 1 (0: a call of its own).
+void allreduce_ring_steps(Ctx& c, int64_t first_step);
+// allgather "direct" numbering its rounds from first_round + 1 (0: a call of its own).
+void allgather_direct_rounds(Ctx& c, int64_t first_round);
+// The single-copy algorithms once this rank has exposed its buffers and posted channel-0 step 1.
+void allreduce_single_copy_exposed(Ctx& c);
+void allgather_single_copy_exposed(Ctx& c);
 
 // [begin, end) of part q when n elements are split into `parts` near-equal parts.
 inline int64_t part_begin(int64_t n, int parts, int q) { return n * q / parts; }

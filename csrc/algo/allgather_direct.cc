@@ -7,13 +7,15 @@
 
 namespace plait {
 
-void allgather_direct(Ctx& c) {
+void allgather_direct(Ctx& c) { allgather_direct_rounds(c, 0); }
+
+void allgather_direct_rounds(Ctx& c, int64_t first_round) {
   Transport& tp = c.tp;
   const int n = c.size, r = c.rank;
   const Slots slots(tp, 2);
   const int64_t piece = c.elems_in(slots.bytes);
   const int64_t m = c.a.count;
-  if (c.fits_inline(size_t(m) * c.esize)) {  // the input rides the post line
+  if (first_round == 0 && c.fits_inline(size_t(m) * c.esize)) {  // the input rides the post line
     const size_t bytes = size_t(m) * c.esize;
     std::memcpy(tp.inline_slot(r), c.a.in, bytes);
     tp.post(0, 1);
@@ -26,7 +28,7 @@ void allgather_direct(Ctx& c) {
     }
     return;
   }
-  int64_t round = 0;
+  int64_t round = first_round;
   for (int64_t off = 0; off < m; off += piece) {
     const int64_t len = std::min(piece, m - off);
     const size_t bytes = size_t(len) * c.esize;

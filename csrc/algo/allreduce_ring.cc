@@ -15,7 +15,9 @@
 
 namespace plait {
 
-void allreduce_ring(Ctx& c) {
+void allreduce_ring(Ctx& c) { allreduce_ring_steps(c, 0); }
+
+void allreduce_ring_steps(Ctx& c, int64_t first_step) {
   Transport& tp = c.tp;
   const int n = c.size, r = c.rank;
   const RingPlan plan = ring_plan(r, n);
@@ -27,7 +29,7 @@ void allreduce_ring(Ctx& c) {
   const Slots slots(tp, 4);
   const int64_t block = c.elems_in(slots.bytes, n > 2 ? c.psize : c.esize);
   const int64_t chunk = block * n;
-  int64_t step = 0;  // one step per hop
+  int64_t step = first_step;  // one step per hop
   for (int64_t off = 0; off < c.a.count; off += chunk) {
     const int64_t len = std::min(chunk, c.a.count - off);
     auto blk = [&](int b, int64_t* lo) {

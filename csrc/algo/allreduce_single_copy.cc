@@ -17,34 +17,38 @@
 namespace plait {
 
 void allreduce_single_copy(Ctx& c) {
+  c.tp.expose(c.a.in, c.a.out);
+  c.tp.post(0, 1);
+  allreduce_single_copy_exposed(c);
+}
+
+void allreduce_single_copy_exposed(Ctx& c) {
   Transport& tp = c.tp;
   const int n = c.size, r = c.rank;
-  tp.expose(c.a.in, c.a.out);
-  tp.post(0, 1);
   const int64_t chunk = std::max<int64_t>(1, c.elems_in(kSingleCopyScratch / size_t(n - 1)));
-  const bool in_place = c.a.out == c.a.in;
-  // Below a few L2s' worth the output may still be in cache when the caller reads it: plain stores.
-  const bool stream = !in_place && size_t(c.a.count) * c.esize >= kStreamOutMin;
   const int64_t lo_end = part_begin(c.a.count, n, r + 1);
-  // Slots for n-1 peers' pieces, then (out of place) one for the reduced chunk.
+  // A peer's output that this rank maps (a plait shared buffer) is written with non-temporal
+  // stores when large; process_vm_writev (private buffers) has no such choice.
+  const bool stream_mapped = c.a.out != c.a.in && size_t(c.a.count) * c.esize >= kStreamOutMin;
+  // Slots for n-1 peers' pieces.
   const size_t slot = size_t(chunk) * c.esize;
-  char* tmp = scratch(size_t(n) * slot);
+  char* tmp = scratch(size_t(n - 1) * slot);
   std::vector<const void*> src(static_cast<size_t>(n));
   for (int p = 0; p < n; ++p)
     if (p != r) tp.wait_post(p, 0, 1);
   for (int64_t lo = part_begin(c.a.count, n, r); lo < lo_end; lo += chunk) {
     const int64_t len = std::min(chunk, lo_end - lo);
     const size_t off = size_t(lo) * c.esize, bytes = size_t(len) * c.esize;
-    // In place, the output lines were just read (ours and, through a mapping, the peers'), so
-    // plain stores are cheap. Out of place they are cold: the chunk is reduced in scratch and
-    // streamed to every output, which skips reading them for ownership first.
-    char* res = !stream ? c.out_at(lo) : tmp + size_t(n - 1) * slot;
-    reduce_from_peers(c, res, c.in_at(lo), off, len, tmp, slot, src);
+    // The chunk is reduced straight into this rank's output and pushed from there while it is
+    // still in this core's cache. Out of place, reducing into scratch and streaming the chunk to
+    // the output with non-temporal stores instead (the path from 8 MiB until 2026-12-04) was
+    // slower at every size measured on the AMD EPYC VM (1 MiB L2, 32 MiB L3): 2-rank 8 MiB
+    // 1.54 vs 1.32 ms, 16 MiB 3.1-3.3 vs 2.7 ms, 64 MiB 12.4-14.1 vs 10.2-11.4 ms (RESULTS.md).
+    reduce_from_peers(c, c.out_at(lo), c.in_at(lo), off, len, tmp, slot, src);
     for (int i = 1; i < n; ++i) {
       const int p = (r + i) % n;
-      tp.write_peer(p, const_cast<char*>(tp.peer_out(p)) + off, res, bytes, stream);
+      tp.write_peer(p, const_cast<char*>(tp.peer_out(p)) + off, c.out_at(lo), bytes, stream_mapped);
     }
-    if (stream) stream_copy(c.out_at(lo), res, bytes);
   }
   tp.post(1, 1);           // done reading and writing every peer
   tp.wait_post_all(1, 1);  // and every peer is done with this rank's buffers

@@ -23,6 +23,8 @@ void allgather_single_copy(Ctx&);
 void broadcast_single_copy(Ctx&);
 void reduce_single_copy(Ctx&);
 void alltoall_single_copy(Ctx&);
+void allreduce_shared_or_staged(Ctx&);
+void allgather_shared_or_staged(Ctx&);
 
 #if PLAIT_WITH_CUDA
 void gpu_allreduce_nccl(GpuCtx&);
@@ -67,12 +69,14 @@ const std::vector<Algorithm>& algorithm_table() {
       {Coll::allreduce, "ring", kHost, allreduce_ring},
       {Coll::allreduce, "tree", kHost, allreduce_tree},
       {Coll::allreduce, "single_copy", kSingleCopy, allreduce_single_copy},
+      {Coll::allreduce, "shared_or_staged", kSingleCopy, allreduce_shared_or_staged},
       {Coll::reduce_scatter, "direct", kHost, reduce_scatter_direct},
       {Coll::reduce_scatter, "ring", kHost, reduce_scatter_ring},
       {Coll::reduce_scatter, "single_copy", kSingleCopy, reduce_scatter_single_copy},
       {Coll::allgather, "direct", kHost, allgather_direct},
       {Coll::allgather, "ring", kHost, allgather_ring},
       {Coll::allgather, "single_copy", kSingleCopy, allgather_single_copy},
+      {Coll::allgather, "shared_or_staged", kSingleCopy, allgather_shared_or_staged},
       {Coll::broadcast, "direct", kHost, broadcast_direct},
       {Coll::broadcast, "single_copy", kSingleCopy, broadcast_single_copy},
       {Coll::reduce, "direct", kHost, reduce_direct},
@@ -180,20 +184,30 @@ int select_algorithm(Coll c, const std::string& asked, const AlgoOverride& ov, C
   return -1;
 }
 
-// The choices below come from `plait-bench -a all` runs on the 2-core development VM (numbers and
-// commands in bench/RESULTS.md). Two ranks, a core each: single copy (one kernel copy from the
-// peer's buffer, and for allreduce the finished chunk pushed into the peer's output from a hot
-// cache, with two synchronisations per call) beats every staged algorithm from 16 KiB for
-// allreduce, from 8-16 KiB per rank for allgather and reduce_scatter; below that one_shot (or
-// direct) wins, its single synchronisation dominating. Broadcast and reduce were once thought no
-// better with single copy, but those runs timed `auto` under every label; measured per algorithm
-// (2026-12-03, `plait-bench -n 2 -c broadcast,reduce,alltoall -a all -b 4K -e 128M`) single copy
-// is 4-7x faster from 16 KiB (broadcast 1 MiB: 85 vs 455 us; reduce 1 MiB: 88 vs 432 us), except
-// reduce from 64 MiB, where staged reduce ran 2x faster (5.9 vs 11.6 ms) in two runs. Alltoall
-// stays staged: single copy was slower at every size but 256 KiB. When ranks outnumber cores,
-// system calls and their context switches cost more than staging: one_shot up to 16 KiB, then
-// two_shot, whose two synchronisations per chunk cost less than the ring's 2(n-1) hand-offs. Tree
-// never won here.
+// The choices below come from `plait-bench -a all` runs on the 2-core development VMs (numbers and
+// commands in bench/RESULTS.md). Until 2026-12-04 they were placed on an Intel Xeon VM (2 MiB L2
+// per core): two ranks, a core each, single copy (one kernel copy from the peer's buffer, and for
+// allreduce the finished chunk pushed into the peer's output from a hot cache, with two
+// synchronisations per call) beat every staged algorithm from 16 KiB for allreduce, from 8-16 KiB
+// per rank for allgather and reduce_scatter; below that one_shot (or direct) won, its single
+// synchronisation dominating. On the AMD EPYC VM (1 MiB L2, 32 MiB L3) the staged algorithms, whose
+// copies stay in the cache, beat the kernel copy of private pages over most of the middle range
+// (there "shared_or_staged" runs, which keeps single copy for plait shared buffers, whose mapped
+// pages peers read with plain loads, and stages the others): 2-rank allreduce
+// ring 143-155 us at 2 MiB against single copy 205-233 (DeepSpeed's shared-memory allreduce 153),
+// allgather direct 49 us against 82 at 2 MiB; single copy keeps 64-128 KiB (allreduce) and 32-128
+// KiB per rank (allgather), and from 8 MiB (allreduce) and 4 MiB per rank (allgather), where
+// numpy's arrays sit on huge pages and the kernel copy runs at memcpy speed; below 16 KiB the
+// allreduce ring beats one_shot from 2 KiB (8 KiB: 2.0-2.1 vs 2.3 us). Those crossovers hold
+// for two ranks; larger worlds keep single copy throughout (no measurement here: a 2-core VM has no
+// un-oversubscribed world above 2). Broadcast and reduce were once thought no better with single
+// copy, but those runs timed `auto` under every label; measured per algorithm (2026-12-03,
+// `plait-bench -n 2 -c broadcast,reduce,alltoall -a all -b 4K -e 128M`) single copy is 4-7x faster
+// from 16 KiB (broadcast 1 MiB: 85 vs 455 us; reduce 1 MiB: 88 vs 432 us), except reduce from 64
+// MiB, where staged reduce ran 2x faster (5.9 vs 11.6 ms) in two runs. Alltoall stays staged:
+// single copy was slower at every size but 256 KiB. When ranks outnumber cores, system calls and
+// their context switches cost more than staging: one_shot up to 16 KiB, then two_shot, whose two
+// synchronisations per chunk cost less than the ring's 2(n-1) hand-offs. Tree never won here.
 //
 // Over the GPU transports no measurement has been made yet to place thresholds: auto is NCCL's
 // own collective over NCCL and one_shot over CUDA IPC (each transport's first row).
@@ -202,22 +216,31 @@ const char* auto_algorithm(Coll c, const AutoInputs& in) {
   if (in.caps & kCapCudaIpc) return "one_shot";
   const bool sc = (in.caps & kCapPeerRead) && !in.oversubscribed;
   const size_t bytes = in.bytes;
+  constexpr size_t K = 1024, M = K * K;
   switch (c) {
     case Coll::reduce_scatter:
-      return sc && bytes >= 16 * 1024 ? "single_copy" : "direct";
+      return sc && bytes >= 16 * K ? "single_copy" : "direct";
     case Coll::allgather:
-      return sc && bytes >= 8 * 1024 ? "single_copy" : "direct";
+      if (sc && in.world == 2 && bytes >= 8 * K)  // bytes: one rank's block
+        return (bytes >= 32 * K && bytes < 256 * K) || bytes >= 4 * M ? "single_copy"
+                                                                      : "shared_or_staged";
+      return sc && bytes >= 8 * K ? "single_copy" : "direct";
     case Coll::broadcast:
-      return sc && bytes >= 16 * 1024 ? "single_copy" : "direct";
+      return sc && bytes >= 16 * K ? "single_copy" : "direct";
     case Coll::reduce:
-      return sc && bytes >= 16 * 1024 && bytes < (size_t(64) << 20) ? "single_copy" : "direct";
+      return sc && bytes >= 16 * K && bytes < 64 * M ? "single_copy" : "direct";
     case Coll::allreduce:
       break;
     default:
       return "direct";
   }
-  if (sc && bytes >= 16 * 1024) return "single_copy";
-  const size_t one_shot_max = in.world <= 2 ? 64 * 1024 : 16 * 1024;
+  if (sc && in.world == 2 && bytes >= 2 * K) {
+    if (bytes < 16 * K) return "ring";
+    return (bytes >= 64 * K && bytes < 256 * K) || bytes >= 8 * M ? "single_copy"
+                                                                  : "shared_or_staged";
+  }
+  if (sc && bytes >= 16 * K) return "single_copy";
+  const size_t one_shot_max = in.world <= 2 ? 64 * K : 16 * K;
   if (bytes <= one_shot_max && bytes <= in.staging_bytes / 2) return "one_shot";
   return in.world <= 2 ? "ring" : "two_shot";
 }

@@ -520,17 +520,21 @@ void ShmTransport::expose(const void* in, void* out) {
   if (out) shared_find(out, 1, &r[1]);
 }
 
-char* ShmTransport::peer_local(int p, const char* remote, size_t bytes) {
+char* ShmTransport::map_peer(int p, const char* remote, size_t bytes) {
   if (!can_read_) return nullptr;
   const uintptr_t a = reinterpret_cast<uintptr_t>(remote);
   for (const RegionRef& r : seg_.ctl(p)->reg[seq_ & 1]) {
     if (!r.id || a < r.base || a + bytes > r.base + r.bytes) continue;
     char* base = maps_.map(peer_pid_[size_t(p)], r);
-    if (!base) return nullptr;
-    mapped_bytes_.fetch_add(bytes, std::memory_order_relaxed);
-    return base + (a - r.base);
+    return base ? base + (a - r.base) : nullptr;
   }
   return nullptr;
+}
+
+char* ShmTransport::peer_local(int p, const char* remote, size_t bytes) {
+  char* m = map_peer(p, remote, bytes);
+  if (m) mapped_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  return m;
 }
 
 const char* ShmTransport::peer_in(int p) {

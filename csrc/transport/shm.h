@@ -211,6 +211,9 @@ class ShmTransport final : public Transport {
   void read_peer(int p, void* dst, const char* src, size_t bytes) override;
   void write_peer(int p, char* dst, const void* src, size_t bytes, bool stream = false) override;
   char* peer_local(int p, const char* remote, size_t bytes) override;
+  bool peer_maps(int p, const char* remote, size_t bytes) override {
+    return map_peer(p, remote, bytes) != nullptr;
+  }
   uint64_t mapped_bytes() const override { return mapped_bytes_.load(std::memory_order_relaxed); }
 
  private:
@@ -243,6 +246,7 @@ class ShmTransport final : public Transport {
   bool timing_ = false;
   uint64_t waited_ns_ = 0;
   void copy_peer(bool write, int p, char* local, char* remote, size_t bytes);
+  char* map_peer(int p, const char* remote, size_t bytes);
 };
 
 // Each call's steps live in the low 24 bits of the counters, its sequence number above them.

@@ -73,6 +73,8 @@ class Transport {
   // plait shared buffer (plait.empty) this rank could map; else nullptr. Counts as `bytes`
   // moved through a mapping (mapped_bytes).
   virtual char* peer_local(int p, const char* remote, size_t bytes) { return nullptr; }
+  // Whether peer_local would give that range (mapping it now), without counting any bytes.
+  virtual bool peer_maps(int p, const char* remote, size_t bytes) { return false; }
   virtual uint64_t mapped_bytes() const { return 0; }
 
  protected:
