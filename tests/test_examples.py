@@ -68,3 +68,24 @@ def test_multihost_sim():
     for r in range(4):
         place = f"rank {r} of 4 on host host{r // 2} (local rank {r % 2} of 2, HierCommunicator)"
         assert f"[{r}] {place}: allreduce ok" in lines, lines
+
+
+@pytest.mark.slow  # gloo, fake, native and Python groups, ~1 min on the 2-core VM
+def test_torch_overhead_prints_measurements_not_targets():
+    pytest.importorskip("torch")
+    r = subprocess.run(
+        [sys.executable, "-m", "plait.run", "-n", "2", "-m", "plait.torch.overhead"]
+        + ["--iters", "30", "--gloo-iters", "10", "--no-train"],
+        env=_ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "target" not in r.stdout, r.stdout
+    lines = r.stdout.splitlines()
+    assert any(ln.startswith("[0]   dist.all_reduce, gloo ") for ln in lines), lines
+    assert any(ln.startswith("[0]   plait comm.allreduce on numpy ") for ln in lines), lines
+    if any("fake (torch's floor)" in ln for ln in lines):  # the fake group is not in every torch build
+        assert any(ln.startswith("[0]   torch's floor (fake group, no work; medians): sync ") for ln in lines)
