@@ -109,6 +109,18 @@ def _errors(comm):
     return seen, ok
 
 
+EXPECTED_ERRORS = {
+    "counts disagree": "MismatchError",
+    "own count wrong": "InvalidArgument",
+    "recv_counts wrong": "MismatchError",
+    "negative send count": "InvalidArgument",
+    "gather dtype disagrees": "MismatchError",
+    "gather root disagrees": "MismatchError",
+    "scatter shape": "InvalidArgument",
+    "bad root": "InvalidArgument",
+}
+
+
 def _worker(rank, n, addr):
     comm = plait.init(rank, n, store=addr, timeout=60)
     try:
@@ -127,16 +139,7 @@ def test_uneven_and_object_collectives(n):
             continue
         seen, ok = errors
         assert ok, f"rank {rank}: allgatherv after the errors gave wrong data"
-        assert seen == {
-            "counts disagree": "MismatchError",
-            "own count wrong": "InvalidArgument",
-            "recv_counts wrong": "MismatchError",
-            "negative send count": "InvalidArgument",
-            "gather dtype disagrees": "MismatchError",
-            "gather root disagrees": "MismatchError",
-            "scatter shape": "InvalidArgument",
-            "bad root": "InvalidArgument",
-        }, f"rank {rank}"
+        assert seen == EXPECTED_ERRORS, f"rank {rank}"
 
 
 def _facade(rank, n, addr):
@@ -159,3 +162,25 @@ def test_rank_size_and_module_functions():
     assert got == [(r, 3, r, 3, [0, 7, 14], "r0") for r in range(3)]
     with pytest.raises(plait.PlaitError, match="not initialized"):
         plait.rank()
+
+
+def _hier_worker(rank, n, addr, hosts):
+    import os
+
+    os.environ["PLAIT_HOST_ID"] = hosts[rank]
+    comm = plait.init(rank, n, store=addr, timeout=60)
+    try:
+        kind = type(comm).__name__
+        return kind, _cases(comm), _errors(comm)
+    finally:
+        plait.finalize()
+
+
+@pytest.mark.slow  # gloo between the simulated hosts
+@pytest.mark.parametrize("hosts", [("a", "a", "b"), ("a", "b", "a", "b")])
+def test_on_simulated_hosts(hosts):
+    pytest.importorskip("torch")
+    for rank, (kind, wrong, (seen, ok)) in enumerate(run_ranks(_hier_worker, len(hosts), 300, (hosts,))):
+        assert kind == "HierCommunicator"
+        assert wrong == [], f"rank {rank}: {wrong}"
+        assert ok and seen == EXPECTED_ERRORS, (rank, seen)
