@@ -162,15 +162,9 @@ def _parse(argv):
     if args.standalone and args.nnodes != 1:
         p.error(f"--standalone is one node, not --nnodes {args.nnodes}")
     if args.rdzv_endpoint:
-        host, _, port = (
-            args.rdzv_endpoint.rpartition(":")
-            if ":" in args.rdzv_endpoint
-            else (
-                args.rdzv_endpoint,
-                "",
-                "29400",
-            )
-        )
+        host, colon, port = args.rdzv_endpoint.rpartition(":")
+        if not colon:  # torchrun's default rendezvous port
+            host, port = args.rdzv_endpoint, "29400"
         if not port.isdigit():
             p.error(f"--rdzv-endpoint {args.rdzv_endpoint!r} is not HOST[:PORT]")
         args.master_addr, args.master_port = host.strip("[]") or args.master_addr, int(port)
@@ -467,6 +461,7 @@ def main(argv=None):
             )
             output.join()
             procs.clear()
+            _shm.sweep_stale()  # segments the failed attempt's ranks created and never unlinked
             # A fresh store (and torch port) per attempt: the failed one's counters are half used.
             server.close()
             server = _store.StoreServer("127.0.0.1", 0)
