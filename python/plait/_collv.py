@@ -42,7 +42,7 @@ def _bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
-def _head(comm, kind, root, a, counts=(), extra=()):
+def _head(kind, root, a, counts=(), extra=()):
     """This rank's record: kind, root, dtype, trailing shape, row count, then counts and extra."""
     dt = _code(a.dtype.name) if a is not None else _NONE
     trail = _code(repr(tuple(a.shape[1:]))) if a is not None else _NONE
@@ -80,7 +80,7 @@ def gather(comm, x: Any, root: int = 0) -> Optional[np.ndarray]:
     a = _array(x, "gather input")
     root = int(root)
     problem = None if 0 <= root < comm.size else f"root {root} is not a rank of {comm.size}"
-    table = _exchange(comm, _head(comm, "gather", root, a, (_code(repr(a.shape)),), [problem is not None]))
+    table = _exchange(comm, _head("gather", root, a, (_code(repr(a.shape)),), [problem is not None]))
     _raise_flagged(table, 6, "gather", problem, comm.rank)
     _agree(table, 0, "the collective (gather vs another v-collective)", "gather")
     _agree(table, 1, "root", "gather")
@@ -112,7 +112,7 @@ def scatter(comm, x: Any = None, root: int = 0) -> np.ndarray:
     if len(shape) > 8:
         problem = problem or "scatter takes inputs of at most 9 dimensions"
     dims = [len(shape), *(shape + [0] * (8 - len(shape)))[:8]]
-    table = _exchange(comm, _head(comm, "scatter", root, None, dims, [problem is not None]))
+    table = _exchange(comm, _head("scatter", root, None, dims, [problem is not None]))
     _raise_flagged(table, 14, "scatter", problem, comm.rank)
     _agree(table, 0, "the collective (scatter vs another v-collective)", "scatter")
     _agree(table, 1, "root", "scatter")
@@ -174,7 +174,7 @@ def _allgatherv(comm, a, counts):
         given = _code(repr(c)) if c is not None else _NONE
         if c is not None and c[comm.rank] != a.shape[0]:
             problem = f"counts[{comm.rank}] = {c[comm.rank]} but this rank's input has {a.shape[0]} rows"
-    table = _exchange(comm, _head(comm, "allgatherv", 0, a, (given,), [problem is not None]))
+    table = _exchange(comm, _head("allgatherv", 0, a, (given,), [problem is not None]))
     _raise_flagged(table, 6, "allgatherv", problem, comm.rank)
     _agree(table, 0, "the collective (allgatherv vs another v-collective)", "allgatherv")
     _agree(table, 2, "dtype", "allgatherv")
@@ -227,7 +227,6 @@ def alltoallv(
     if recv_counts is not None and problem is None:
         recv, problem = _counts(recv_counts, size, "recv_counts")
     record = _head(
-        comm,
         "alltoallv",
         0,
         a,
