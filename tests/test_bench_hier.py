@@ -22,6 +22,7 @@ def test_flat_and_hierarchical_in_one_run(tmp_path):
             "plait.bench",
             "-n",
             "4",
+            "--oversubscribe",  # 4 ranks on the 2-core VM
             "--hosts",
             "2",
             "-c",

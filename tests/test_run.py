@@ -109,14 +109,10 @@ def test_environment_and_store(tmp_path, n):
 
 
 def test_master_options(tmp_path):
-    # One write per line: print() under PYTHONUNBUFFERED=1 writes its pieces separately, and the
-    # two ranks share the launcher's stdout.
-    prog = script(
-        tmp_path, "sys.stdout.write(os.environ['MASTER_ADDR'] + ' ' + os.environ['MASTER_PORT'] + '\\n')"
-    )
+    prog = script(tmp_path, "print(os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'])")
     r = launch("-n", 2, "--master-addr", "localhost", "--master-port", 29555, "--", prog)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == ["localhost 29555"] * 2
+    assert sorted(r.stdout.splitlines()) == ["[0] localhost 29555", "[1] localhost 29555"]
 
 
 def test_failing_rank_takes_down_the_others(tmp_path):
@@ -169,7 +165,7 @@ def test_module_and_prefixed_output(tmp_path):
 
 def test_executable_and_usage_errors(tmp_path):
     r = launch("-n", 2, "sh", "-c", 'echo "$RANK"')
-    assert r.returncode == 0 and sorted(r.stdout.split()) == ["0", "1"]
+    assert r.returncode == 0 and sorted(r.stdout.splitlines()) == ["[0] 0", "[1] 1"]
     assert launch("-n", 2, tmp_path / "no-such-program").returncode == 127
     assert launch("-n", 0, "true").returncode != 0
     assert launch("-n", 1).returncode != 0
@@ -180,7 +176,7 @@ def test_console_script():
     r = subprocess.run(
         ["plait-run", "-n", "2", "sh", "-c", 'echo "$RANK"'], capture_output=True, text=True, timeout=30
     )
-    assert r.returncode == 0 and sorted(r.stdout.split()) == ["0", "1"]
+    assert r.returncode == 0 and sorted(r.stdout.splitlines()) == ["[0] 0", "[1] 1"]
 
 
 def _start(tmp_path, n):
@@ -198,7 +194,8 @@ def test_sigterm_is_forwarded(tmp_path):
     launcher, pids = _start(tmp_path, 2)
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(timeout=15) == 128 + signal.SIGTERM
-    assert "killed by signal SIGTERM" in launcher.stderr.read()
+    err = launcher.stderr.read()
+    assert "plait-run: interrupted (SIGTERM): stopping 2 ranks" in err and "failed" not in err, err
     launcher.stderr.close()
     assert all(_shm._dead(p) for p in pids)
 
@@ -221,7 +218,7 @@ print(name)
 sys.exit(1)
 """,
     )
-    r = launch("-n", 1, prog)
+    r = launch("-n", 1, "--no-prefix", prog)
     name = r.stdout.strip()
     try:
         assert r.returncode == 1 and name

@@ -8,12 +8,8 @@ Collectives run over shared memory between the processes of one host; see docs/a
 This module is the facade: joining lives in _bootstrap, the communicators in _comm and _hier.
 """
 
-from __future__ import annotations
-
-import atexit
-from typing import Any, Optional
-
-import numpy as np  # noqa: F401  (the facade's one dependency; arrays cross as numpy views)
+import atexit as _atexit
+import typing as _t
 
 from . import _C, _bootstrap, _cuda, _flight
 from ._comm import Communicator, Handle
@@ -24,6 +20,10 @@ from ._shared import empty, is_shared, zeros
 __all__ = [
     "init",
     "finalize",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
     "get_default",
     "is_initialized",
     "algorithms",
@@ -42,6 +42,12 @@ __all__ = [
     "recv",
     "barrier",
     "split",
+    "gather",
+    "scatter",
+    "allgatherv",
+    "alltoallv",
+    "allgather_object",
+    "broadcast_object",
     "PlaitError",
     "InvalidArgument",
     "MismatchError",
@@ -56,10 +62,10 @@ __version__ = "0.1.0"
 
 _default = None
 # PLAIT_TRACE: slices still in memory are written when the interpreter exits.
-atexit.register(_C.flush_traces)
+_atexit.register(_C.flush_traces)
 
 
-def algorithms(collective: str, device: str = "cpu") -> list[str]:
+def algorithms(collective: str, device: str = "cpu") -> _t.List[str]:
     """Algorithm names of a collective, in table order ("auto" picks among them).
 
     device="cuda": the GPU algorithms (empty on a CPU-only build): those over NCCL (one GPU per
@@ -74,7 +80,7 @@ def algorithms(collective: str, device: str = "cpu") -> list[str]:
     raise InvalidArgument(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 
-def build_info() -> dict[str, Any]:
+def build_info() -> _t.Dict[str, _t.Any]:
     """What this build and machine have.
 
     {'cuda': compiled with the CUDA path, 'cuda_devices': CUDA devices visible now (0 without a
@@ -94,15 +100,15 @@ def cuda_available() -> bool:
 
 
 def init(
-    rank: Optional[int] = None,
-    size: Optional[int] = None,
+    rank: _t.Optional[int] = None,
+    size: _t.Optional[int] = None,
     *,
-    store: Any = None,
-    timeout: Optional[float] = None,
-    buffer_bytes: Optional[int] = None,
-    init_timeout: Optional[float] = None,
+    store: _t.Any = None,
+    timeout: _t.Optional[float] = None,
+    buffer_bytes: _t.Optional[int] = None,
+    init_timeout: _t.Optional[float] = None,
     set_default: bool = True,
-) -> Communicator | HierCommunicator:
+) -> _t.Union[Communicator, HierCommunicator]:
     """Joins (creates) a communicator of `size` ranks and makes it the default.
 
     rank/size default to RANK/WORLD_SIZE (plait-run, torchrun, mpirun). store: None (PLAIT_STORE,
@@ -126,10 +132,32 @@ def is_initialized() -> bool:
     return _default is not None and not _default.closed
 
 
-def get_default() -> Communicator | HierCommunicator:
+def get_default() -> _t.Union[Communicator, HierCommunicator]:
     if _default is None or _default.closed:
         raise PlaitError("plait is not initialized: call plait.init() first")
     return _default
+
+
+def rank() -> int:
+    """This process's rank in the default communicator."""
+    return get_default().rank
+
+
+def size() -> int:
+    """The number of ranks of the default communicator."""
+    return get_default().size
+
+
+def local_rank() -> int:
+    """This process's rank among the default communicator's ranks on this host."""
+    comm = get_default()
+    return comm.local.rank if isinstance(comm, HierCommunicator) else comm.rank
+
+
+def local_size() -> int:
+    """The number of the default communicator's ranks on this host."""
+    comm = get_default()
+    return comm.local.size if isinstance(comm, HierCommunicator) else comm.size
 
 
 def finalize() -> None:
@@ -140,48 +168,76 @@ def finalize() -> None:
         _default = None
 
 
-def dump(comm: Communicator | HierCommunicator | None = None, path: Optional[str] = None) -> dict[str, Any]:
+def dump(
+    comm: _t.Union[Communicator, HierCommunicator, None] = None, path: _t.Optional[str] = None
+) -> _t.Dict[str, _t.Any]:
     """The flight recorder's report of `comm` (default: the default communicator): every rank's
     last calls read from shared memory, the dead or frozen ones included, as a dict; written as
     JSON to `path` when given."""
     return _flight.dump(get_default() if comm is None else comm, path)
 
 
-def allreduce(x: Any, out: Any = None, **kw: Any) -> Any:
+def allreduce(x: _t.Any, out: _t.Any = None, **kw: _t.Any) -> _t.Any:
     return get_default().allreduce(x, out, **kw)
 
 
-def reduce_scatter(x: Any, out: Any = None, **kw: Any) -> Any:
+def reduce_scatter(x: _t.Any, out: _t.Any = None, **kw: _t.Any) -> _t.Any:
     return get_default().reduce_scatter(x, out, **kw)
 
 
-def allgather(x: Any, out: Any = None, **kw: Any) -> Any:
+def allgather(x: _t.Any, out: _t.Any = None, **kw: _t.Any) -> _t.Any:
     return get_default().allgather(x, out, **kw)
 
 
-def broadcast(x: Any, root: int = 0, **kw: Any) -> Any:
+def broadcast(x: _t.Any, root: int = 0, **kw: _t.Any) -> _t.Any:
     return get_default().broadcast(x, root, **kw)
 
 
-def reduce(x: Any, root: int = 0, **kw: Any) -> Any:
+def reduce(x: _t.Any, root: int = 0, **kw: _t.Any) -> _t.Any:
     return get_default().reduce(x, root, **kw)
 
 
-def alltoall(x: Any, out: Any = None, **kw: Any) -> Any:
+def alltoall(x: _t.Any, out: _t.Any = None, **kw: _t.Any) -> _t.Any:
     return get_default().alltoall(x, out, **kw)
 
 
-def send(x: Any, peer: int, **kw: Any) -> Any:
+def send(x: _t.Any, peer: int, **kw: _t.Any) -> _t.Any:
     return get_default().send(x, peer, **kw)
 
 
-def recv(out: Any, peer: int, **kw: Any) -> Any:
+def recv(out: _t.Any, peer: int, **kw: _t.Any) -> _t.Any:
     return get_default().recv(out, peer, **kw)
 
 
-def barrier(**kw: Any) -> Any:
+def barrier(**kw: _t.Any) -> _t.Any:
     return get_default().barrier(**kw)
 
 
-def split(color: Optional[int], key: int = 0, **kw: Any) -> Any:
+def split(color: _t.Optional[int], key: int = 0, **kw: _t.Any) -> _t.Any:
     return get_default().split(color, key, **kw)
+
+
+def gather(x: _t.Any, root: int = 0) -> _t.Any:
+    return get_default().gather(x, root)
+
+
+def scatter(x: _t.Any = None, root: int = 0) -> _t.Any:
+    return get_default().scatter(x, root)
+
+
+def allgatherv(x: _t.Any, counts: _t.Optional[_t.Sequence[int]] = None) -> _t.Any:
+    return get_default().allgatherv(x, counts)
+
+
+def alltoallv(
+    x: _t.Any, send_counts: _t.Sequence[int], recv_counts: _t.Optional[_t.Sequence[int]] = None
+) -> _t.Any:
+    return get_default().alltoallv(x, send_counts, recv_counts)
+
+
+def allgather_object(obj: _t.Any) -> list:
+    return get_default().allgather_object(obj)
+
+
+def broadcast_object(obj: _t.Any = None, root: int = 0) -> _t.Any:
+    return get_default().broadcast_object(obj, root)

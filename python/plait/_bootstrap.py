@@ -22,6 +22,49 @@ def _env_int(name):
         raise InvalidArgument(f"{name}={v!r} is not an integer") from None
 
 
+_LAUNCH_HINT = "start N ranks with `plait-run -n N train.py` (or torchrun --nproc-per-node N train.py)"
+
+
+def _world(rank, size):
+    """(rank, size) from the arguments, else RANK / WORLD_SIZE; with neither, a world of one (as
+    mpi4py's singleton init and Horovod's): `python train.py` just runs."""
+    env_rank, env_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    rank = env_rank if rank is None else int(rank)
+    size = env_size if size is None else int(size)
+    if rank is None and size in (None, 1):
+        return 0, 1
+    if rank is None or size is None:
+        have = f"RANK={rank}" if size is None else f"WORLD_SIZE={size}"
+        want = "WORLD_SIZE (or size=)" if size is None else "RANK (or rank=)"
+        raise InvalidArgument(
+            f"plait.init: {have} but no {want}: a launcher sets both; {_LAUNCH_HINT}, "
+            "or call plait.init() with neither for a one-process world"
+        )
+    return rank, size
+
+
+class _LocalStore:
+    """The rendezvous store of a one-process world: nothing to meet, so a dict in this process."""
+
+    def __init__(self):
+        self._kv, self._counters = {}, {}
+
+    def add(self, key, n):
+        self._counters[key] = self._counters.get(key, 0) + n
+        return self._counters[key]
+
+    def set(self, key, value):
+        self._kv[key] = value
+
+    def get(self, key, timeout=None):
+        if key not in self._kv:
+            raise PlaitError(f"one-process world: nothing will ever set {key!r}")
+        return self._kv[key]
+
+    def close(self):
+        pass
+
+
 def connect(rank=None, size=None, *, store=None, timeout=None, buffer_bytes=None, init_timeout=None):
     """A new communicator (flat or hierarchical) of this process; arguments as plait.init's."""
     if "OMPI_COMM_WORLD_SIZE" in os.environ:  # under mpirun: its ranks, unless a launcher set ours
@@ -33,10 +76,7 @@ def connect(rank=None, size=None, *, store=None, timeout=None, buffer_bytes=None
         ):
             if f"OMPI_COMM_WORLD_{theirs}" in os.environ:
                 os.environ.setdefault(ours, os.environ[f"OMPI_COMM_WORLD_{theirs}"])
-    rank = _env_int("RANK") if rank is None else int(rank)
-    size = _env_int("WORLD_SIZE") if size is None else int(size)
-    if rank is None or size is None:
-        raise InvalidArgument("plait.init needs rank and size (or RANK and WORLD_SIZE in the environment)")
+    rank, size = _world(rank, size)
     if size < 1 or not 0 <= rank < size:
         raise InvalidArgument(f"rank {rank} is not in a world of {size}")
     # Checked before the rendezvous, so a rank never waits in it on a value it then refuses.
@@ -53,6 +93,8 @@ def connect(rank=None, size=None, *, store=None, timeout=None, buffer_bytes=None
         init_timeout = max(timeout, 60.0)
     init_timeout = _errors.seconds(init_timeout, "plait.init: init_timeout", "init never waits")
     keep = []
+    if store is None and size == 1:
+        store = _LocalStore()  # a world of one needs no rendezvous, so no address either
     if isinstance(store, _store.Store) or all(hasattr(store, m) for m in ("add", "set", "get")):
         client = store  # plait's client, or an adapter (the torch backend wraps torch's store)
     else:

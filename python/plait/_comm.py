@@ -10,6 +10,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _C, _arrays, _errors, _gpu, _shm
+from ._collv import VCollectives
 
 _CODE = _C.COLLECTIVES
 _ALLREDUCE, _REDUCE_SCATTER, _ALLGATHER = _CODE["allreduce"], _CODE["reduce_scatter"], _CODE["allgather"]
@@ -140,7 +141,7 @@ class Handle:
         return self._task.poll()
 
 
-class Communicator:
+class Communicator(VCollectives):
     """A group of ranks that run collectives together over one shared-memory segment."""
 
     def __init__(self, native, *, timeout, buffer_bytes, world_size, keep=()):

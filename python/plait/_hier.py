@@ -44,6 +44,7 @@ import time
 import numpy as np
 
 from . import _C, _comm, _errors, _gpu, _inter
+from ._collv import VCollectives
 from ._comm import Array, Handle, Timeout
 from ._hosts import Layout
 
@@ -111,7 +112,7 @@ def _aborts_on_error(method):
     return wrapper
 
 
-class HierCommunicator:
+class HierCommunicator(VCollectives):
     """Same methods and semantics as plait.Communicator, for ranks that span hosts."""
 
     def __init__(self, rank, size, layout, local, inter, world, abort, *, timeout, engine, ctx, keep):

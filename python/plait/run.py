@@ -1,10 +1,18 @@
 """plait-run: starts N local ranks with torchrun's environment and a plait store, and takes them all
 down as soon as one fails.
 
-    plait-run -n N [--master-addr A] [--master-port P] [--tee-prefix] [--] program [args...]
+    plait-run -n N [--master-addr A] [--master-port P] [--] program [args...]
     plait-run -n N -m module [args...]
     plait-run --nnodes 2 --node-rank K --master-addr A --master-port P -n N program   (on each host)
     plait-run -n N --dump-on-error DIR program
+    plait-run --standalone --nproc-per-node auto --log-dir logs --max-restarts 2 train.py  (torchrun's)
+
+Output: every line a rank writes reaches the console whole, prefixed "[rank] " (--no-prefix: the
+ranks write to the launcher's stdout and stderr themselves); --local-ranks-filter 0,1 shows only
+those local ranks; --log-dir DIR also writes DIR/attempt_K/RANK/{stdout,stderr}.log.
+--max-restarts K: after a rank fails, all ranks start again (with a fresh plait store, and
+TORCHELASTIC_RESTART_COUNT set), up to K times; one node only. Ctrl-C (SIGINT) or SIGTERM stops
+the ranks and is reported as an interrupt, exit code 128 + the signal.
 
 --dump-on-error DIR: a rank that raises TimeoutError, PeerLostError or MismatchError writes its
 flight recorder report to DIR/flight-rank<R>.json (PLAIT_DUMP_ON_ERROR), and the launcher, once
@@ -27,7 +35,7 @@ import sys
 import threading
 import time
 
-from . import _flight, _shm, _store
+from . import _flight, _run_output, _shm, _store
 
 _PR_SET_PDEATHSIG = 1
 _VALUE_OPTIONS = {
@@ -44,6 +52,18 @@ _VALUE_OPTIONS = {
     "--node-rank",
     "--node_rank",
     "--dump-on-error",
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "--rdzv-id",
+    "--rdzv_id",
+    "--log-dir",
+    "--log_dir",
+    "--local-ranks-filter",
+    "--local_ranks_filter",
+    "--max-restarts",
+    "--max_restarts",
 }
 _FAILED, _DONE = "plait-run/failed", "plait-run/done"  # keys of the multi-node launchers
 
@@ -60,10 +80,40 @@ def _parser():
         "--nproc-per-node",
         "--nproc_per_node",
         dest="nproc",
-        type=int,
         required=True,
-        help="number of ranks",
+        help="ranks on this node: a number, or auto (a rank per CUDA device when there are any, "
+        "else per CPU), cpu, gpu",
     )
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        help="one node with a local rendezvous (plait-run's default; accepted as torchrun's)",
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        default=None,
+        metavar="HOST[:PORT]",
+        help="node 0's address (torchrun's; port 29400 when left out): --master-addr/--master-port",
+    )
+    p.add_argument("--rdzv-backend", "--rdzv_backend", default="static", choices=("static", "c10d"))
+    p.add_argument("--rdzv-id", "--rdzv_id", default="none", help="exported as TORCHELASTIC_RUN_ID")
+    p.add_argument("--log-dir", "--log_dir", default=None, help="also write each rank's output here")
+    p.add_argument(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        default=None,
+        metavar="0,1,...",
+        help="show only these local ranks' output on the console (--log-dir keeps all)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="start all ranks again after a failure, up to this many times (one node only)",
+    )
+    p.add_argument("--no-python", "--no_python", action="store_true", help="run the program as is")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (hosts), one plait-run each")
     p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's index")
     p.add_argument(
@@ -80,7 +130,8 @@ def _parser():
         help="MASTER_PORT for the ranks (default: a free port)",
     )
     p.add_argument("-m", "--module", action="store_true", help="the program is a Python module")
-    p.add_argument("--tee-prefix", action="store_true", help="prefix each output line with [rank]")
+    p.add_argument("--no-prefix", action="store_true", help="ranks write to the console unprefixed")
+    p.add_argument("--tee-prefix", action="store_true", help=argparse.SUPPRESS)  # the default now
     p.add_argument(
         "--grace",
         type=float,
@@ -107,8 +158,32 @@ def _parse(argv):
     rest = argv[i + 1 :] if i < len(argv) and argv[i] == "--" else argv[i:]
     if not rest:
         p.error("no program given")
-    if args.nproc < 1:
-        p.error("-n must be at least 1")
+    args.nproc = _nproc(p, args.nproc)
+    if args.standalone and args.nnodes != 1:
+        p.error(f"--standalone is one node, not --nnodes {args.nnodes}")
+    if args.rdzv_endpoint:
+        host, colon, port = args.rdzv_endpoint.rpartition(":")
+        if not colon:  # torchrun's default rendezvous port
+            host, port = args.rdzv_endpoint, "29400"
+        if not port.isdigit():
+            p.error(f"--rdzv-endpoint {args.rdzv_endpoint!r} is not HOST[:PORT]")
+        args.master_addr, args.master_port = host.strip("[]") or args.master_addr, int(port)
+    if args.max_restarts < 0:
+        p.error("--max-restarts must be >= 0")
+    if args.max_restarts and args.nnodes > 1:
+        p.error(
+            "--max-restarts with --nnodes > 1 is not supported: plait-run restarts the ranks of one "
+            "node only (the other nodes' launchers would not follow)"
+        )
+    args.shown = None
+    if args.local_ranks_filter is not None:
+        try:
+            args.shown = {int(v) for v in args.local_ranks_filter.split(",") if v.strip()}
+        except ValueError:
+            p.error(f"--local-ranks-filter {args.local_ranks_filter!r} is not a list like 0,1")
+        outside = sorted(r for r in args.shown if not 0 <= r < args.nproc)
+        if outside:
+            p.error(f"--local-ranks-filter names local rank(s) {outside}, not in 0..{args.nproc - 1}")
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank {args.node_rank} is not a node of --nnodes {args.nnodes}")
     if args.nnodes > 1 and args.master_port is None:
@@ -117,7 +192,29 @@ def _parse(argv):
     return args
 
 
+def _nproc(p, text):
+    """-n's value: a positive number, or torchrun's auto / cpu / gpu."""
+    if text in ("auto", "cpu", "gpu"):
+        gpus = 0
+        if text != "cpu":
+            from . import _cuda
+
+            gpus = _cuda.device_count() if _cuda.compiled() else 0
+            if text == "gpu" and gpus == 0:
+                p.error("-n gpu: this process sees no CUDA device (or plait was built without CUDA)")
+        return gpus or len(os.sched_getaffinity(0))
+    try:
+        n = int(text)
+    except ValueError:
+        p.error(f"-n {text!r}: give a number of ranks, or auto, cpu, gpu")
+    if n < 1:
+        p.error("-n must be at least 1")
+    return n
+
+
 def _command(args):
+    if args.no_python:
+        return [args.program, *args.args]
     if args.module:
         return [sys.executable, "-m", args.program, *args.args]
     if args.program.endswith(".py"):
@@ -142,18 +239,6 @@ def _die_with_parent():
             os._exit(1)
 
     return setup
-
-
-def _pump(src, dst, prefix, lock):
-    out = getattr(dst, "buffer", None)
-    for line in iter(src.readline, b""):
-        with lock:
-            if out is not None:
-                out.write(prefix + line)
-            else:
-                dst.write((prefix + line).decode(errors="replace"))
-            dst.flush()
-    src.close()
 
 
 def _signal_group(proc, sig):
@@ -196,16 +281,36 @@ def _linger(procs, seconds):
         time.sleep(0.02)
 
 
-def _supervise(procs, grace, first=0, nodes=None, linger=0.0):
+def _interrupted(procs, grace, where, signum):
+    """The launcher got SIGINT or SIGTERM (already forwarded to the ranks): an interrupt, not a
+    failure of whichever rank the signal ended first."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    alive = sum(p.poll() is None for p in procs)
+    print(f"plait-run: {where}interrupted ({name}): stopping {len(procs)} ranks", file=sys.stderr, flush=True)
+    if alive:
+        _linger(procs, grace)
+    _take_down(procs, grace)
+    return 128 + signum
+
+
+def _supervise(procs, grace, first=0, nodes=None, linger=0.0, signals=()):
     """Waits for the ranks (global ranks first, first+1, ...); nodes: the multi-node store client.
-    linger: seconds the others get after a failure before they are taken down."""
+    linger: seconds the others get after a failure before they are taken down. signals: the
+    signals the launcher received (filled in by its handler)."""
     where = f"node {nodes[1]}: " if nodes else ""
     next_check = 0.0
     while True:
+        if signals:
+            return _interrupted(procs, grace, where, signals[0])
         running = False
         for i, p in enumerate(procs):
             rc = p.poll()
             running |= rc is None
+            if rc and signals:  # the signal came after the check above, and ended this rank
+                return _interrupted(procs, grace, where, signals[0])
             if rc:
                 what, code = _describe(rc)
                 msg = f"{where}rank {first + i} (pid {p.pid}) failed: {what}"
@@ -256,32 +361,60 @@ def _wait_for_nodes(client, nnodes):
         time.sleep(0.1)
 
 
+def _node_store(args):
+    """(server or None, "host:port", nodes or None) of this launch; None when node 0 is unreachable."""
+    if args.nnodes == 1:
+        server = _store.StoreServer("127.0.0.1", 0)
+        return server, f"{server.host}:{server.port}", None
+    server = None
+    if args.node_rank == 0:
+        try:
+            server = _store.StoreServer(args.master_addr, args.master_port + 1)
+        except Exception:  # noqa: BLE001 - e.g. a name of this host that is not bound locally
+            server = _store.StoreServer("0.0.0.0", args.master_port + 1)
+    store_addr = f"{args.master_addr}:{args.master_port + 1}"
+    try:
+        nodes = (_store.Store(args.master_addr, args.master_port + 1, timeout=300), args.node_rank)
+    except Exception as e:  # noqa: BLE001
+        print(
+            f"plait-run: node {args.node_rank}: cannot reach node 0's store at {store_addr}: {e}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if server is not None:
+            server.close()
+        return None
+    return server, store_addr, nodes
+
+
+def _start(args, cmd, env, output, attempt, procs):
+    """Starts this node's ranks into `procs`; an exit code when one cannot start, else None."""
+    first = args.nproc * args.node_rank
+    setup = _die_with_parent()
+    for local in range(args.nproc):
+        rank = first + local
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(local), ROLE_RANK=str(rank))
+        try:
+            # Spawned from this (main) thread on purpose: PDEATHSIG fires when the creating
+            # thread exits, not the process.
+            p = subprocess.Popen(cmd, env=rank_env, process_group=0, preexec_fn=setup, **output.popen_args())
+        except OSError as e:
+            print(f"plait-run: cannot start rank {rank} ({cmd[0]}): {e}", file=sys.stderr, flush=True)
+            _take_down(procs, args.grace)
+            return 127
+        procs.append(p)
+        output.attach(p, rank, local, attempt)
+    return None
+
+
 def main(argv=None):
     args = _parse(sys.argv[1:] if argv is None else list(argv))
     n, cmd = args.nproc, _command(args)
     world, first = n * args.nnodes, n * args.node_rank
-    server = nodes = None
-    if args.nnodes == 1:
-        server = _store.StoreServer("127.0.0.1", 0)
-        store_addr = f"{server.host}:{server.port}"
-    else:
-        if args.node_rank == 0:
-            try:
-                server = _store.StoreServer(args.master_addr, args.master_port + 1)
-            except Exception:  # noqa: BLE001 - e.g. a name of this host that is not bound locally
-                server = _store.StoreServer("0.0.0.0", args.master_port + 1)
-        store_addr = f"{args.master_addr}:{args.master_port + 1}"
-        try:
-            nodes = (_store.Store(args.master_addr, args.master_port + 1, timeout=300), args.node_rank)
-        except Exception as e:  # noqa: BLE001
-            print(
-                f"plait-run: node {args.node_rank}: cannot reach node 0's store at {store_addr}: {e}",
-                file=sys.stderr,
-                flush=True,
-            )
-            if server is not None:
-                server.close()
-            return 1
+    made = _node_store(args)
+    if made is None:
+        return 1
+    server, store_addr, nodes = made
     env = dict(
         os.environ,
         WORLD_SIZE=str(world),
@@ -291,14 +424,17 @@ def main(argv=None):
         MASTER_ADDR=args.master_addr,
         MASTER_PORT=str(args.master_port or _free_port(args.master_addr)),
         PLAIT_STORE=store_addr,
+        TORCHELASTIC_RUN_ID=args.rdzv_id,
+        TORCHELASTIC_MAX_RESTARTS=str(args.max_restarts),
+        TORCHELASTIC_RESTART_COUNT="0",
     )
     if args.dump_on_error:
         os.makedirs(args.dump_on_error, exist_ok=True)
         env["PLAIT_DUMP_ON_ERROR"] = os.path.abspath(args.dump_on_error)
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks x all-core thread pools oversubscribe
-    if args.tee_prefix:
-        env.setdefault("PYTHONUNBUFFERED", "1")  # otherwise lines arrive only when a rank exits
-    procs, pumps, lock, signals = [], [], threading.Lock(), []
+    output = _run_output.RankOutput(not args.no_prefix, args.log_dir, args.shown)
+    output.env(env)
+    procs, signals = [], []
 
     def forward(signum, _frame):
         signals.append(signum)
@@ -308,31 +444,33 @@ def main(argv=None):
     on_main = threading.current_thread() is threading.main_thread()
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
     try:
-        setup = _die_with_parent()
-        for local in range(n):
-            rank = first + local
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(local), ROLE_RANK=str(rank))
-            pipe = subprocess.PIPE if args.tee_prefix else None
-            try:
-                # Spawned from this (main) thread on purpose: PDEATHSIG fires when the creating
-                # thread exits, not the process.
-                p = subprocess.Popen(
-                    cmd, env=rank_env, stdout=pipe, stderr=pipe, process_group=0, preexec_fn=setup
-                )
-            except OSError as e:
-                print(f"plait-run: cannot start rank {rank} ({cmd[0]}): {e}", file=sys.stderr, flush=True)
-                _take_down(procs, args.grace)
-                return 127
-            procs.append(p)
-            if args.tee_prefix:
-                for src, dst in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                    t = threading.Thread(
-                        target=_pump, args=(src, dst, f"[{rank}] ".encode(), lock), daemon=True
-                    )
-                    t.start()
-                    pumps.append(t)
-        code = _supervise(procs, args.grace, first, nodes, args.grace if args.dump_on_error else 0.0)
-        if code and args.dump_on_error:
+        attempt = 0
+        while True:
+            code = _start(args, cmd, env, output, attempt, procs)
+            if code is not None:
+                return code
+            linger = args.grace if args.dump_on_error else 0.0
+            code = _supervise(procs, args.grace, first, nodes, linger, signals)
+            if not code or signals or attempt >= args.max_restarts:
+                break
+            attempt += 1
+            print(
+                f"plait-run: restarting all {n} ranks (restart {attempt} of {args.max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
+            output.join()
+            procs.clear()
+            _shm.sweep_stale()  # segments the failed attempt's ranks created and never unlinked
+            # A fresh store (and torch port) per attempt: the failed one's counters are half used.
+            server.close()
+            server = _store.StoreServer("127.0.0.1", 0)
+            env.update(
+                PLAIT_STORE=f"{server.host}:{server.port}",
+                TORCHELASTIC_RESTART_COUNT=str(attempt),
+                MASTER_PORT=str(args.master_port or _free_port(args.master_addr)),
+            )
+        if code and args.dump_on_error and not signals:
             text = _flight.side_by_side(_flight.load_dir(args.dump_on_error), args.dump_on_error)
             if text:
                 print("plait-run: " + text, file=sys.stderr, flush=True)
@@ -342,7 +480,7 @@ def main(argv=None):
                 _wait_for_nodes(nodes[0], args.nnodes)
         elif nodes and signals:
             _flag(nodes[0], f"node {args.node_rank}: plait-run stopped by signal {signals[0]}")
-        return 128 + signals[0] if code == 0 and signals else code
+        return 128 + signals[0] if signals else code
     finally:
         if any(p.poll() is None for p in procs):  # only on an unexpected error in here
             _take_down(procs, args.grace)
@@ -353,8 +491,7 @@ def main(argv=None):
         if server is not None:
             server.close()
         _shm.sweep_stale()
-        for t in pumps:
-            t.join(timeout=1)  # a rank's leftover children may hold the pipe open
+        output.join()
 
 
 if __name__ == "__main__":

@@ -72,7 +72,18 @@ def parser():
         "of plait's collectives, with gloo and MPI side by side.",
     )
     a = p.add_argument
-    a("-n", "--nranks", type=int, help="ranks to start (default 2); ignored under a launcher")
+    a(
+        "-n",
+        "--nranks",
+        type=int,
+        help="ranks to start (default 2; nccl-tests' -n is iterations, --iters here); under a "
+        "launcher, the number it started",
+    )
+    a(
+        "--oversubscribe",
+        action="store_true",
+        help="allow more ranks than this process may use cores (they then share cores and spin)",
+    )
     a("-b", "--minbytes", type=parse_size, default=8, help="smallest size (default 8)")
     a("-e", "--maxbytes", type=parse_size, default=8 << 20, help="largest size (default 8M)")
     a("-f", "--stepfactor", type=int, default=4, help="size multiplier between rows (default 4)")
@@ -143,6 +154,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = parser()
     args = p.parse_args(argv)
+    _check_packages(p, args)
     try:
         args.sizes = sizes(args.minbytes, args.maxbytes, args.stepfactor)
     except ValueError as e:
@@ -168,9 +180,19 @@ def main(argv=None):
         if args.nranks and not os.environ.get(_ENV_CHILD) and args.nranks != size:
             p.error(f"-n {args.nranks} but the launcher started {size} ranks")
     else:
-        size = args.nranks or 2
+        size = 2 if args.nranks is None else args.nranks
     if size < 1:
-        p.error("-n must be at least 1")
+        p.error(f"-n {size}: plait-bench needs at least 1 rank")
+    if not (mpi or "RANK" in os.environ):
+        cores = len(os.sched_getaffinity(0))
+        if size > cores and not args.oversubscribe:
+            p.error(
+                f"-n {size} would start {size} ranks on {cores} cores: -n is the number of ranks here "
+                "(nccl-tests' -n, iterations, is --iters); add --oversubscribe to start them anyway"
+            )
+    if not os.environ.get(_ENV_CHILD) and os.environ.get("RANK", "0") == "0":
+        for line in _short_flag_notes(argv, args, size):
+            print(line, flush=True)
     if not 0 <= args.root < size and any(COLLECTIVES[c].rooted for c in args.collectives):
         p.error(f"root {args.root} is not a rank of {size}")
     if args.device == "cuda" and (args.peers or mpi):
@@ -182,6 +204,44 @@ def main(argv=None):
     if mpi or "RANK" in os.environ:
         return run_rank(args, argv, mpi)
     return _launch(args, argv, size)
+
+
+_CLASHES = {  # plait-bench's short flags that nccl-tests reads differently
+    "-n": ("nranks", "ranks", "nccl-tests: iterations, --iters here"),
+    "-c": ("collectives", "collectives", "nccl-tests: check results 0/1; plait-bench always checks"),
+    "-a": ("algorithm", "algorithm", "nccl-tests: how to average across ranks 0..3; here rank 0's median"),
+}
+
+
+def _short_flag_notes(argv, args, size):
+    """One line per clashing short flag the command used, saying what plait-bench made of it."""
+    notes = []
+    for flag, (dest, what, theirs) in _CLASHES.items():
+        if any(t == flag or (t.startswith(flag) and not t.startswith("--")) for t in argv):
+            value = size if dest == "nranks" else getattr(args, dest)
+            value = ",".join(value) if isinstance(value, list) else value
+            notes.append(f"# {flag} {value}: {what} ({theirs})")
+    return notes
+
+
+def _check_packages(p, args):
+    """Options whose packages are missing fail now, with the pip command, not after the sweep."""
+    import importlib.util
+
+    need = []
+    if args.plot:
+        need.append(("--plot", "matplotlib", "matplotlib"))
+    for peer, module, pip in (
+        ("gloo", "torch", "torch"),
+        ("mpi", "mpi4py", "mpi4py"),
+        ("deepspeed", "deepspeed", "deepspeed"),
+    ):
+        if peer in args.peers:
+            need.append((f"--peers {peer}", module, pip))
+    for option, module, pip in need:
+        if importlib.util.find_spec(module) is None:
+            extra = " (or pip install 'plait[bench]')" if pip in ("matplotlib", "mpi4py") else ""
+            p.error(f"{option} needs {module}, which is not installed: pip install {pip}{extra}")
 
 
 def _under_mpirun():
@@ -237,7 +297,7 @@ def _launch(args, argv, n):
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # plait-run hands its own environment to the ranks
     try:
-        return run.main(["-n", str(n), "-m", "plait.bench", *argv])
+        return run.main(["-n", str(n), "--no-prefix", "-m", "plait.bench", *argv])
     finally:
         for k, v in old.items():
             if v is None:

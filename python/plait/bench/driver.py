@@ -148,7 +148,8 @@ def _run(args, argv, rank, size, local, mpi):
     say("#")
     for s in summaries:
         say(s)
-    say(f"# #wrong total: {wrong}" + (" FAILED" if wrong else " OK"), flush=True)
+    say(f"# #wrong total: {wrong}" + (" FAILED" if wrong else " OK"))
+    say(report.avg_busbw(results), flush=True)
     if rank == 0:
         extra = {("torch" if p.name == "gloo" else p.name): p.version for p in peers}
         extra["affinity"] = cpus  # the mask the rank was given, before pinning
@@ -203,9 +204,16 @@ def _sweep(comm, coll, impls, cfg, notes, skips, progress, say):
 
 
 def _describe(build_info):
+    info = dict(build_info)
+    compiled, devices = info.pop("cuda", False), info.pop("cuda_devices", 0)
+    gpu = f"compiled with CUDA, {devices} device{'s' * (devices != 1)}" if compiled else "CPU-only build"
     return ", ".join(
-        f"{k} " + ("/".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v))
-        for k, v in build_info.items()
+        [gpu]
+        + [
+            f"{k} " + ("/".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v))
+            for k, v in info.items()
+            if not (k.startswith("nccl") and v is None)
+        ]
     )
 
 

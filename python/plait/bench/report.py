@@ -189,6 +189,18 @@ def summary(coll, records):
     return f"# summary {coll}: " + ("; ".join(parts) if parts else "nothing measured")
 
 
+def avg_busbw(results):
+    """nccl-tests' closing line: the mean bus bandwidth over plait's rows (auto where measured, else
+    every plait algorithm), every size, collective and placement of the run."""
+    mine = [r for r in results if r["impl"] == "plait"] or [
+        r for r in results if r["impl"].startswith("plait") and r["impl"] != SHARED
+    ]
+    if not mine:
+        return "# Avg bus bandwidth    : n/a (no plait rows)"
+    avg = sum(r["busbw_GBps"] for r in mine) / len(mine)
+    return f"# Avg bus bandwidth    : {avg:.6g} GB/s (plait, mean of {len(mine)} rows)"
+
+
 def machine_info(extra=None):
     cpu = platform.processor() or "unknown"
     try:

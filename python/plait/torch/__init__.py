@@ -30,6 +30,7 @@ from ._errors import (
     PlaitUnsupportedError,
 )
 from . import _native
+from .. import _torch_autoload
 from ._group import Options, ProcessGroupPlait, shutdown_all
 from ._shared_comm import is_shared, shared_allreduce_hook, use_shared_buffers
 
@@ -111,7 +112,8 @@ def native():
     return _native.load() is not None
 
 
-if BACKEND.upper() not in dist.Backend._plugins:
+_plugin = dist.Backend._plugins.get(BACKEND.upper())
+if _plugin is None or _plugin.creator_fn is _torch_autoload._create:  # replaces the autoload stub
     dist.Backend.register_backend(
         BACKEND, _create, extended_api=True, devices=["cpu"] if native() else ["cpu", "cuda"]
     )

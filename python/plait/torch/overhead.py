@@ -10,9 +10,10 @@
    of torch's own layers (Python wrapper, dispatcher, Work), a floor no backend can go below;
 4. one DDP step and one FSDP2 step of a wide MLP with a small batch (communication-bound), on
    gloo and on each plait backend, and on the native one with plait.torch.use_shared_buffers.
-Prints the best and the median of 7 timed batches on rank 0, and the ratios the issue sets
-targets for (plait native against the direct call, and against gloo). Each group's sync and
-async+wait batches alternate, and their ratio is also given as the median of the per-pair ratios.
+Prints the best and the median of 7 timed batches on rank 0, torch's floor (the fake group), and
+ratios of medians: plait native against the direct call, against torch's floor and against gloo.
+Each group's sync and async+wait batches alternate, and their ratio is also given as the median of
+the per-pair ratios. Timings on a shared or oversubscribed machine move by 2x between runs.
 """
 
 import argparse
@@ -185,19 +186,22 @@ def main():
             sync = med["dist.all_reduce, plait native"]
             asyn = med["dist.all_reduce(async_op=True).wait(), plait native"]
             print(
-                f"  ratios (medians): sync/direct {sync / direct:.2f} (target <= 2), async+wait/direct "
-                f"{asyn / direct:.2f} (target <= 3), async+wait/sync {asyn / sync:.2f} (target <= 1.5)"
+                f"  ratios (medians): sync/direct {sync / direct:.2f}, async+wait/direct "
+                f"{asyn / direct:.2f}, async+wait/sync {asyn / sync:.2f}"
             )
             print(
                 "  async+wait/sync, median of paired batches: "
                 + ", ".join(f"{impl} {r:.2f}" for impl, r in paired.items())
-                + " (target <= 1.5 for plait native)"
             )
             if floor is not None:
                 fs = med["dist.all_reduce, fake (torch's floor)"]
                 fa = med["dist.all_reduce(async_op=True).wait(), fake"]
                 print(
-                    f"  above torch's floor (medians): sync {sync - fs:.1f} us = "
+                    f"  torch's floor (fake group, no work; medians): sync {fs:.1f} us, "
+                    f"async+wait {fa:.1f} us"
+                )
+                print(
+                    f"  plait native above torch's floor (medians): sync {sync - fs:.1f} us = "
                     f"{(sync - fs) / direct:.2f}x direct, async+wait {asyn - fa:.1f} us = "
                     f"{(asyn - fa) / direct:.2f}x direct"
                 )
@@ -211,7 +215,7 @@ def main():
                 for impl in impls:
                     print(
                         f"  {kind} plait {impl} / gloo (medians): "
-                        f"{med[f'{kind} step, plait {impl}'] / med[f'{kind} step, gloo']:.2f} (target <= 0.8)"
+                        f"{med[f'{kind} step, plait {impl}'] / med[f'{kind} step, gloo']:.2f}"
                     )
     dist.destroy_process_group()
     sys.stdout.flush()
