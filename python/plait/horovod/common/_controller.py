@@ -74,6 +74,7 @@ class Controller:
         self._joined = {}  # rank -> cycle it joined
         self._join_op = None
         self._cycle_no = 0
+        self._last_cycle = 0.0
         self._lock = threading.Lock()  # one cycle at a time
         self._cv = threading.Condition()
         self._stop = False
@@ -83,7 +84,7 @@ class Controller:
         self._thread.start()
 
     # -- submission ----------------------------------------------------------------------------
-    def submit(self, ops):
+    def submit(self, ops, notify=True):
         """Queues ops (a group is submitted at once, so it reaches every rank in one cycle)."""
         with self._cv:
             if self.broken is not None:
@@ -101,7 +102,8 @@ class Controller:
                 for o in ops:
                     self.timeline.negotiate_start(o.req[1], o.req[0])
             self._queue.extend(ops)
-            self._cv.notify()
+            if notify:
+                self._cv.notify()
 
     def wait(self, ops, timeout=None):
         """Runs cycles on this thread (or lets the background one) until all ops are done."""
@@ -140,6 +142,10 @@ class Controller:
             with self._cv:
                 if not self._queue and not self._stop:
                     self._cv.wait(self.cycle_s)
+                    # Idle: a cycle another thread ran meanwhile served the peers already.
+                    recent = time.monotonic() - self._last_cycle < self.cycle_s
+                    if not self._queue and not self._stop and (recent or self._idle_alone()):
+                        continue
             with self._lock:
                 if self.broken is not None:
                     return
@@ -149,6 +155,9 @@ class Controller:
                 except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
                     self._break(e)
                     return
+
+    def _idle_alone(self):
+        return self.size == 1 and not self._mine and not self._table
 
     def _break(self, e):
         from plait import _errors
@@ -193,6 +202,7 @@ class Controller:
         if self.timeline is not None:
             self.timeline.cycle_start()
         msgs = self._exchange(json.dumps(msg, separators=(",", ":")).encode())
+        self._last_cycle = time.monotonic()
         self._cycle_no += 1
         stopping = [r for r, m in enumerate(msgs) if m.get("stop")]
         for r, m in enumerate(msgs):

@@ -82,17 +82,19 @@ def check(key, reqs, members, joined):
 
 class Executor:
     def __init__(self):
-        self._fusion = None  # uint8 numpy array in plait shared memory
+        self._fusion = None  # uint8 torch tensor over plait shared memory
+        self.threshold = fusion_threshold()
+        self.calls = 0  # plait collectives run (a fused group counts once): tests read it
 
     def _buffer(self, nbytes):
         from plait import _shared
 
-        if self._fusion is None or self._fusion.nbytes < nbytes:
-            self._fusion = _shared.empty(max(nbytes, 1 << 16), "uint8")
-        return _torch().from_numpy(self._fusion[:nbytes])
+        if self._fusion is None or self._fusion.numel() < nbytes:
+            self._fusion = _torch().from_numpy(_shared.empty(max(nbytes, 1 << 16), "uint8"))
+        return self._fusion[:nbytes]
 
     def run(self, ctrl, ready):
-        threshold = fusion_threshold()
+        threshold = self.threshold
         joined = set(ctrl._joined)
         todo = []
         for key, reqs in ready:
@@ -134,6 +136,7 @@ class Executor:
 
     # -- the collectives -----------------------------------------------------------------------
     def _comm(self, ctrl, ps):
+        self.calls += 1
         return ctrl.process_sets[ps].comm
 
     def _allreduce(self, ctrl, group, nbytes):

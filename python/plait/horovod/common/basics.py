@@ -240,8 +240,8 @@ def next_name(kind, name, ps_id=0):
     return f"{kind}.noname.{n}"
 
 
-def submit(ops):
-    _st().controller.submit(ops)
+def submit(ops, notify=True):
+    _st().controller.submit(ops, notify)
 
 
 def wait(ops):

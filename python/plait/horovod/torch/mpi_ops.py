@@ -119,12 +119,27 @@ def _req(kind, name, ps_id, t, op=0, root=-1, pre=1.0, post=1.0, splits=None):
     ]
 
 
+_tls = threading.local()
+
+
 def _register(ops, result):
-    _basics.submit(ops)
+    # A synchronous call waits (and runs the cycle) on this thread at once: no need to wake the
+    # coordinator's thread for it.
+    _basics.submit(ops, notify=not getattr(_tls, "sync", False))
     h = next(_handles)
     with _map_lock:
         _handle_map[h] = (ops, result)
     return h
+
+
+def _now(fn, *args, **kwargs):
+    """fn(...)'s handle, synchronized: the synchronous form of an async op."""
+    _tls.sync = True
+    try:
+        h = fn(*args, **kwargs)
+    finally:
+        _tls.sync = False
+    return synchronize(h)
 
 
 def poll(handle):
@@ -155,12 +170,10 @@ def _allreduce_ops(tensors, inplace, name, op, pre, post, process_set, kind="all
         _dtype(t, "allreduce")
         n = name if name is None or len(tensors) == 1 else f"{name}_{i}"
         if inplace and t.is_contiguous():
-            out = t.data
+            out, fin = t.detach(), None
         else:
             out = t.detach().clone(memory_format=torch.contiguous_format)
-        fin = None
-        if inplace and out is not t.data:
-            fin = _copy_back(t)
+            fin = _copy_back(t) if inplace else None
         ops.append(
             Op(_req(kind, _basics.next_name("allreduce", n), ps_id, out, op, -1, pre, post), t, out, fin)
         )
@@ -212,9 +225,7 @@ def allreduce_(
     postscale_factor=1.0,
     process_set=global_process_set,
 ):
-    return synchronize(
-        allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
-    )
+    return _now(allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 class HorovodAllreduce(torch.autograd.Function):
@@ -227,8 +238,8 @@ class HorovodAllreduce(torch.autograd.Function):
             postscale_factor,
             process_set,
         )
-        return synchronize(
-            allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+        return _now(
+            allreduce_async, tensor, average, name, op, prescale_factor, postscale_factor, process_set
         )
 
     @staticmethod
@@ -304,8 +315,8 @@ def grouped_allreduce_(
     postscale_factor=1.0,
     process_set=global_process_set,
 ):
-    return synchronize(
-        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    return _now(
+        grouped_allreduce_async_, tensors, average, name, op, prescale_factor, postscale_factor, process_set
     )
 
 
@@ -319,10 +330,18 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
             postscale_factor,
             process_set,
         )
-        h = grouped_allreduce_async(
-            list(tensors), average, name, op, prescale_factor, postscale_factor, process_set
+        return tuple(
+            _now(
+                grouped_allreduce_async,
+                list(tensors),
+                average,
+                name,
+                op,
+                prescale_factor,
+                postscale_factor,
+                process_set,
+            )
         )
-        return tuple(synchronize(h))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -414,7 +433,7 @@ class HorovodAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
         ctx.dim, ctx.ps = tensor.shape[0], process_set
-        return synchronize(allgather_async(tensor, name, process_set))
+        return _now(allgather_async, tensor, name, process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -423,7 +442,7 @@ class HorovodAllgather(torch.autograd.Function):
 
 def _gather_grad(grad_output, dim, process_set):
     g = allreduce(grad_output, op=Average, process_set=process_set)
-    dims = synchronize(allgather_async(torch.tensor([dim], dtype=torch.int64), process_set=process_set))
+    dims = _now(allgather_async, torch.tensor([dim], dtype=torch.int64), process_set=process_set)
     ps_rank = process_set.rank() if process_set is not None and process_set.process_set_id else rank()
     offset = int(dims[:ps_rank].sum())
     return g.narrow(0, offset, dim)
@@ -438,7 +457,7 @@ class HorovodGroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, process_set, *tensors):
         ctx.dims, ctx.ps = [t.shape[0] for t in tensors], process_set
-        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+        return tuple(_now(grouped_allgather_async, list(tensors), name, process_set))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -453,7 +472,7 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 def _broadcast_ops(tensor, root_rank, name, process_set, inplace):
     ps_id = _ps(process_set)
     if inplace and tensor.is_contiguous():
-        out, fin = tensor.data, None
+        out, fin = tensor.detach(), None
     else:
         out = tensor.detach().clone(memory_format=torch.contiguous_format)
         fin = _copy_back(tensor) if inplace else None
@@ -476,14 +495,14 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return _now(broadcast_async_, tensor, root_rank, name, process_set)
 
 
 class HorovodBroadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root, ctx.ps = root_rank, process_set
-        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+        return _now(broadcast_async, tensor, root_rank, name, process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -525,14 +544,14 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
 class HorovodAlltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
-        out, recv = synchronize(alltoall_async(tensor, splits, name, process_set))
+        out, recv = _now(alltoall_async, tensor, splits, name, process_set)
         ctx.recv, ctx.ps = recv, process_set
         ctx.mark_non_differentiable(recv)
         return out, recv
 
     @staticmethod
     def backward(ctx, grad_output, grad_splits=None):
-        g, _ = synchronize(alltoall_async(grad_output.contiguous(), ctx.recv, process_set=ctx.ps))
+        g, _ = _now(alltoall_async, grad_output.contiguous(), ctx.recv, process_set=ctx.ps)
         return g, None, None, None
 
 
@@ -575,7 +594,7 @@ def grouped_reducescatter_async(
 
 
 def _rs_grad(g, op, pre, post, process_set):
-    out = synchronize(allgather_async(g.contiguous(), process_set=process_set))
+    out = _now(allgather_async, g.contiguous(), process_set=process_set)
     _, members = _basics.ps_members(process_set)
     f = pre * post / (len(members) if op == Average else 1)
     return out * f if f != 1 else out
@@ -585,7 +604,7 @@ class HorovodReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, process_set, pre, post):
         ctx.op, ctx.ps, ctx.pre, ctx.post = op, process_set, pre, post
-        return synchronize(reducescatter_async(tensor, name, op, process_set, pre, post))
+        return _now(reducescatter_async, tensor, name, op, process_set, pre, post)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -613,9 +632,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, process_set, pre, post, *tensors):
         ctx.op, ctx.ps, ctx.pre, ctx.post = op, process_set, pre, post
-        return tuple(
-            synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set, pre, post))
-        )
+        return tuple(_now(grouped_reducescatter_async, list(tensors), name, op, process_set, pre, post))
 
     @staticmethod
     def backward(ctx, *grads):
