@@ -200,6 +200,10 @@ def elastic_main(args, cmd, env, client, spawn, take_down):
                 start()
         if not workers:
             return code
+        if finished and not any(w in workers for w in order):
+            # The world finished its work; workers still waiting to join it have nothing to do.
+            take_down(list(workers.values()))
+            return code
         if not finished:
             for wid in list(workers):
                 if wid not in order and client.add(f"hvd/waiting/{wid}", 0) > 0 and len(order) < args.max_np:
