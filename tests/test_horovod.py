@@ -243,34 +243,42 @@ def test_join(ranks, n):
     ranks(_join, n, timeout=90)
 
 
-def _fusion(rank, n, _addr, threshold):
+def _fusion(rank, n, _addr):
     hvd = _hvd()
     from plait.horovod.common import basics
 
-    ex = basics.controller().executor
+    ctrl = basics.controller()
+    ex = ctrl.executor
     ts = [torch.full((10,), float(i + rank)) for i in range(100)]
     before = ex.calls
     outs = hvd.grouped_allreduce(ts, op=hvd.Sum)
-    calls = ex.calls - before
+    grouped = ex.calls - before
     for i, o in enumerate(outs):
         assert o.tolist() == [n * i + n * (n - 1) // 2] * 10
-    # mixed dtypes fuse per dtype
+    # mixed dtypes: one call per dtype
     before = ex.calls
     mixed = hvd.grouped_allreduce(
         [torch.ones(3), torch.ones(3, dtype=torch.float64), torch.ones(2)], op=hvd.Sum
     )
     assert [m.tolist() for m in mixed] == [[n] * 3, [n] * 3, [n] * 2]
     mixed_calls = ex.calls - before
+    # 100 separate ops that become ready in one cycle (held back until all are queued) are
+    # fused up to HOROVOD_FUSION_THRESHOLD
+    before = ex.calls
+    with ctrl._lock:
+        hs = [hvd.allreduce_async(t, op=hvd.Sum, name=f"f{i}") for i, t in enumerate(ts)]
+    for i, h in enumerate(hs):
+        assert hvd.synchronize(h).tolist() == [n * i + n * (n - 1) // 2] * 10
+    separate = ex.calls - before
     hvd.shutdown()
-    return calls, mixed_calls
+    return grouped, mixed_calls, separate
 
 
 def test_fusion(ranks):
-    res = ranks(_fusion, 2, args=(None,), timeout=90)
-    assert res[0] == (1, 2) and res[1] == (1, 2)
-    # 100 tensors of 40 bytes with a 400-byte threshold: 10 per fused call
-    res = ranks(_fusion, 2, args=(400,), env={"HOROVOD_FUSION_THRESHOLD": "400"}, timeout=90)
-    assert res[0][0] == 10, res
+    assert ranks(_fusion, 2, timeout=90) == [(1, 2, 1)] * 2
+    # 100 tensors of 40 bytes with a 400-byte threshold: 10 per fused call; a group is one call
+    res = ranks(_fusion, 2, env={"HOROVOD_FUSION_THRESHOLD": "400"}, timeout=90)
+    assert res == [(1, 2, 10)] * 2, res
 
 
 def _process_sets(rank, n, _addr):
@@ -375,7 +383,7 @@ def test_timeline(ranks, tmp_path):
     with open(path) as f:
         events = json.load(f)
     names = {e["args"]["name"]: e["pid"] for e in events if e.get("name") == "process_name"}
-    assert {"allreduce.tl.a", "allgather.tl.b", "broadcast.tl.c", "allreduce.tl.d_0"} <= set(names)
+    assert {"allreduce.tl.a", "allgather.tl.b", "broadcast.tl.c", "allreduce.tl.d"} <= set(names)
 
     def seq(tensor):
         pid = names[tensor]
@@ -385,7 +393,7 @@ def test_timeline(ranks, tmp_path):
     assert a[0] == ("B", "NEGOTIATE_ALLREDUCE") and ("i", "0") in a and ("i", "1") in a
     assert ("B", "ALLREDUCE") in a and a[-1][0] == "E"
     assert sum(1 for p, _ in a if p == "B") == sum(1 for p, _ in a if p == "E")
-    assert ("B", "MEMCPY_IN_FUSION_BUFFER") in seq("allreduce.tl.d_0")
+    assert ("B", "MEMCPY_IN_FUSION_BUFFER") in seq("allreduce.tl.d")
     assert ("B", "NEGOTIATE_ALLGATHER") in seq("allgather.tl.b") and ("B", "BROADCAST") in seq(
         "broadcast.tl.c"
     )

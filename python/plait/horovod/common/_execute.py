@@ -61,6 +61,7 @@ def check(key, reqs, members, joined):
     if kind in ("allreduce", "reducescatter"):
         why = differ(OP, "reduction ops", lambda v: OP_NAMES.get(v, v)) or differ(SHAPE, "shapes", _fmt_shape)
         why = why or differ(PRE, "prescale factors") or differ(POST, "postscale factors")
+        why = why or differ(SPLITS, "group tensor shapes")
     elif kind == "broadcast":
         why = differ(ROOT, "root ranks") or differ(SHAPE, "shapes", _fmt_shape)
         if not why and q0[ROOT] in joined:
@@ -154,7 +155,7 @@ class Executor:
         if tl is not None:
             for k, _ in group:
                 tl.op_start(k[1], "ALLREDUCE")
-        if len(group) == 1 and ops[0] is not None:
+        if len(group) == 1 and ops[0] is not None and ops[0].req[SPLITS] is None:
             buf = ops[0].output
             _scale(buf, pre)
             comm.allreduce(buf, buf, op=_PLAIT_OP[op])
@@ -169,10 +170,14 @@ class Executor:
                 tl.activity(k[1], "MEMCPY_IN_FUSION_BUFFER")
         for (_, reqs), o in zip(group, ops):
             n = math.prod(next(iter(reqs.values()))[SHAPE])
+            piece = fused[at : at + n]
             if o is None:
-                fused[at : at + n].fill_(_identity(torch, dtype, op))
+                piece.fill_(_identity(torch, dtype, op))
+            elif o.req[SPLITS] is not None:  # a group: its tensors in one call
+                if n:
+                    torch.cat([t.reshape(-1) for t in o.tensor], out=piece)
             else:
-                fused[at : at + n].copy_(o.output.reshape(-1))
+                piece.copy_(o.output.reshape(-1))
             offsets.append((at, n))
             at += n
         _scale(fused, pre)
@@ -185,9 +190,19 @@ class Executor:
             for k, _ in group:
                 tl.activity(k[1], "MEMCPY_OUT_FUSION_BUFFER")
         for (k, _), o, (a, n) in zip(group, ops, offsets):
-            if o is not None:
+            if o is None:
+                continue
+            if o.req[SPLITS] is None:
                 o.output.reshape(-1).copy_(fused[a : a + n])
                 ctrl.complete(k)
+                continue
+            sizes = [math.prod(sh) for sh in o.req[SPLITS]]
+            if o.output is None:  # out of place: views of one fresh tensor
+                pieces = fused[a : a + n].clone().split(sizes)
+                ctrl.complete(k, result=[p.view(sh) for p, sh in zip(pieces, o.req[SPLITS])])
+            else:
+                _copy_all([t.view(-1) for t in o.output], list(fused[a : a + n].split(sizes)))
+                ctrl.complete(k, result=o.output)
 
     def _allgather(self, ctrl, key, reqs, q, members):
         torch = _torch()
@@ -307,6 +322,15 @@ class Executor:
     def _rm_ps(self, ctrl, key, reqs, q, members):
         ctrl.process_sets.unregister(q[ROOT])
         ctrl.complete(key)
+
+
+def _copy_all(dsts, srcs):
+    torch = _torch()
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(dsts, srcs)
+    else:
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
 
 
 def _nbytes(q):
