@@ -175,7 +175,7 @@ class Executor:
                 piece.fill_(_identity(torch, dtype, op))
             elif o.req[SPLITS] is not None:  # a group: its tensors in one call
                 if n:
-                    torch.cat([t.reshape(-1) for t in o.tensor], out=piece)
+                    piece.copy_(_flatten(o.tensor))
             else:
                 piece.copy_(o.output.reshape(-1))
             offsets.append((at, n))
@@ -196,12 +196,10 @@ class Executor:
                 o.output.reshape(-1).copy_(fused[a : a + n])
                 ctrl.complete(k)
                 continue
-            sizes = [math.prod(sh) for sh in o.req[SPLITS]]
             if o.output is None:  # out of place: views of one fresh tensor
-                pieces = fused[a : a + n].clone().split(sizes)
-                ctrl.complete(k, result=[p.view(sh) for p, sh in zip(pieces, o.req[SPLITS])])
+                ctrl.complete(k, result=list(_unflatten(fused[a : a + n].clone(), o.tensor)))
             else:
-                _copy_all([t.view(-1) for t in o.output], list(fused[a : a + n].split(sizes)))
+                _copy_all(o.output, list(_unflatten(fused[a : a + n], o.output)))
                 ctrl.complete(k, result=o.output)
 
     def _allgather(self, ctrl, key, reqs, q, members):
@@ -322,6 +320,16 @@ class Executor:
     def _rm_ps(self, ctrl, key, reqs, q, members):
         ctrl.process_sets.unregister(q[ROOT])
         ctrl.complete(key)
+
+
+def _flatten(tensors):
+    """One 1-D tensor of the tensors' elements, in order (C++: no Python loop over them)."""
+    return _torch()._C._nn.flatten_dense_tensors(tensors)
+
+
+def _unflatten(flat, like):
+    """Views of flat shaped as the tensors in `like`."""
+    return _torch()._C._nn.unflatten_dense_tensors(flat, like)
 
 
 def _copy_all(dsts, srcs):

@@ -187,19 +187,23 @@ def _group_ops(tensors, inplace, name, op, pre, post, process_set):
     ps_id = _ps(process_set)
     by_dtype = {}
     for i, t in enumerate(tensors):
-        by_dtype.setdefault(_dtype(t, "grouped_allreduce"), []).append(i)
+        by_dtype.setdefault(t.dtype, []).append(i)
     ops, order = [], []
-    for d, idx in by_dtype.items():
+    for idx in by_dtype.values():
         ts = [tensors[i] for i in idx]
+        d = _dtype(ts[0], "grouped_allreduce")
+        if not all(t.is_cpu for t in ts):
+            _dtype(next(t for t in ts if not t.is_cpu), "grouped_allreduce")
         n = name if name is None or len(by_dtype) == 1 else f"{name}.{d}"
         srcs = [t.detach() for t in ts]
         outs = fin = None
         if inplace:
-            outs = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in ts]
-            if any(not t.is_contiguous() for t in ts):
+            outs = srcs
+            if not all(t.is_contiguous() for t in ts):
+                outs = [t.contiguous() for t in srcs]
                 fin = _copy_back_all(ts)
-        shapes = [list(t.shape) for t in ts]
-        total = sum(math.prod(sh) for sh in shapes)
+        total = sum(t.numel() for t in ts)
+        shapes = [t.shape for t in ts]  # torch.Size is a tuple: it travels as a JSON list
         req = ["allreduce", _basics.next_name("allreduce", n), ps_id, d, [total], int(op), -1, float(pre)]
         req += [float(post), shapes]
         ops.append(Op(req, srcs, outs, fin))
