@@ -447,3 +447,77 @@ def _shutdown_peer(rank, n, _addr):
 
 def test_peer_shutdown_fails_pending_ops(ranks):
     assert ranks(_shutdown_peer, 2, timeout=60) == ["raised", "left"]
+
+
+HOROVOD_TORCH_API = """init shutdown is_initialized start_timeline stop_timeline size local_size
+cross_size rank
+local_rank cross_rank mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built nccl_built
+ddl_built ccl_built cuda_built rocm_built is_homogeneous Average Sum Adasum Min Max Product allreduce
+allreduce_ allreduce_async allreduce_async_ grouped_allreduce grouped_allreduce_ grouped_allreduce_async
+grouped_allreduce_async_ sparse_allreduce_async allgather allgather_async grouped_allgather
+grouped_allgather_async broadcast broadcast_ broadcast_async broadcast_async_ alltoall alltoall_async
+reducescatter reducescatter_async grouped_reducescatter grouped_reducescatter_async join barrier poll
+synchronize ProcessSet global_process_set add_process_set remove_process_set Compression
+DistributedOptimizer broadcast_parameters broadcast_optimizer_state broadcast_object allgather_object
+SyncBatchNorm elastic HorovodInternalError HostsUpdatedInterrupt""".split()
+
+
+def test_module_tree_and_api():
+    import importlib
+
+    import plait.horovod.torch as hvd
+
+    missing = [n for n in HOROVOD_TORCH_API if not hasattr(hvd, n)]
+    assert not missing
+    for mod in (
+        "plait.horovod.torch.mpi_ops",
+        "plait.horovod.torch.functions",
+        "plait.horovod.torch.optimizer",
+        "plait.horovod.torch.compression",
+        "plait.horovod.torch.sync_batch_norm",
+        "plait.horovod.torch.elastic",
+        "plait.horovod.torch.elastic.state",
+        "plait.horovod.torch.elastic.sampler",
+        "plait.horovod.common.util",
+        "plait.horovod.common.exceptions",
+        "plait.horovod.common.elastic",
+        "plait.horovod.common.process_sets",
+        "plait.horovod.common.basics",
+    ):
+        importlib.import_module(mod)
+    for n in ("run", "TorchState", "ObjectState", "ElasticSampler", "State"):
+        assert hasattr(hvd.elastic, n), n
+    from plait.horovod.common import util
+    from plait.horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+    assert issubclass(HorovodInternalError, RuntimeError) and HostsUpdatedInterrupt(True).skip_sync
+    assert util.split_list(list(range(5)), 2) == [[0, 1, 2], [3, 4]]
+    assert util.num_rank_is_power_2(8) and not util.num_rank_is_power_2(6)
+    assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3, 4, 5)
+    with pytest.raises(ValueError, match="not been initialized"):
+        hvd.size()
+
+
+def _sampler_state(rank, n, _addr):
+    hvd = _hvd()
+    s = hvd.elastic.ElasticSampler(list(range(10)), shuffle=False)
+    assert list(s) == list(range(rank, 10, n)) and len(s) == 5
+    s.record_batch(0, 2)  # this rank's first two samples are done
+    state = hvd.elastic.TorchState(sampler=s, epoch=3 + rank)
+    state.sync()  # the union of what every rank processed; plain attributes from rank 0
+    assert state.epoch == 3 and s.processed_indices == {0, 1, 2, 3}
+    assert list(s) == [4 + rank, 6 + rank, 8 + rank]
+    state.epoch = 9
+    state.commit()
+    state.epoch = 10
+    state.restore()
+    assert state.epoch == 9
+    obj = hvd.elastic.ObjectState(step=rank)
+    obj.sync()
+    assert obj.step == 0
+    hvd.shutdown()
+    return True
+
+
+def test_elastic_sampler_and_state(ranks):
+    ranks(_sampler_state, 2, timeout=60)
