@@ -69,6 +69,7 @@ def _result(out):
     return json.loads(lines[0][7:])
 
 
+@pytest.mark.slow  # three ranks importing torch: 20 s on a quiet machine, 90 s on a loaded one
 def test_elastic_killed_rank_shrinks_world():
     """Worker 1 of 3 SIGKILLs itself at batch 10: the survivors restore the last commit and go on
     as a world of 2; every step is applied exactly once (the weight is exactly 10 - 30 * 0.125)."""
