@@ -76,7 +76,9 @@ class Controller:
         self._cycle_no = 0
         self._last_cycle = 0.0
         self._lock = threading.Lock()  # one cycle at a time
-        self._cv = threading.Condition()
+        self._cv = threading.Condition()  # the queue; wakes the background thread
+        self._done = threading.Condition()  # wakes threads waiting for their ops
+        self._waiting = 0
         self._stop = False
         self.broken = None  # the error that ended the controller; every later op raises it
         self.closing_rank = None
@@ -121,8 +123,10 @@ class Controller:
                 finally:
                     self._lock.release()
             else:
-                with self._cv:
-                    self._cv.wait(0.0005)
+                with self._done:
+                    self._waiting += 1
+                    self._done.wait(0.0005)
+                    self._waiting -= 1
             if end is not None and time.monotonic() > end:
                 raise TimeoutError(f"rank {self.rank}: ops still running after {timeout} s")
         for o in ops:
@@ -181,7 +185,7 @@ class Controller:
             for o in ops:
                 if not o.done:
                     o.error, o.done = why, True
-            self._cv.notify_all()
+        self._wake_waiters()
 
     def _cycle(self):
         """One negotiation and the ops it made ready. True once every rank is to stop."""
@@ -284,8 +288,7 @@ class Controller:
         op, self._join_op = self._join_op, None
         if op is not None:
             op.result, op.done = last, True
-        with self._cv:
-            self._cv.notify_all()
+        self._wake_waiters()
 
     def complete(self, key, error=None, result=None):
         op = self._mine.pop(key, None)
@@ -300,8 +303,14 @@ class Controller:
         op.done = True
         if self.timeline is not None:
             self.timeline.op_end(key[1])
-        with self._cv:
-            self._cv.notify_all()
+        self._wake_waiters()
+
+    def _wake_waiters(self):
+        # Only threads blocked while another one runs the cycle wait here; waking no one (the
+        # common case: the waiter runs the cycle itself) costs no thread switch.
+        if self._waiting:
+            with self._done:
+                self._done.notify_all()
 
     # -- rank 0's clock ------------------------------------------------------------------------
     def _missing(self, key):
