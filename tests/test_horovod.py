@@ -170,6 +170,9 @@ def _any_order(rank, n, _addr):
     for k in names:
         assert hvd.synchronize(hs[k]).tolist() == [int(k[1:]) * 10 + r for r in range(n)]
     hvd.shutdown()
+    hvd.init()  # a new world after shutdown, as elastic training does
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).tolist() == [n]
+    hvd.shutdown()
     return True
 
 
@@ -373,7 +376,15 @@ def _timeline(rank, n, _addr, path):
             json.load(f)  # valid JSON while running
     hvd.broadcast(torch.ones(1), 0, name="tl.c")
     hvd.grouped_allreduce([torch.ones(2), torch.ones(2)], name="tl.d")
+    hvd.start_timeline(path + ".2")  # switches files at run time (rank 0 writes)
+    hvd.allreduce(torch.ones(1), name="tl.e")
+    hvd.stop_timeline()
+    hvd.allreduce(torch.ones(1), name="tl.f")
     hvd.shutdown()
+    if rank == 0:
+        with open(path + ".2") as f:
+            names = {e["args"]["name"] for e in json.load(f) if e.get("name") == "process_name"}
+        assert names == {"allreduce.tl.e"}, names
     return True
 
 
