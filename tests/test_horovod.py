@@ -302,6 +302,9 @@ def _process_sets(rank, n, _addr):
         hvd.barrier(process_set=evens)
     if rank == n - 1:
         assert hvd.allreduce(torch.tensor([5]), op=hvd.Sum, process_set=single).tolist() == [5]
+    else:
+        with pytest.raises(ValueError, match="not in"):
+            hvd.allreduce(torch.tensor([5]), process_set=single)
     # dynamic: odds, added by every rank; concurrent ops on two sets and the world
     odds = hvd.add_process_set([r for r in range(n) if r % 2 == 1]) if n > 1 else None
     with pytest.raises(ValueError):

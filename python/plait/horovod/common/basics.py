@@ -253,7 +253,10 @@ def ps_members(process_set):
     ps_id = 0 if process_set is None else process_set.process_set_id
     if ps_id is None or st.registry.get(ps_id) is None:
         raise ValueError(f"{process_set} is not registered (hvd.add_process_set, or init(process_sets=...))")
-    return ps_id, st.registry[ps_id].ranks
+    ranks = st.registry[ps_id].ranks
+    if st.rank not in ranks:
+        raise ValueError(f"rank {st.rank} is not in {process_set}: only its members may submit ops on it")
+    return ps_id, ranks
 
 
 def _add_process_set(ps):
