@@ -176,7 +176,7 @@ def _any_order(rank, n, _addr):
     return True
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_any_order(ranks, n):
     ranks(_any_order, n, timeout=90)
 
@@ -204,7 +204,7 @@ def _mismatch(rank, n, _addr):
     return True
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_mismatch_then_good_op(ranks, n):
     ranks(_mismatch, n, timeout=90)
 
@@ -241,7 +241,7 @@ def _join(rank, n, _addr):
     return True
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_join(ranks, n):
     ranks(_join, n, timeout=90)
 
@@ -365,7 +365,7 @@ def _autograd(rank, n, _addr):
     return True
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_autograd(ranks, n):
     ranks(_autograd, n, timeout=90)
 
