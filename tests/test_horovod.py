@@ -535,3 +535,27 @@ def _sampler_state(rank, n, _addr):
 
 def test_elastic_sampler_and_state(ranks):
     ranks(_sampler_state, 2, timeout=60)
+
+
+def _killed_peer(rank, n, _addr):
+    import signal
+
+    hvd = _hvd()
+    hvd.allreduce(torch.ones(1))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(hvd.HorovodInternalError) as e:
+        hvd.allreduce(torch.ones(1), name="after")
+    msg = str(e.value)
+    assert "PeerLostError" in msg and "rank 1" in msg, msg
+    assert isinstance(e.value.flight, dict) and e.value.flight, e.value.flight
+    with pytest.raises(hvd.HorovodInternalError):  # the world is gone until shutdown() + init()
+        hvd.allreduce(torch.ones(1), name="again")
+    hvd.shutdown()
+    return time.monotonic() - t0
+
+
+def test_killed_peer_is_an_error_not_a_hang(ranks):
+    took = ranks(_killed_peer, 2, may_die=(1,), timeout=60)[0]
+    assert took < 30, took

@@ -81,6 +81,7 @@ class Controller:
         self._waiting = 0
         self._stop = False
         self.broken = None  # the error that ended the controller; every later op raises it
+        self._cause = None  # the plait exception behind it
         self.closing_rank = None
         self._thread = threading.Thread(target=self._loop, name="plait-horovod", daemon=True)
         self._thread.start()
@@ -131,7 +132,10 @@ class Controller:
                 raise TimeoutError(f"rank {self.rank}: ops still running after {timeout} s")
         for o in ops:
             if o.error is not None:
-                raise HorovodInternalError(o.error)
+                err = HorovodInternalError(o.error)
+                # plait's flight recorder report of the failed collective, when one failed
+                err.flight = getattr(self._cause, "flight", None) if o.error == self.broken else None
+                raise err from (self._cause if o.error == self.broken else None)
 
     def shutdown(self):
         """Tells every rank that this one is done (their pending ops fail), then stops."""
@@ -172,6 +176,7 @@ class Controller:
             )
         else:
             what = f"rank {self.rank}: horovod coordinator failed: {type(e).__name__}: {e}"
+        self._cause = e
         self.broken = what
         self._fail_all(what)
 

@@ -324,12 +324,18 @@ class Executor:
 
 def _flatten(tensors):
     """One 1-D tensor of the tensors' elements, in order (C++: no Python loop over them)."""
-    return _torch()._C._nn.flatten_dense_tensors(tensors)
+    torch = _torch()
+    if hasattr(torch._C._nn, "flatten_dense_tensors"):
+        return torch._C._nn.flatten_dense_tensors(tensors)
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def _unflatten(flat, like):
     """Views of flat shaped as the tensors in `like`."""
-    return _torch()._C._nn.unflatten_dense_tensors(flat, like)
+    torch = _torch()
+    if hasattr(torch._C._nn, "unflatten_dense_tensors"):
+        return torch._C._nn.unflatten_dense_tensors(flat, like)
+    return [p.view_as(t) for p, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 def _copy_all(dsts, srcs):

@@ -5,7 +5,11 @@ class HorovodInternalError(RuntimeError):
     """A collective failed on this rank: a mismatch between ranks, a lost peer, a deadline.
 
     plait.horovod raises it on every rank that took part, and hvd stays usable afterwards except
-    when a peer was lost (then elastic training restores the last commit)."""
+    when a plait collective failed (a lost peer, a deadline: then elastic training restores the
+    last commit). `flight`: plait's flight recorder report (every rank's last calls) in that
+    case, else None."""
+
+    flight = None
 
 
 class HostsUpdatedInterrupt(RuntimeError):
