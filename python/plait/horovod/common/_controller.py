@@ -82,7 +82,6 @@ class Controller:
         self._stop = False
         self.broken = None  # the error that ended the controller; every later op raises it
         self._cause = None  # the plait exception behind it
-        self.closing_rank = None
         self._thread = threading.Thread(target=self._loop, name="plait-horovod", daemon=True)
         self._thread.start()
 
