@@ -49,6 +49,10 @@ def _collectives(rank, n, _addr):
         hvd.allreduce(x, average=True, op=hvd.Sum)
     with pytest.raises(NotImplementedError, match="Adasum"):
         hvd.allreduce(x, op=hvd.Adasum)
+    with pytest.raises(TypeError, match="int16"):  # refused on the calling rank, before negotiation
+        hvd.allreduce(torch.ones(2, dtype=torch.int16))
+    with pytest.raises(ValueError, match="splits"):
+        hvd.alltoall(torch.ones(n), splits=[n + 1] + [0] * (n - 1))
     # allgather: uneven first dimension, rank r sends r+1 rows of r
     g = hvd.allgather(torch.full((rank + 1, 2), rank, dtype=torch.int64))
     assert g.tolist() == [[r, r] for r in range(n) for _ in range(r + 1)]
