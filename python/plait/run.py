@@ -36,6 +36,7 @@ import threading
 import time
 
 from . import _flight, _run_output, _shm, _store
+from .horovod import _launch as _hvd
 
 _PR_SET_PDEATHSIG = 1
 _VALUE_OPTIONS = {
@@ -64,7 +65,8 @@ _VALUE_OPTIONS = {
     "--local_ranks_filter",
     "--max-restarts",
     "--max_restarts",
-}
+    "-np",
+} | _hvd.VALUE_OPTIONS
 _FAILED, _DONE = "plait-run/failed", "plait-run/done"  # keys of the multi-node launchers
 
 
@@ -76,6 +78,7 @@ def _parser():
     )
     p.add_argument(
         "-n",
+        "-np",
         "--nproc",
         "--nproc-per-node",
         "--nproc_per_node",
@@ -145,6 +148,7 @@ def _parser():
         help="ranks write their flight recorder report here on a timeout, lost peer or "
         "mismatch; the launcher prints one summary of all ranks",
     )
+    _hvd.add_arguments(p)  # horovodrun's -H, --hostfile, --min-np, --max-np
     return p
 
 
@@ -188,6 +192,7 @@ def _parse(argv):
         p.error(f"--node-rank {args.node_rank} is not a node of --nnodes {args.nnodes}")
     if args.nnodes > 1 and args.master_port is None:
         p.error("--nnodes > 1 needs --master-port (the same on every node)")
+    _hvd.check(args, p.error)
     args.program, args.args = rest[0], rest[1:]
     return args
 
@@ -394,6 +399,7 @@ def _start(args, cmd, env, output, attempt, procs):
     for local in range(args.nproc):
         rank = first + local
         rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(local), ROLE_RANK=str(rank))
+        rank_env.update(_hvd.rank_env(args, rank, local, args.nproc, args.nproc * args.nnodes))
         try:
             # Spawned from this (main) thread on purpose: PDEATHSIG fires when the creating
             # thread exits, not the process.
@@ -444,6 +450,13 @@ def main(argv=None):
     on_main = threading.current_thread() is threading.main_thread()
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
     try:
+        if _hvd.is_elastic(args):
+            client = _store.Store(server.host, server.port, timeout=60)
+            try:
+                spawn = _hvd.spawner(cmd, _die_with_parent(), procs)
+                return _hvd.elastic_main(args, cmd, env, client, spawn, lambda ps: _take_down(ps, args.grace))
+            finally:
+                client.close()
         attempt = 0
         while True:
             code = _start(args, cmd, env, output, attempt, procs)

@@ -1,0 +1,1 @@
+"""Framework-independent parts of plait.horovod (Horovod's horovod.common)."""

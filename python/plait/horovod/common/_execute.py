@@ -1,0 +1,393 @@
+"""Runs the ops a cycle made ready, on plait collectives (Horovod's op manager).
+
+Input: the ready list, equal on every rank: ((process set, name), {rank: request}). Everything
+that decides which plait calls run (checks, fusion groups, padding) reads only those requests,
+never this rank's own state, so every rank makes the same calls; a rank that has joined takes
+part with zeros (or the op's identity) of the negotiated shape.
+
+Requests: [kind, name, ps, dtype, shape, op, root, prescale, postscale, splits].
+"""
+
+import math
+import os
+
+import numpy as np
+
+KIND, NAME, PS, DTYPE, SHAPE, OP, ROOT, PRE, POST, SPLITS = range(10)
+AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5  # Horovod's ReduceOp values
+OP_NAMES = {0: "Average", 1: "Sum", 2: "Adasum", 3: "Min", 4: "Max", 5: "Product"}
+_PLAIT_OP = {1: "sum", 0: "sum", 3: "min", 4: "max", 5: "prod"}
+_FUSION_DEFAULT = 128 << 20
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def torch_dtype(name):
+    return getattr(_torch(), name)
+
+
+def fusion_threshold():
+    v = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+    return _FUSION_DEFAULT if not v else int(v)
+
+
+def _fmt_shape(s):
+    return "[" + ", ".join(map(str, s)) + "]"
+
+
+def check(key, reqs, members, joined):
+    """None, or why the ranks' requests for one name disagree (the same text on every rank)."""
+    items = sorted(reqs.items())
+    r0, q0 = items[0]
+    name = q0[NAME]
+
+    def differ(field, label, show=str):
+        for r, q in items[1:]:
+            if q[field] != q0[field]:
+                return (
+                    f"Mismatched {q0[KIND]} {label} for tensor {name!r} (process set {key[0]}): "
+                    f"rank {r0} sent {show(q0[field])}, rank {r} sent {show(q[field])}"
+                )
+        return None
+
+    why = differ(KIND, "operations") or differ(DTYPE, "data types")
+    if why:
+        return why
+    kind = q0[KIND]
+    if kind in ("allreduce", "reducescatter"):
+        why = differ(OP, "reduction ops", lambda v: OP_NAMES.get(v, v)) or differ(SHAPE, "shapes", _fmt_shape)
+        why = why or differ(PRE, "prescale factors") or differ(POST, "postscale factors")
+        why = why or differ(SPLITS, "group tensor shapes")
+    elif kind == "broadcast":
+        why = differ(ROOT, "root ranks") or differ(SHAPE, "shapes", _fmt_shape)
+        if not why and q0[ROOT] in joined:
+            why = f"broadcast of tensor {name!r}: root rank {q0[ROOT]} has already joined"
+        if not why and q0[ROOT] not in members:
+            why = f"broadcast of tensor {name!r}: root rank {q0[ROOT]} is not in process set {key[0]}"
+    elif kind in ("allgather", "alltoall"):
+        for r, q in items[1:]:
+            if len(q[SHAPE]) != len(q0[SHAPE]) or q[SHAPE][1:] != q0[SHAPE][1:]:
+                return (
+                    f"Mismatched {kind} tensor shapes for tensor {name!r} (process set {key[0]}): "
+                    f"rank {r0} sent {_fmt_shape(q0[SHAPE])}, rank {r} sent {_fmt_shape(q[SHAPE])} "
+                    "(all dimensions but the first must agree)"
+                )
+    elif kind in ("add_ps", "rm_ps"):
+        why = differ(SHAPE, "process set ranks")
+    return why
+
+
+class Executor:
+    def __init__(self):
+        self._fusion = None  # uint8 torch tensor over plait shared memory
+        self.threshold = fusion_threshold()
+        self.calls = 0  # plait collectives run (a fused group counts once): tests read it
+
+    def _buffer(self, nbytes):
+        from plait import _shared
+
+        if self._fusion is None or self._fusion.numel() < nbytes:
+            self._fusion = _torch().from_numpy(_shared.empty(max(nbytes, 1 << 16), "uint8"))
+        return self._fusion[:nbytes]
+
+    def run(self, ctrl, ready):
+        threshold = self.threshold
+        joined = set(ctrl._joined)
+        todo = []
+        for key, reqs in ready:
+            members = ctrl.members(key[0])
+            why = check(key, reqs, members, joined)
+            if why:
+                ctrl.complete(key, error=f"rank {ctrl.rank}: {why}")
+                continue
+            todo.append((key, reqs))
+        i = 0
+        while i < len(todo):
+            key, reqs = todo[i]
+            q = next(iter(reqs.values()))
+            kind = q[KIND]
+            members = ctrl.members(key[0])
+            if ctrl.rank not in members:
+                i += 1
+                continue
+            if kind == "allreduce":
+                group, nbytes = [todo[i]], _nbytes(q)
+                fkey = (key[0], q[DTYPE], q[OP], q[PRE], q[POST])
+                j = i + 1
+                taken = []
+                while j < len(todo) and nbytes < threshold:
+                    k2, r2 = todo[j]
+                    q2 = next(iter(r2.values()))
+                    if q2[KIND] == "allreduce" and (k2[0], q2[DTYPE], q2[OP], q2[PRE], q2[POST]) == fkey:
+                        if nbytes + _nbytes(q2) <= threshold:
+                            group.append(todo[j])
+                            nbytes += _nbytes(q2)
+                            taken.append(j)
+                    j += 1
+                for j in reversed(taken):
+                    del todo[j]
+                self._allreduce(ctrl, group, nbytes)
+            else:
+                getattr(self, "_" + kind)(ctrl, key, reqs, q, members)
+            i += 1
+
+    # -- the collectives -----------------------------------------------------------------------
+    def _comm(self, ctrl, ps):
+        self.calls += 1
+        return ctrl.process_sets[ps].comm
+
+    def _allreduce(self, ctrl, group, nbytes):
+        torch = _torch()
+        key0, reqs0 = group[0]
+        q = next(iter(reqs0.values()))
+        dtype = torch_dtype(q[DTYPE])
+        members = ctrl.members(key0[0])
+        op, pre, post = q[OP], q[PRE], q[POST]
+        if op == AVERAGE:
+            post = post / len(members)
+        comm = self._comm(ctrl, key0[0])
+        tl = ctrl.timeline
+        ops = [ctrl._mine.get(k) for k, _ in group]
+        if tl is not None:
+            for k, _ in group:
+                tl.op_start(k[1], "ALLREDUCE")
+        if len(group) == 1 and ops[0] is not None and ops[0].req[SPLITS] is None:
+            buf = ops[0].output
+            _scale(buf, pre)
+            comm.allreduce(buf, buf, op=_PLAIT_OP[op])
+            _scale(buf, post)
+            ctrl.complete(group[0][0])
+            return
+        count = nbytes // dtype.itemsize
+        fused = self._buffer(nbytes).view(dtype)[:count] if nbytes else torch.empty(0, dtype=dtype)
+        offsets, at = [], 0
+        if tl is not None:
+            for k, _ in group:
+                tl.activity(k[1], "MEMCPY_IN_FUSION_BUFFER")
+        for (_, reqs), o in zip(group, ops):
+            n = math.prod(next(iter(reqs.values()))[SHAPE])
+            piece = fused[at : at + n]
+            if o is None:
+                piece.fill_(_identity(torch, dtype, op))
+            elif o.req[SPLITS] is not None:  # a group: its tensors in one call
+                if n:
+                    piece.copy_(_flatten(o.tensor))
+            else:
+                piece.copy_(o.output.reshape(-1))
+            offsets.append((at, n))
+            at += n
+        _scale(fused, pre)
+        if tl is not None:
+            for k, _ in group:
+                tl.activity(k[1], "PLAIT_ALLREDUCE")
+        comm.allreduce(fused, fused, op=_PLAIT_OP[op])
+        _scale(fused, post)
+        if tl is not None:
+            for k, _ in group:
+                tl.activity(k[1], "MEMCPY_OUT_FUSION_BUFFER")
+        for (k, _), o, (a, n) in zip(group, ops, offsets):
+            if o is None:
+                continue
+            if o.req[SPLITS] is None:
+                o.output.reshape(-1).copy_(fused[a : a + n])
+                ctrl.complete(k)
+                continue
+            if o.output is None:  # out of place: views of one fresh tensor
+                ctrl.complete(k, result=list(_unflatten(fused[a : a + n].clone(), o.tensor)))
+            else:
+                _copy_all(o.output, list(_unflatten(fused[a : a + n], o.output)))
+                ctrl.complete(k, result=o.output)
+
+    def _allgather(self, ctrl, key, reqs, q, members):
+        torch = _torch()
+        dtype = torch_dtype(q[DTYPE])
+        rest = tuple(q[SHAPE][1:])
+        rows = [reqs[r][SHAPE][0] if r in reqs else 0 for r in members]
+        row = math.prod(rest)
+        o = ctrl._mine.get(key)
+        mine = o.tensor.reshape(-1) if o is not None else torch.empty(0, dtype=dtype)
+        comm = self._comm(ctrl, key[0])
+        if ctrl.timeline is not None:
+            ctrl.timeline.op_start(key[1], "ALLGATHER")
+        m = max(rows)
+        if m * row == 0:
+            out = torch.empty((sum(rows),) + rest, dtype=dtype)
+        elif len(set(rows)) == 1:
+            out = torch.empty((sum(rows),) + rest, dtype=dtype)
+            comm.allgather(mine, out)
+        else:
+            send = torch.zeros(m * row, dtype=dtype)
+            send[: mine.numel()].copy_(mine)
+            got = torch.empty((len(members), m * row), dtype=dtype)
+            comm.allgather(send, got)
+            out = torch.cat([got[i, : rows[i] * row] for i in range(len(members))]).view((sum(rows),) + rest)
+        ctrl.complete(key, result=(out, rows))
+
+    def _broadcast(self, ctrl, key, reqs, q, members):
+        torch = _torch()
+        o = ctrl._mine.get(key)
+        buf = o.output if o is not None else torch.zeros(q[SHAPE], dtype=torch_dtype(q[DTYPE]))
+        if ctrl.timeline is not None:
+            ctrl.timeline.op_start(key[1], "BROADCAST")
+        if buf.numel():
+            self._comm(ctrl, key[0]).broadcast(buf, members.index(q[ROOT]))
+        ctrl.complete(key)
+
+    def _alltoall(self, ctrl, key, reqs, q, members):
+        torch = _torch()
+        dtype = torch_dtype(q[DTYPE])
+        n = len(members)
+        rest = tuple(q[SHAPE][1:])
+        row = math.prod(rest)
+        splits = []
+        for r in members:
+            if r not in reqs:
+                splits.append([0] * n)
+            else:
+                s = reqs[r][SPLITS]
+                splits.append(s if s is not None else [reqs[r][SHAPE][0] // n] * n)
+        bad = [r for r, s in zip(members, splits) if len(s) != n]
+        if bad:
+            ctrl.complete(key, error=f"alltoall of {key[1]!r}: rank(s) {bad} gave splits of the wrong length")
+            return
+        me = members.index(ctrl.rank)
+        m = max(max(s) for s in splits)
+        o = ctrl._mine.get(key)
+        if ctrl.timeline is not None:
+            ctrl.timeline.op_start(key[1], "ALLTOALL")
+        recv = [splits[j][me] for j in range(n)]
+        if m * row == 0:
+            out = torch.empty((sum(recv),) + rest, dtype=dtype)
+        else:
+            send = torch.zeros((n, m * row), dtype=dtype)
+            if o is not None:
+                flat, at = o.tensor.reshape(-1), 0
+                for j, c in enumerate(splits[me]):
+                    send[j, : c * row].copy_(flat[at : at + c * row])
+                    at += c * row
+            got = torch.empty((n, m * row), dtype=dtype)
+            self._comm(ctrl, key[0]).alltoall(send, got)
+            out = torch.cat([got[j, : recv[j] * row] for j in range(n)]).view((sum(recv),) + rest)
+        ctrl.complete(key, result=(out, torch.tensor(recv, dtype=torch.int32)))
+
+    def _reducescatter(self, ctrl, key, reqs, q, members):
+        torch = _torch()
+        dtype = torch_dtype(q[DTYPE])
+        n = len(members)
+        shape = tuple(q[SHAPE])
+        rest, rows = shape[1:], shape[0]
+        row = math.prod(rest)
+        counts = [rows // n + (1 if i < rows % n else 0) for i in range(n)]
+        m = max(counts)
+        op, pre, post = q[OP], q[PRE], q[POST]
+        if op == AVERAGE:
+            post = post / n
+        o = ctrl._mine.get(key)
+        if ctrl.timeline is not None:
+            ctrl.timeline.op_start(key[1], "REDUCESCATTER")
+        send = torch.full((n, m * row), _identity(torch, dtype, op), dtype=dtype)
+        if o is not None:
+            flat, at = o.tensor.reshape(-1), 0
+            for j, c in enumerate(counts):
+                send[j, : c * row].copy_(flat[at : at + c * row])
+                at += c * row
+        me = members.index(ctrl.rank)
+        got = torch.empty(m * row, dtype=dtype)
+        if m * row:
+            _scale(send, pre)
+            self._comm(ctrl, key[0]).reduce_scatter(send, got, op=_PLAIT_OP[op])
+            _scale(got, post)
+        out = got[: counts[me] * row].clone().view((counts[me],) + rest)
+        ctrl.complete(key, result=out)
+
+    def _barrier(self, ctrl, key, reqs, q, members):
+        ctrl.complete(key)  # everyone reached it: that is what the negotiation established
+
+    def _add_ps(self, ctrl, key, reqs, q, members):
+        ranks = list(q[SHAPE])
+        ps_id = q[ROOT]
+        world = ctrl.process_sets[0].comm
+        sub = world.split(
+            0 if ctrl.rank in ranks else None, ranks.index(ctrl.rank) if ctrl.rank in ranks else 0
+        )
+        ctrl.process_sets.register(ps_id, ranks, sub)
+        ctrl.complete(key, result=ps_id)
+
+    def _rm_ps(self, ctrl, key, reqs, q, members):
+        ctrl.process_sets.unregister(q[ROOT])
+        ctrl.complete(key)
+
+
+def _flatten(tensors):
+    """One 1-D tensor of the tensors' elements, in order (C++: no Python loop over them)."""
+    torch = _torch()
+    if hasattr(torch._C._nn, "flatten_dense_tensors"):
+        return torch._C._nn.flatten_dense_tensors(tensors)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflatten(flat, like):
+    """Views of flat shaped as the tensors in `like`."""
+    torch = _torch()
+    if hasattr(torch._C._nn, "unflatten_dense_tensors"):
+        return torch._C._nn.unflatten_dense_tensors(flat, like)
+    return [p.view_as(t) for p, t in zip(flat.split([t.numel() for t in like]), like)]
+
+
+def _copy_all(dsts, srcs):
+    torch = _torch()
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(dsts, srcs)
+    else:
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+
+
+def _nbytes(q):
+    return math.prod(q[SHAPE]) * np.dtype(_NP_SIZES.get(q[DTYPE], "float32")).itemsize
+
+
+_NP_SIZES = {
+    "float16": "float16",
+    "bfloat16": "float16",
+    "float32": "float32",
+    "float64": "float64",
+    "int8": "int8",
+    "uint8": "uint8",
+    "int16": "int16",
+    "int32": "int32",
+    "int64": "int64",
+    "bool": "bool",
+}
+
+
+def _identity(torch, dtype, op):
+    if op == MIN:
+        return (
+            True
+            if dtype == torch.bool
+            else (torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max)
+        )
+    if op == MAX:
+        return (
+            False
+            if dtype == torch.bool
+            else (torch.finfo(dtype).min if dtype.is_floating_point else torch.iinfo(dtype).min)
+        )
+    if op == PRODUCT:
+        return 1
+    return 0
+
+
+def _scale(t, f):
+    """Horovod's ScaleBuffer: integers are multiplied in double precision and truncated."""
+    if f == 1.0 or t.numel() == 0:
+        return
+    if t.dtype.is_floating_point:
+        t.mul_(f)
+    else:
+        t.copy_(t.to(_torch().float64).mul_(f).trunc())
