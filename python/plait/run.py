@@ -20,6 +20,7 @@ failing on any node stops the ranks of every node, each launcher naming the node
 import argparse
 import ctypes
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -261,15 +262,19 @@ def main(argv=None):
     n, cmd = args.nproc, _command(args)
     world, first = n * args.nnodes, n * args.node_rank
     server = nodes = None
+    # The job's store admits only its ranks: they get a fresh secret in the environment. Several
+    # nodes' launchers cannot agree on a fresh one: there the user's PLAIT_STORE_TOKEN (the same
+    # on every node) serves, else the store stays open as before.
+    token = os.environ.get(_store.TOKEN_ENV) or (secrets.token_hex(16) if args.nnodes == 1 else None)
     if args.nnodes == 1:
-        server = _store.StoreServer("127.0.0.1", 0)
+        server = _store.StoreServer("127.0.0.1", 0, token=token)
         store_addr = f"{server.host}:{server.port}"
     else:
         if args.node_rank == 0:
             try:
-                server = _store.StoreServer(args.master_addr, args.master_port + 1)
+                server = _store.StoreServer(args.master_addr, args.master_port + 1, token=token)
             except Exception:  # noqa: BLE001 - e.g. a name of this host that is not bound locally
-                server = _store.StoreServer("0.0.0.0", args.master_port + 1)
+                server = _store.StoreServer("0.0.0.0", args.master_port + 1, token=token)
         store_addr = f"{args.master_addr}:{args.master_port + 1}"
         try:
             nodes = (_store.Store(args.master_addr, args.master_port + 1, timeout=300), args.node_rank)
@@ -292,6 +297,8 @@ def main(argv=None):
         MASTER_PORT=str(args.master_port or _free_port(args.master_addr)),
         PLAIT_STORE=store_addr,
     )
+    if token:
+        env[_store.TOKEN_ENV] = token
     if args.dump_on_error:
         os.makedirs(args.dump_on_error, exist_ok=True)
         env["PLAIT_DUMP_ON_ERROR"] = os.path.abspath(args.dump_on_error)
