@@ -43,7 +43,7 @@ def _arm(point, stamp, store_cls):
 
         def add_then_die(self, key, delta):
             v = add(self, key, delta)
-            if key.endswith("/arrivals"):
+            if "/arrivals/" in key:
                 _die(stamp)
             return v
 
@@ -202,7 +202,7 @@ def _malformed_segment(rank, n, addr):
     try:
         if rank == 0:  # an impostor rank 0 of a 2-rank world publishes a forged segment record
             client.add("plait/claims/0", 1)
-            client.add("plait/arrivals", 1)
+            client.add("plait/arrivals/0", 1)
             client.set("plait/0/host/0", f"h\nm\n{_fake_identity()}")
             client.get("plait/0/host/1", timeout=10)
             client.set("plait/0/hosts", json.dumps([f"h\nm\n{_fake_identity()}"] * 2).encode())

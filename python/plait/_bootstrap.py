@@ -212,8 +212,10 @@ def init_in(client, prefix, rank, size, *, timeout, init_timeout, buffer_bytes, 
     try:
         if size > 1:
             _claim(client, prefix, rank)
-        # Every init of a job draws the next generation number, so a store can serve many inits.
-        gen = (client.add(f"{prefix}/arrivals", 1) - 1) // size
+        # A store serves many inits: rank r's k-th init joins generation k. Counted per rank, so a
+        # rank that refuses an init (and tells the others) cannot run ahead into the next
+        # generation's slots, and a stray count elsewhere disturbs nobody.
+        gen = client.add(f"{prefix}/arrivals/{rank}", 1) - 1
         base = f"{prefix}/{gen}"
         if refused is not None:
             raise refused

@@ -160,9 +160,13 @@ class Watch:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else deadline - time.monotonic()
-            step = SLICE_S if left is None else max(min(SLICE_S, left), 0.0)
+            step = SLICE_S if left is None else min(SLICE_S, left)
             try:
-                self.client.wait([key], timeout=step)
+                if step <= 0:  # a zero wait is "the store's default" to some stores: look instead
+                    if not self.client.check([key]):
+                        raise _errors.TimeoutError(key)
+                else:
+                    self.client.wait([key], timeout=step)
                 return self.client.get(key, timeout=0)
             except _errors.TimeoutError:
                 self.raise_if_failed()

@@ -42,6 +42,10 @@ class TorchStore(_store.Store):
     def wait(self, keys, timeout=None):
         keys = [keys] if isinstance(keys, str) else list(keys)
         wait_s = self.timeout if timeout is None else float(timeout)
+        if wait_s is not None and wait_s <= 0:  # torch reads a zero timeout as its default
+            if not self.check(keys):
+                raise _errors.TimeoutError(f"keys {keys} are not in torch's store yet")
+            return
         try:
             if wait_s is None:
                 self._torch.wait(keys)
