@@ -197,3 +197,22 @@ def test_native_errors_carry_the_flight_report(tmp_path):
         flight = res["flight"]
         assert isinstance(flight, dict), (rank, flight)
         assert flight.get("rank") == rank, flight
+
+
+def _bad_algo(rank, n, addr, stamp):
+    if rank == n - 1:
+        os.environ["PLAIT_ALGO"] = "allreduce=nonesuch"
+    t0 = time.monotonic()
+    try:
+        _world(rank, n, stamp)
+        return None
+    except Exception as e:  # noqa: BLE001
+        return {"msg": str(e), "s": time.monotonic() - t0, "invalid": isinstance(e, plait.InvalidArgument)}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bad_setting_on_one_rank_fails_group_creation_everywhere(n, tmp_path):
+    for rank, res in enumerate(run_ranks(_bad_algo, n, timeout=90, args=(str(tmp_path / "w"),))):
+        assert res is not None and res["invalid"], (rank, res)
+        assert "PLAIT_ALGO" in res["msg"] and "cannot open shared memory" not in res["msg"], res
+        assert res["s"] < 5.0, (rank, res)
