@@ -310,4 +310,5 @@ def _mpirun_store(rank):
         )
         addr = (host, port)
     host, port = MPI.COMM_WORLD.bcast(addr, root=0)
-    return host, port, "0.0.0.0" if rank == 0 else False
+    bind = "127.0.0.1" if host == "127.0.0.1" else "0.0.0.0"  # a one-host job stays on loopback
+    return host, port, bind if rank == 0 else False

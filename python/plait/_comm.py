@@ -481,7 +481,7 @@ class Communicator:
                 info = new_segment_info(len(members), buffer_bytes or self._buffer_bytes)
                 seg = create_segment(info)
                 blob = json.dumps(info).encode()
-            except _errors.PlaitError as e:  # e.g. /dev/shm full: the members hear why, not "left"
+            except Exception as e:  # noqa: BLE001 - e.g. /dev/shm full: the members hear why, not "left"
                 failed = e
                 text = str(e).encode("ascii", "replace")[: _RECORD - 80].decode()
                 blob = json.dumps({"error": text, "kind": type(e).__name__}).encode()
