@@ -124,12 +124,14 @@ void Communicator::wait_for_all_ranks(double timeout_s) {
   for (int p = 0; p < size_; ++p) {
     RankCtl* c = seg_->ctl(p);
     Backoff b(policy_);
+    double next_look = 0;  // reading /proc is not cheap: a few times per millisecond at most
     while (c->state.load(std::memory_order_acquire) == kStarting) {
       b.idle([&](double t) {
         tp_.throw_if_aborted();
         std::string why;
-        if (starting_rank_died(p, &why))
+        if (t >= next_look && starting_rank_died(p, &why))
           tp_.fail(ErrorKind::peer_lost, "rank " + std::to_string(rank_) + ": " + why);
+        if (t >= next_look) next_look = t + 2e-3;
         if (t > deadline) {
           std::ostringstream m;
           m << "rank " << rank_ << ": rank " << p << " did not join the " << size_
