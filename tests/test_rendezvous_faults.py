@@ -190,6 +190,11 @@ def test_env_values_named_before_any_wait(monkeypatch):
     with pytest.raises(plait.InvalidArgument, match="PLAIT_ALGO"):
         _bootstrap.check_env()
     monkeypatch.delenv("PLAIT_ALGO")
+    for name, value in (("PLAIT_INTER", "tcp"), ("PLAIT_FLIGHT_SIZE", "lots")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(plait.InvalidArgument, match=name):
+            _bootstrap.check_env()
+        monkeypatch.delenv(name)
     monkeypatch.setenv("PLAIT_STORE", "127.0.0.1:99999")
     t0 = time.monotonic()
     with pytest.raises(plait.InvalidArgument, match="99999"):

@@ -106,6 +106,9 @@ def check_env():
             ok = False
         if not ok:
             raise InvalidArgument(f"PLAIT_BUFFER_BYTES={text!r} is not a positive integer number of bytes")
+    text = os.environ.get("PLAIT_INTER", "").strip().lower()
+    if text not in ("", "gloo", "mpi"):
+        raise InvalidArgument(f"PLAIT_INTER={os.environ['PLAIT_INTER']!r}: choose gloo or mpi")
     text = os.environ.get("PLAIT_FLIGHT_SIZE")
     if text is not None and os.environ.get("PLAIT_FLIGHT", "1") != "0":
         if not (text.isdigit() and 1 <= int(text) <= 1 << 16):
