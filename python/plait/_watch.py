@@ -76,7 +76,7 @@ def gone(ident):
 def _check(client, key):
     check = getattr(client, "check", None)
     if check is None:
-        return None  # a duplicate-typed store without check(): failures surface at its deadline
+        return None  # a duck-typed store without check(): failures surface at its deadline
     return check([key])
 
 
@@ -102,6 +102,8 @@ def published(client, prefix, rank):
             return None
         record = json.loads(client.get(failure_key(prefix), timeout=1.0))
     except Exception:  # noqa: BLE001 - no verdict: the caller keeps its own error
+        return None
+    if not isinstance(record, dict):
         return None
     cls = getattr(_errors, str(record.get("kind")), None)
     if not (isinstance(cls, type) and issubclass(cls, _errors.PlaitError)):
