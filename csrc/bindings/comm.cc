@@ -331,10 +331,17 @@ void bind_comm(py::module_& m) {
           "done(); a call plait left to its waiter (core/wakeup.h) starts now, since a caller "
           "that polls may not wait soon.");
 
+  m.def(
+      "check_env", [] { check_env(); },
+      "Raises InvalidArgument for a PLAIT_* setting a Communicator would refuse (PLAIT_ALGO, "
+      "PLAIT_ASYNC_GRACE_US, PLAIT_ASYNC_DEFER_BYTES).");
+
   py::class_<Communicator>(m, "Communicator")
       .def(py::init([](std::shared_ptr<Segment> seg, int rank, double timeout,
-                       const std::string& algo, bool oversubscribed, double init_timeout) {
+                       const std::string& algo, bool oversubscribed, double init_timeout,
+                       std::vector<int32_t> peer_pids) {
              Options o;
+             o.peer_pids = std::move(peer_pids);
              o.timeout_s = timeout;
              o.algo_override = algo;
              o.oversubscribed = oversubscribed;
@@ -343,7 +350,8 @@ void bind_comm(py::module_& m) {
              return new Communicator(std::move(seg), rank, o);
            }),
            py::arg("segment"), py::arg("rank"), py::arg("timeout"), py::arg("algo_override") = "",
-           py::arg("oversubscribed") = false, py::arg("init_timeout") = 300.0)
+           py::arg("oversubscribed") = false, py::arg("init_timeout") = 300.0,
+           py::arg("peer_pids") = std::vector<int32_t>{})
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("size", &Communicator::size)
       .def_property_readonly("closed", &Communicator::closed)

@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -76,6 +77,12 @@ Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options
           bad_seconds("init_timeout", opt_.init_timeout_s, "0: init never waits"));
     override_ = AlgoOverride(opt_.algo_override, kShmCaps, /*strict=*/true, "PLAIT_ALGO");
     read_async_policy();
+  } catch (const PlaitError& e) {
+    // Published in the segment, so the ranks waiting for this one to join raise why at once.
+    seg_->unlink();
+    std::string m = e.what();
+    const std::string me = "rank " + std::to_string(rank_) + ": ";
+    tp_.fail(e.kind(), m.compare(0, me.size(), me) == 0 ? m : me + m);
   } catch (...) {
     seg_->unlink();
     throw;
@@ -117,9 +124,14 @@ void Communicator::wait_for_all_ranks(double timeout_s) {
   for (int p = 0; p < size_; ++p) {
     RankCtl* c = seg_->ctl(p);
     Backoff b(policy_);
+    double next_look = 0;  // reading /proc is not cheap: a few times per millisecond at most
     while (c->state.load(std::memory_order_acquire) == kStarting) {
       b.idle([&](double t) {
         tp_.throw_if_aborted();
+        std::string why;
+        if (t >= next_look && starting_rank_died(p, &why))
+          tp_.fail(ErrorKind::peer_lost, "rank " + std::to_string(rank_) + ": " + why);
+        if (t >= next_look) next_look = t + 2e-3;
         if (t > deadline) {
           std::ostringstream m;
           m << "rank " << rank_ << ": rank " << p << " did not join the " << size_
@@ -129,6 +141,29 @@ void Communicator::wait_for_all_ranks(double timeout_s) {
       });
     }
   }
+}
+
+// A rank still starting is known only by the pid the rendezvous announced: gone from /proc, or a
+// zombie there, means it died before joining (its progress thread would have gone live first).
+bool Communicator::starting_rank_died(int p, std::string* why) const {
+  const int32_t pid = size_t(p) < opt_.peer_pids.size() ? opt_.peer_pids[size_t(p)] : 0;
+  if (pid <= 0 || seg_->ctl(p)->state.load(std::memory_order_acquire) != kStarting) return false;
+  char path[64], buf[512];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", int(pid));
+  bool dead = false;
+  if (FILE* f = std::fopen(path, "r")) {
+    const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+    std::fclose(f);
+    buf[n] = 0;
+    const char* close = std::strrchr(buf, ')');  // the state follows the command's name
+    dead = close && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
+  } else {
+    dead = kill(pid, 0) != 0 && errno == ESRCH;
+  }
+  if (dead)
+    *why = "rank " + std::to_string(p) + " (pid " + std::to_string(pid) +
+           ") died before it joined the " + std::to_string(size_) + "-rank communicator";
+  return dead;
 }
 
 void Communicator::progress_loop() {
@@ -253,6 +288,14 @@ double env_number(const char* name, double dflt, double max, const char* what) {
   return v;
 }
 }  // namespace
+
+void check_env() {
+  const char* algo = getenv("PLAIT_ALGO");
+  AlgoOverride(algo ? algo : "", kShmCaps, /*strict=*/true, "PLAIT_ALGO");
+  env_number("PLAIT_ASYNC_GRACE_US", 0, 1e7, "microseconds (0: async calls start at once)");
+  env_number("PLAIT_ASYNC_DEFER_BYTES", 0, 1e15,
+             "bytes (0: only empty calls wait for their caller)");
+}
 
 void Communicator::read_async_policy() {
   // How long a small async collective is left to its caller, and how small (core/wakeup.h).

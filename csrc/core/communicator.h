@@ -37,7 +37,14 @@ struct Options {
   std::string algo_override;  // PLAIT_ALGO: "ring" or "allreduce=ring,allgather=direct"
   bool oversubscribed = false;
   double init_timeout_s = 300;
+  // Each rank's pid as the rendezvous announced it (0: unknown, e.g. on another pid namespace):
+  // lets init notice a rank that died before its progress thread went live.
+  std::vector<int32_t> peer_pids;
 };
+
+// The PLAIT_* settings a Communicator reads (PLAIT_ALGO, PLAIT_ASYNC_*), checked without one:
+// init calls it before the rendezvous so a bad value fails every rank at once, not one mid-join.
+void check_env();
 
 class Task {
  public:
@@ -178,6 +185,7 @@ class Communicator {
   // PLAIT_ASYNC_GRACE_US and PLAIT_ASYNC_DEFER_BYTES (core/wakeup.h): makes wake_.
   void read_async_policy();
   void wait_for_all_ranks(double timeout_s);
+  bool starting_rank_died(int p, std::string* why) const;
   [[noreturn]] void rethrow(const PlaitError& e);
   // Ends a call's flight record and trace slice.
   void recorded(const CallArgs& a, uint64_t rec, uint64_t call, const char* algo, uint64_t t0,

@@ -70,12 +70,18 @@ void Backend::shutdown() {
   }
 }
 
-Error Backend::error(uint32_t kind, const std::string& where, const std::string& msg) const {
+Error Backend::error(uint32_t kind, const std::string& where, const std::string& msg0) const {
+  std::string msg = msg0;  // the core's send/recv reports name our internal tag: not the user's
+  for (const char* sep : {"tag=", "tag "}) {
+    const std::string tag = sep + std::to_string(kInternalTag);
+    for (size_t at = msg.find(tag); at != std::string::npos; at = msg.find(tag, at))
+      msg.replace(at, tag.size(), "plait's internal tag");
+  }
   std::string text = where + ": " + kind_name(kind) + ": ";
   // torch's convention (gloo's, NCCL's): a timeout's text says " Timed out ".
   if (kind == PLAIT_E_TIMEOUT && msg.find("Timed out") == std::string::npos)
     text += "Timed out (timeout): ";
-  return Error(kind, text + msg);
+  return Error(kind, text + msg, getGroupUid());
 }
 
 std::string Backend::label(const std::string& what) const {
@@ -313,7 +319,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           break;
       }
       py::object errors = py::module_::import("plait.torch._errors");
-      PyErr_SetString(errors.attr(cls).ptr(), e.what_without_backtrace());
+      py::object type = errors.attr(cls);
+      try {  // as plait's own errors: the flight report of a mismatch, timeout or lost peer
+        py::object exc = type(e.what_without_backtrace());
+        errors.attr("attach_flight")(exc, e.group(), e.kind());
+        PyErr_SetObject(type.ptr(), exc.ptr());
+      } catch (py::error_already_set&) {
+        PyErr_SetString(type.ptr(), e.what_without_backtrace());
+      }
     }
   });
 }

@@ -23,17 +23,23 @@ namespace plait_torch {
 
 // Error kinds beyond plait's own (capi.h's codes): torch allows it, this backend does not do it.
 constexpr uint32_t kUnsupported = 100;
+// Tag of the send/recv calls that build all-to-all, gather and scatter (out of users' way); error
+// texts show it as "plait's internal tag", not as the number nobody passed.
+constexpr int64_t kInternalTag = 0x706C616974000000LL;
 constexpr uint32_t kTimeout = PLAIT_E_TIMEOUT;
 
 // What every plait failure raises: a DistBackendError carrying plait's kind, which the module's
 // exception translator turns into the matching plait.torch error class in Python.
 class Error : public c10::DistBackendError {
  public:
-  Error(uint32_t kind, const std::string& msg);
+  Error(uint32_t kind, const std::string& msg, std::string group = "");
   uint32_t kind() const { return kind_; }
+  // The group that raised it: Python attaches that group's flight report (e.flight) from it.
+  const std::string& group() const { return group_; }
 
  private:
   uint32_t kind_;
+  std::string group_;
 };
 
 class Backend;
@@ -219,6 +225,9 @@ class Backend : public c10d::Backend {
   at::Tensor sink(Op& op, const at::Tensor& t);
   void completion_loop();
   WorkPtr allreduce_sparse_coo(Tensors& ts, const c10d::AllreduceOptions& o);
+  void check_sparse_shapes(const Op& op, const at::Tensor& table) const;
+  void check_splits(const Op& op, const at::Tensor& src, const std::vector<int64_t>& in_rows,
+                    const at::Tensor& dst, const std::vector<int64_t>& out_rows);
 
   const plait_capi* api_;
   void* comm_;

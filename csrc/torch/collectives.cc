@@ -13,8 +13,7 @@ namespace plait_torch {
 namespace {
 
 using RT = c10d::ReduceOp::RedOpType;
-// Tag of the send/recv calls that build all-to-all, gather and scatter (out of users' way).
-constexpr int64_t kTag = 0x706C616974000000LL;
+constexpr int64_t kTag = kInternalTag;
 
 int dtype_code(at::ScalarType s) {
   switch (s) {
@@ -361,6 +360,37 @@ void Backend::flush() {
   fused->launch();
 }
 
+namespace {
+// A sparse tensor's nnz, then what must agree across ranks: dtype, sparse and dense dims, and
+// the sizes (the first kSparseDims of them, and a hash of all, for tensors with more dims).
+constexpr int64_t kSparseDims = 24;
+at::Tensor sparse_descriptor(const at::Tensor& t) {
+  at::Tensor d = at::full({5 + kSparseDims}, -1, at::kLong);
+  auto v = d.accessor<int64_t, 1>();
+  v[0] = t._nnz();
+  v[1] = int64_t(t.scalar_type());
+  v[2] = t.sparse_dim();
+  v[3] = t.dense_dim();
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the sizes
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    if (i < kSparseDims) v[5 + i] = t.size(i);
+    h = (h ^ uint64_t(t.size(i))) * 1099511628211ull;
+  }
+  v[4] = int64_t(h >> 1);
+  return d;
+}
+
+std::string sparse_shape(const at::Tensor& row) {
+  auto v = row.accessor<int64_t, 1>();
+  std::string s = "(";
+  for (int64_t i = 0; i < v[2] + v[3] && i < kSparseDims; ++i)
+    s += (i ? ", " : "") + std::to_string(v[5 + i]);
+  s += v[2] + v[3] == 1 ? ",)" : ")";
+  return s + " " + std::string(c10::toString(c10::ScalarType(v[1]))) +
+         " sparse_dim=" + std::to_string(v[2]) + " dense_dim=" + std::to_string(v[3]);
+}
+}  // namespace
+
 // A sparse (COO) allreduce, as gloo does it: every rank's indices and values are gathered
 // (padded to the largest count), then summed locally (coalesce) into the input tensor.
 Backend::WorkPtr Backend::allreduce_sparse_coo(Tensors& ts, const c10d::AllreduceOptions& o) {
@@ -374,13 +404,18 @@ Backend::WorkPtr Backend::allreduce_sparse_coo(Tensors& ts, const c10d::Allreduc
     unsupported(*op, "sparse tensors other than CPU COO");
   const at::Tensor in = t.coalesce();
   const int n = getSize();
-  // The counts first, inline: the gathers' sizes depend on them.
-  at::Tensor counts = at::empty({n}, at::kLong), mine = at::full({1}, in._nnz(), at::kLong);
-  plait_buffer a = typed(mine), b = typed(counts);
+  // Each rank's nnz and shape first, inline: the gathers' sizes depend on the counts, and ranks
+  // whose tensors differ in shape, sparse/dense split or dtype must all refuse before data moves
+  // (else indices valid on one rank land out of range on another).
+  const at::Tensor desc = sparse_descriptor(in);
+  at::Tensor table = at::empty({n, desc.numel()}, at::kLong);
+  plait_buffer a = typed(desc), b = typed(table);
   char err[1024];
   if (uint32_t kind = api_->call(comm_, PLAIT_ALLGATHER, &a, &b, PLAIT_SUM, 0, -1, 0, "auto",
                                  op->timeout_s, nullptr, nullptr, nullptr, err, sizeof err))
     throw error(kind, op->where(), err);
+  check_sparse_shapes(*op, table);
+  const at::Tensor counts = table.select(1, 0).contiguous();
   const int64_t most = counts.max().item<int64_t>();
   auto pad = [&](const at::Tensor& x, int64_t dim) {  // x with dim grown to `most`, contiguous
     auto sizes = x.sizes().vec();
@@ -411,6 +446,20 @@ Backend::WorkPtr Backend::allreduce_sparse_coo(Tensors& ts, const c10d::Allreduc
     t.copy_(at::sparse_coo_tensor(at::cat(is, 1), at::cat(vs, 0), t.sizes()).coalesce());
   });
   return op->launch();
+}
+
+// Every rank holds the same table, so every rank raises (and the group stays usable).
+void Backend::check_sparse_shapes(const Op& op, const at::Tensor& table) const {
+  const at::Tensor mine = table[getRank()].narrow(0, 1, table.size(1) - 1);
+  for (int64_t r = 0; r < table.size(0); ++r) {
+    if (at::equal(table[r].narrow(0, 1, table.size(1) - 1), mine)) continue;
+    std::string all;
+    for (int64_t q = 0; q < table.size(0); ++q)
+      all += (q ? "; rank " : "rank ") + std::to_string(q) + ": " + sparse_shape(table[q]);
+    throw error(
+        PLAIT_E_MISMATCH, op.where(),
+        "sparse all_reduce: the ranks' sparse tensors differ in size, dims or dtype (" + all + ")");
+  }
 }
 
 Backend::WorkPtr Backend::allreduce(Tensors& ts, const c10d::AllreduceOptions& o) {
@@ -664,7 +713,10 @@ Backend::WorkPtr Backend::alltoall_base(at::Tensor& out, at::Tensor& in,
   auto out_rows = splits(out, out_splits, n), in_rows = splits(in, in_splits, n);
   bool even = !out_rows.empty() && out_rows == in_rows;
   for (auto r : out_rows) even = even && r == out_rows[0];
-  auto op = begin("all_to_all_single", {out}, even && !o.asyncOp, o.timeout);
+  auto op = begin(even ? "all_to_all_single (even splits)"
+                       : "all_to_all_single (input splits " + join(in_rows) + ", output splits " +
+                             join(out_rows) + ")",
+                  {out}, even && !o.asyncOp, o.timeout);
   if (out_rows.empty() || in_rows.empty())
     fail("all_to_all_single: " + std::to_string(nrows(out)) + " output rows split " +
          join(out_splits) + ", " + std::to_string(nrows(in)) + " input rows split " +
@@ -682,9 +734,41 @@ Backend::WorkPtr Backend::alltoall_base(at::Tensor& out, at::Tensor& in,
     plait_buffer a = bytes(src), b = bytes(dst);
     op->issue(PLAIT_ALLTOALL, &a, &b, PLAIT_SUM, 0, -1, 0);
   } else {
+    check_splits(*op, src, in_rows, dst, out_rows);
     exchange(*op, rows_of(src, in_rows), rows_of(dst, out_rows));
   }
   return op->launch();
+}
+
+// Uneven splits: every rank's byte counts, to and from each peer, gathered before any data moves
+// and compared on every rank, so a disagreement raises on all of them at once instead of leaving
+// a receive waiting out the deadline. A rank that took the even path instead runs a different
+// collective there, which the call check reports as a mismatch at once.
+void Backend::check_splits(const Op& op, const at::Tensor& src, const std::vector<int64_t>& in_rows,
+                           const at::Tensor& dst, const std::vector<int64_t>& out_rows) {
+  const int n = getSize();
+  const int64_t in_row = nrows(src) ? int64_t(src.nbytes()) / nrows(src) : 0;
+  const int64_t out_row = nrows(dst) ? int64_t(dst.nbytes()) / nrows(dst) : 0;
+  at::Tensor mine = at::empty({2 * n}, at::kLong), table = at::empty({n, 2 * n}, at::kLong);
+  for (int j = 0; j < n; ++j) {
+    mine[j] = in_rows[size_t(j)] * in_row;
+    mine[n + j] = out_rows[size_t(j)] * out_row;
+  }
+  plait_buffer a = typed(mine), b = typed(table);
+  char err[1024];
+  if (uint32_t kind = api_->call(comm_, PLAIT_ALLGATHER, &a, &b, PLAIT_SUM, 0, -1, 0, "auto",
+                                 op.timeout_s, nullptr, nullptr, nullptr, err, sizeof err))
+    throw error(kind, op.where(), err);
+  auto t = table.accessor<int64_t, 2>();
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j)
+      if (t[i][j] != t[j][n + i])
+        throw error(PLAIT_E_MISMATCH, op.where(),
+                    "all_to_all_single: rank " + std::to_string(i) + " sends " +
+                        std::to_string(t[i][j]) + " bytes to rank " + std::to_string(j) +
+                        ", which expects " + std::to_string(t[j][n + i]) +
+                        " bytes from it (this rank's input splits " + join(in_rows) +
+                        ", output splits " + join(out_rows) + ")");
 }
 
 Backend::WorkPtr Backend::alltoall(Tensors& outs, Tensors& ins, const c10d::AllToAllOptions& o) {

@@ -7,9 +7,10 @@ namespace plait_torch {
 
 thread_local bool tl_running_here = false;  // this thread runs a task through task_run
 
-Error::Error(uint32_t kind, const std::string& msg)
+Error::Error(uint32_t kind, const std::string& msg, std::string group)
     : c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, uint32_t(__LINE__)}, msg),
-      kind_(kind) {}
+      kind_(kind),
+      group_(std::move(group)) {}
 
 namespace {
 c10::intrusive_ptr<c10::ivalue::Future> new_future() {

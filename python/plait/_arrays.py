@@ -118,9 +118,30 @@ def to_numpy(obj, name):
         raise _errors.InvalidArgument(f"{name} is a GPU array where a host array was expected")
     if isinstance(obj, np.ndarray):
         return obj, ""
+    view = buffer_view(obj, name)
+    if view is not None:
+        return view, ""
     raise _errors.InvalidArgument(
-        f"{name} must be a numpy array or a torch CPU tensor, got {type(obj).__name__}"
+        f"{name} must be a numpy array, a torch CPU tensor or a buffer (memoryview), got {type(obj).__name__}"
     )
+
+
+def buffer_view(obj, name):
+    """A numpy view of a buffer-protocol object (memoryview, bytearray, array.array), or None for
+    an object without the protocol; InvalidArgument for a buffer numpy cannot describe."""
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        return None
+    try:
+        view = np.asarray(mv)
+    except (TypeError, ValueError, NotImplementedError) as e:
+        raise _errors.InvalidArgument(
+            f"{name} is a buffer of format {mv.format!r} that plait cannot read: {e}"
+        ) from None
+    if not view.flags.c_contiguous:
+        raise _errors.InvalidArgument(f"{name} is a buffer that is not C-contiguous")
+    return view
 
 
 def empty_like(x, shape=None):
@@ -142,13 +163,21 @@ def empty_like(x, shape=None):
             f"cannot allocate an output like a {type(x).__name__}: "
             "pass out= (a cupy array or a torch CUDA tensor)"
         )
+    if not hasattr(x, "dtype"):  # a buffer (memoryview): its output is a numpy array
+        x = buffer_view(x, "input")
+        if x is None:
+            raise _errors.InvalidArgument("input must be a numpy array, a torch CPU tensor or a buffer")
     return np.empty(x.shape if shape is None else shape, dtype=x.dtype)
 
 
 def size_of(x):
-    return (
-        int(x.size) if type(x) is np.ndarray else int(x.numel()) if _module_of(x) == "torch" else int(x.size)
-    )
+    if type(x) is np.ndarray:
+        return int(x.size)
+    if _module_of(x) == "torch":
+        return int(x.numel())
+    if isinstance(x, memoryview):
+        return x.nbytes // x.itemsize if x.itemsize else 0
+    return int(x.size)
 
 
 # -- device arrays ------------------------------------------------------------------------------

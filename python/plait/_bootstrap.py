@@ -7,7 +7,7 @@ choice between the flat and the hierarchical communicator. `plait.init` is the p
 import json
 import os
 
-from . import _C, _comm, _errors, _hier, _hosts, _shm, _store
+from . import _C, _comm, _errors, _hier, _hosts, _shm, _store, _watch
 from ._comm import Communicator
 from ._errors import InvalidArgument, PlaitError
 
@@ -61,6 +61,16 @@ class _LocalStore:
             raise PlaitError(f"one-process world: nothing will ever set {key!r}")
         return self._kv[key]
 
+    def check(self, keys):
+        keys = [keys] if isinstance(keys, str) else keys
+        return all(k in self._kv or k in self._counters for k in keys)
+
+    def wait(self, keys, timeout=None):
+        keys = [keys] if isinstance(keys, str) else keys
+        missing = [k for k in keys if k not in self._kv and k not in self._counters]
+        if missing:
+            raise PlaitError(f"one-process world: nothing will ever set {missing!r}")
+
     def close(self):
         pass
 
@@ -79,7 +89,49 @@ def connect(rank=None, size=None, *, store=None, timeout=None, buffer_bytes=None
     rank, size = _world(rank, size)
     if size < 1 or not 0 <= rank < size:
         raise InvalidArgument(f"rank {rank} is not in a world of {size}")
-    # Checked before the rendezvous, so a rank never waits in it on a value it then refuses.
+    # Checked before the rendezvous, so a rank never waits in it on a value it then refuses; a
+    # rank that refuses one still joins, to tell the others why (init_in raises it there).
+    bad = None
+    try:
+        timeout, init_timeout = _timeouts(timeout, init_timeout)
+        check_env()
+    except InvalidArgument as e:
+        bad, timeout, init_timeout = e, 0.0, 60.0  # only to reach the store and say why
+    keep = []
+    if store is None and size == 1:
+        store = _LocalStore()  # a world of one needs no rendezvous, so no address either
+    if isinstance(store, _store.Store) or all(hasattr(store, m) for m in ("add", "set", "get")):
+        client = store  # plait's client, or an adapter (the torch backend wraps torch's store)
+    else:
+        if store is None:
+            mpirun = _mpirun_store(rank)
+            host, port, serve = mpirun or _store.store_from_env(rank)
+            if mpirun and serve:  # a fresh port per init, announced over MPI: it ends with the communicator
+                keep.append(_store.StoreServer(serve, port, token=os.environ.get(_store.TOKEN_ENV)))
+            elif serve:
+                _serve_for_good(host, port)
+        else:
+            host, port = store
+        try:
+            client = _store.Store(host, port, timeout=init_timeout)
+        except BaseException:
+            _comm.close_all(keep)
+            raise
+        keep.append(client)
+    return init_in(
+        client,
+        "plait",
+        rank,
+        size,
+        timeout=float(timeout),
+        init_timeout=float(init_timeout),
+        buffer_bytes=buffer_bytes,
+        keep=keep,
+        refused=bad,
+    )
+
+
+def _timeouts(timeout, init_timeout):
     if timeout is None:
         text = os.environ.get("PLAIT_TIMEOUT", "300")
         try:
@@ -92,38 +144,66 @@ def connect(rank=None, size=None, *, store=None, timeout=None, buffer_bytes=None
     if init_timeout is None:
         init_timeout = max(timeout, 60.0)
     init_timeout = _errors.seconds(init_timeout, "plait.init: init_timeout", "init never waits")
-    keep = []
-    if store is None and size == 1:
-        store = _LocalStore()  # a world of one needs no rendezvous, so no address either
-    if isinstance(store, _store.Store) or all(hasattr(store, m) for m in ("add", "set", "get")):
-        client = store  # plait's client, or an adapter (the torch backend wraps torch's store)
-    else:
-        if store is None:
-            mpirun = _mpirun_store(rank)
-            host, port, serve = mpirun or _store.store_from_env(rank)
-            if mpirun and serve:  # a fresh port per init, announced over MPI: it ends with the communicator
-                keep.append(_store.StoreServer(serve, port))
-            elif serve:
-                _serve_for_good(host, port)
-        else:
-            host, port = store
-        client = _store.Store(host, port, timeout=init_timeout)
-        keep.append(client)
-    return init_in(
-        client,
-        "plait",
-        rank,
-        size,
-        timeout=float(timeout),
-        init_timeout=float(init_timeout),
-        buffer_bytes=buffer_bytes,
-        keep=keep,
-    )
+    return timeout, init_timeout
 
 
-def _join_shm(client, prefix, rank, size, timeout, init_timeout, buffer_bytes, oversubscribed):
+def check_env():
+    """Every PLAIT_* setting a communicator reads, checked before any rank waits on this one."""
+    _C.check_env()
+    text = os.environ.get("PLAIT_BUFFER_BYTES")
+    if text is not None:
+        try:
+            ok = int(text) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise InvalidArgument(f"PLAIT_BUFFER_BYTES={text!r} is not a positive integer number of bytes")
+    text = os.environ.get("PLAIT_INTER", "").strip().lower()
+    if text not in ("", "gloo", "mpi"):
+        raise InvalidArgument(f"PLAIT_INTER={os.environ['PLAIT_INTER']!r}: choose gloo or mpi")
+    text = os.environ.get("PLAIT_FLIGHT_SIZE")
+    if text is not None and os.environ.get("PLAIT_FLIGHT", "1") != "0":
+        if not (text.isdigit() and 1 <= int(text) <= 1 << 16):
+            raise InvalidArgument(f"PLAIT_FLIGHT_SIZE={text!r} is not a number of records in 1..65536")
+
+
+def _claim(client, prefix, rank):
+    """Refuses a second live process that joins as `rank` (a stray plait.init against a running
+    job): each process that joins as rank r claims it in turn, and the latest live claim other
+    than this process's own wins over this one. Runs before the arrival count, so a refused
+    process leaves the job's rendezvous as it was."""
+    me = _watch.identity()
+    n = client.add(f"{prefix}/claims/{rank}", 1)
+    mine = f"{prefix}/claim/{rank}/{n}"
+    client.set(mine, me.encode())
+    for k in range(n - 1, 0, -1):
+        try:
+            other = client.get(f"{prefix}/claim/{rank}/{k}", timeout=5.0).decode(errors="replace")
+        except _errors.TimeoutError:
+            continue  # a claimant that died between its two steps
+        if other in (me, "refused"):
+            if other == me:
+                return
+            continue
+        try:
+            ident = _watch.parse_identity(other, f"claim {k} of rank {rank}")
+        except InvalidArgument:
+            continue
+        if _watch.gone(ident):
+            return
+        client.set(mine, b"refused")
+        where = "this host" if _watch.local_pid(ident) else f"machine {ident[0]}"
+        raise InvalidArgument(
+            f"rank {rank} is already taken in this job by pid {ident[2]} on {where} (two processes "
+            f"joined the rendezvous under {prefix!r} as rank {rank}; check RANK, or the rank passed "
+            "to plait.init)"
+        )
+
+
+def _join_shm(client, prefix, rank, size, timeout, init_timeout, buffer_bytes, oversubscribed, watch=None):
     """The native shared-memory communicator of `size` ranks that rendezvous under `prefix`."""
     key = f"{prefix}/segment"
+    get = watch.get if watch is not None else (lambda k, timeout: client.get(k, timeout=timeout))
     if rank == 0:
         try:
             _shm.sweep_stale()
@@ -135,29 +215,70 @@ def _join_shm(client, prefix, rank, size, timeout, init_timeout, buffer_bytes, o
             raise
         client.set(key, json.dumps(info).encode())
     else:
-        info = json.loads(client.get(key, timeout=init_timeout))
+        info = _segment_info(get(key, timeout=init_timeout), rank, size)
         if "error" in info:
-            cls = getattr(_errors, info["kind"], PlaitError)
+            cls = getattr(_errors, str(info.get("kind")), PlaitError)
             cls = cls if isinstance(cls, type) and issubclass(cls, PlaitError) else PlaitError
             raise cls(f"rank {rank}: rank 0 could not create the communicator: {info['error']}")
         seg = _comm.open_segment(info)
     native = _C.Communicator(
-        seg, rank, float(timeout), os.environ.get("PLAIT_ALGO", ""), oversubscribed, float(init_timeout)
+        seg,
+        rank,
+        float(timeout),
+        os.environ.get("PLAIT_ALGO", ""),
+        oversubscribed,
+        float(init_timeout),
+        peer_pids=watch.pids() if watch is not None else [],
     )
     return native, info
 
 
-def init_in(client, prefix, rank, size, *, timeout, init_timeout, buffer_bytes, keep, ctx=None):
-    """init's rendezvous under a key prefix: the flat communicator when every rank is on one host,
-    else a hierarchical one (plait/_hier.py). `keep` is closed with the communicator."""
+def _segment_info(blob, rank, size):
+    """The segment description rank 0 published, checked field by field before it is used."""
     try:
-        # Every init of a job draws the next generation number, so a store can serve many inits.
-        gen = (client.add(f"{prefix}/arrivals", 1) - 1) // size
+        info = json.loads(blob)
+    except ValueError:
+        info = None
+    if isinstance(info, dict) and "error" in info:
+        return info
+    ints = ("size", "staging", "pair_slot")
+    if (
+        not isinstance(info, dict)
+        or not isinstance(info.get("name"), str)
+        or not info["name"].startswith("/" + _shm.SEGMENT_PREFIX)
+        or not all(isinstance(info.get(k), int) and info[k] > 0 for k in ints)
+        or info["size"] != size
+        or not isinstance(info.get("token"), list)
+        or len(info["token"]) != 2
+        or not all(isinstance(t, int) and 0 <= t < 1 << 64 for t in info["token"])
+        or not isinstance(info.get("flight", 0), int)
+    ):
+        raise InvalidArgument(
+            f"rank {rank}: the segment record in the rendezvous is malformed: {bytes(blob)[:120]!r}"
+        )
+    return info
+
+
+def init_in(client, prefix, rank, size, *, timeout, init_timeout, buffer_bytes, keep, ctx=None, refused=None):
+    """init's rendezvous under a key prefix: the flat communicator when every rank is on one host,
+    else a hierarchical one (plait/_hier.py). `keep` is closed with the communicator. `refused`: an
+    error this rank raises once it has joined, so the others raise it too instead of waiting."""
+    base = watch = None
+    try:
+        if size > 1:
+            _claim(client, prefix, rank)
+        # A store serves many inits: rank r's k-th init joins generation k. Counted per rank, so a
+        # rank that refuses an init (and tells the others) cannot run ahead into the next
+        # generation's slots, and a stray count elsewhere disturbs nobody.
+        gen = client.add(f"{prefix}/arrivals/{rank}", 1) - 1
         base = f"{prefix}/{gen}"
-        ids = _hosts.exchange(client, base, rank, size, init_timeout) if size > 1 else None
+        if refused is not None:
+            raise refused
+        watch = _watch.Watch(client, base, rank, size, init_timeout) if size > 1 else None
+        ids = _hosts.exchange(client, base, rank, size, init_timeout, watch) if size > 1 else None
         if ids is None or len({h for h, _ in ids}) == 1:
             native, info = _join_shm(
-                client, base, rank, size, timeout, init_timeout, buffer_bytes, size > _comm._cpus()
+                client, base, rank, size, timeout, init_timeout, buffer_bytes, size > _comm._cpus(), watch
             )
             return Communicator(
                 native, timeout=timeout, buffer_bytes=info["staging"], world_size=size, keep=keep
@@ -182,9 +303,17 @@ def init_in(client, prefix, rank, size, *, timeout, init_timeout, buffer_bytes, 
             ctx=ctx,
             join_local=join_local,
         )
-    except BaseException:
-        for k in keep:
-            k.close()
+    except BaseException as e:
+        cause = None
+        if base is not None and size > 1:
+            cause = _watch.published(client, base, rank)
+            if cause is None or getattr(e, "_plait_published", False):
+                cause = None
+                _watch.publish(client, base, rank, e)
+            _shm.sweep_stale()  # a segment a dead peer made and never handed over
+        _comm.close_all(keep)
+        if cause is not None:
+            raise cause from e  # a peer's failure is why this rank's wait or open failed
         raise
 
 
@@ -197,7 +326,9 @@ def _serve_for_good(host, port):
     finalized the previous one: a store closed with the communicator would drop them then."""
     server = _served.get((host, port))
     if server is None or server.closed:
-        server = _served[(host, port)] = _store.StoreServer(host, port)
+        server = _served[(host, port)] = _store.StoreServer(
+            host, port, token=os.environ.get(_store.TOKEN_ENV)
+        )
     return server
 
 
@@ -234,4 +365,5 @@ def _mpirun_store(rank):
         )
         addr = (host, port)
     host, port = MPI.COMM_WORLD.bcast(addr, root=0)
-    return host, port, "0.0.0.0" if rank == 0 else False
+    bind = "127.0.0.1" if host == "127.0.0.1" else "0.0.0.0"  # a one-host job stays on loopback
+    return host, port, bind if rank == 0 else False

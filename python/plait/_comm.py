@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import time
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -97,6 +98,18 @@ def open_segment(info):
     return _C.open_segment(
         info["name"], info["size"], info["staging"], info["pair_slot"], *info["token"], info.get("flight", 0)
     )
+
+
+def _sweep_after(pid, wait_s=2.0):
+    """Removes what a dead split leader (pid) left in /dev/shm: it is noticed gone as soon as its
+    thread dies, while the kernel may still be tearing the process down (it is not yet "dead" to
+    the sweep); a live leader unlinks its own segment."""
+    deadline = time.monotonic() + wait_s
+    while not _shm._dead(pid):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.005)
+    _shm.sweep_stale()
 
 
 def close_all(things):
@@ -210,6 +223,10 @@ class Communicator(VCollectives):
                     return _arrays.empty_like(x, None if shape is None else shape())
                 except _errors.InvalidArgument as e:
                     self._c.fail(f"rank {self.rank}: {coll}: {e}")
+            try:  # a buffer (memoryview) numpy cannot read fails the call everywhere, too
+                return _arrays.empty_like(x, None if shape is None else shape())
+            except _errors.InvalidArgument as e:
+                self._c.fail(f"rank {self.rank}: {coll}: {e}")
         return _arrays.empty_like(x, None if shape is None else shape())
 
     def _int(self, v, name):
@@ -454,25 +471,47 @@ class Communicator(VCollectives):
         if self.closed:
             raise _errors.PlaitError("communicator is finalized; split needs a live one")
         c = -1 if color is None or color < 0 else int(color)
-        mine = np.array([c, int(key), self.rank], dtype=np.int64)
+        mine = np.array([c, int(key), self.rank, os.getpid()], dtype=np.int64)
         table = self.allgather(mine)
-        members = sorted((int(k), int(r)) for cc, k, r in table if cc == c) if c >= 0 else []
+        members = sorted((int(k), int(r)) for cc, k, r, _ in table if cc == c) if c >= 0 else []
         record = np.zeros(_RECORD, dtype=np.uint8)
-        info = None
+        info = failed = seg = None
         leader = members[0][1] if members else -1
-        seg = None
         if leader == self.rank:
-            info = new_segment_info(len(members), buffer_bytes or self._buffer_bytes)
-            seg = create_segment(info)
-            blob = json.dumps(info).encode()
+            try:
+                info = new_segment_info(len(members), buffer_bytes or self._buffer_bytes)
+                seg = create_segment(info)
+                blob = json.dumps(info).encode()
+            except Exception as e:  # noqa: BLE001 - e.g. /dev/shm full: the members hear why, not "left"
+                failed = e
+                text = str(e).encode("ascii", "replace")[: _RECORD - 80].decode()
+                blob = json.dumps({"error": text, "kind": type(e).__name__}).encode()
             record[: len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-        records = self.allgather(record)
+        try:
+            records = self.allgather(record)
+        except BaseException as e:
+            # A member died meanwhile: the new segment must not outlive this step. The leader
+            # removes its own; the others sweep one a dead leader left behind.
+            if seg is not None:
+                seg.unlink()
+            elif leader >= 0 and f"(pid {int(table[leader][3])})" in str(e):
+                _sweep_after(int(table[leader][3]))
+            raise
+        if failed is not None:
+            raise failed
         if c < 0:
             return None
         if seg is None:
-            blob = records[leader].tobytes().rstrip(b"\0")
-            seg = open_segment(json.loads(blob))
+            info = json.loads(records[leader].tobytes().rstrip(b"\0"))
+            if "error" in info:
+                cls = getattr(_errors, str(info.get("kind")), _errors.PlaitError)
+                raise cls(
+                    f"rank {self.rank}: split: rank {leader} could not create the new communicator: "
+                    + info["error"]
+                )
+            seg = open_segment(info)
         new_rank = [r for _, r in members].index(self.rank)
+        pids = {int(r): int(pid) for _, _, r, pid in table}
         native = _C.Communicator(
             seg,
             new_rank,
@@ -480,6 +519,7 @@ class Communicator(VCollectives):
             os.environ.get("PLAIT_ALGO", ""),
             self._world_size > _cpus(),
             self.timeout,
+            peer_pids=[pids[r] for _, r in members],
         )
         return Communicator(
             native,

@@ -55,14 +55,47 @@ class Layout:
         return "; ".join(f"host {h}: ranks {m}" for h, m in enumerate(self.hosts))
 
 
-def exchange(client, prefix, rank, size, timeout):
+def exchange(client, prefix, rank, size, timeout, watch=None):
     """Every rank's (host id, machine id), through the store: rank 0 gathers the table and
-    publishes it under one key, so the store serves O(size) requests, not O(size^2)."""
-    mine = f"{host_id()}\n{machine_id()}"
+    publishes it under one key, so the store serves O(size) requests, not O(size^2). Each record
+    also names its process (plait._watch.identity), which `watch` then keeps an eye on."""
+    from . import _errors, _watch
+
+    get = watch.get if watch is not None else (lambda k, t: client.get(k, timeout=t))
+    mine = f"{host_id()}\n{machine_id()}\n{_watch.identity()}"
+    client.set(f"{prefix}/host/{rank}", mine.encode())
     if rank != 0:
-        client.set(f"{prefix}/host/{rank}", mine.encode())
-        table = json.loads(client.get(f"{prefix}/hosts", timeout=timeout))
+        if watch is not None:
+            watch.follow(0, f"{prefix}/host/0", lambda v: _parse(v, 0)[2])
+        table = json.loads(get(f"{prefix}/hosts", timeout))
+        if not isinstance(table, list) or len(table) != size or not all(isinstance(v, str) for v in table):
+            raise _errors.InvalidArgument(
+                f"rank {rank}: the host table under {prefix!r} is not {size} records"
+            )
     else:
-        table = [mine] + [client.get(f"{prefix}/host/{r}", timeout=timeout).decode() for r in range(1, size)]
+        table = [mine]
+        for r in range(1, size):
+            table.append(get(f"{prefix}/host/{r}", timeout).decode(errors="replace"))
+            if watch is not None:
+                watch.know(r, _parse(table[-1], r)[2])
         client.set(f"{prefix}/hosts", json.dumps(table).encode())
-    return [tuple(v.split("\n", 1)) for v in table]
+    parsed = [_parse(v, r) for r, v in enumerate(table)]
+    if watch is not None:
+        for r, (_, _, ident) in enumerate(parsed):
+            watch.know(r, ident)
+    return [(h, m) for h, m, _ in parsed]
+
+
+def _parse(record, r):
+    """(host id, machine id, identity) of rank r's record; InvalidArgument naming r if malformed."""
+    from . import _errors, _watch
+
+    if isinstance(record, bytes):
+        record = record.decode(errors="replace")
+    parts = record.split("\n")
+    if len(parts) != 3 or not parts[0] or not parts[1]:
+        raise _errors.InvalidArgument(
+            f"rank {r}'s record in the rendezvous is {record[:80]!r}, not what a plait rank announces "
+            "(another program, or another plait version, wrote it)"
+        )
+    return parts[0], parts[1], _watch.parse_identity(parts[2], f"rank {r}")

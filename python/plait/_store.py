@@ -3,8 +3,15 @@
 Wire format, both directions: a u32 frame length, then one code byte (request op or reply status),
 then fields, each a u32 length and its bytes. Numbers travel as ASCII decimals so that no width
 limit leaks into the protocol; a wait time of "-1" means forever.
+
+A client's first frame is HELLO with the job's token. A server given a token (plait-run makes a
+random one per job and hands it to its ranks as PLAIT_STORE_TOKEN) answers anything else, or a
+wrong token, with an error and hangs up: a stray process cannot join, or disturb, the job's
+rendezvous. Frames are capped (small until the client has said hello) and read as they arrive, so
+announcing a huge frame reserves nothing.
 """
 
+import hmac
 import math
 import operator
 import os
@@ -15,9 +22,14 @@ import time
 
 from . import _errors
 
-_SET, _GET, _ADD, _WAIT, _DELETE = range(1, 6)
+_SET, _GET, _ADD, _WAIT, _DELETE, _HELLO = range(1, 7)
 _OK, _TIMEOUT, _ERROR, _INVALID = range(4)
 _U32 = struct.Struct("!I")
+TOKEN_ENV = "PLAIT_STORE_TOKEN"
+# Largest frame either side accepts: plait's values are small (host tables, segment names), and a
+# cap keeps a bad or hostile length from costing memory. Before hello, only a hello fits.
+MAX_FRAME = 64 << 20
+_HELLO_FRAME = 4096
 # A waiting server thread looks this often whether its client has hung up, so a client that dies
 # mid-wait does not pin a thread forever.
 _PEER_CHECK_S = 0.5
@@ -34,18 +46,24 @@ def _frame(code, fields):
 
 
 def _recv_exact(sock, n):
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
+    # Grown as bytes arrive (at most 1 MiB per read), not reserved from the announced length.
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(min(n - len(buf), 1 << 20))
+        if not part:
             raise ConnectionResetError("connection closed by peer")
-        got += k
+        buf += part
     return buf
 
 
-def _recv_frame(sock):
+class _FrameTooBig(ConnectionResetError):
+    pass
+
+
+def _recv_frame(sock, cap=MAX_FRAME):
     (n,) = _U32.unpack(_recv_exact(sock, 4))
+    if n > cap:
+        raise _FrameTooBig(f"a frame of {n} bytes (the limit is {cap})")
     body = bytes(_recv_exact(sock, n)) if n else b""
     if not body:
         raise ConnectionResetError("empty frame")
@@ -73,7 +91,8 @@ def _peer_gone(conn):
 class StoreServer:
     """Serves the store from daemon threads (one per connection) until close()."""
 
-    def __init__(self, host="127.0.0.1", port=0):
+    def __init__(self, host="127.0.0.1", port=0, token=None):
+        self._token = token.encode() if isinstance(token, str) else token
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -143,12 +162,18 @@ class StoreServer:
 
     def _serve(self, conn):
         try:
+            if not self._hello(conn):
+                return
             while True:
-                code, fields = _recv_frame(conn)
+                try:
+                    code, fields = _recv_frame(conn)
+                except _FrameTooBig as e:
+                    conn.sendall(_frame(_ERROR, [f"refused {e}".encode()]))
+                    return
                 try:
                     reply = self._handle(code, fields, conn)
-                except (IndexError, ValueError, UnicodeDecodeError) as e:
-                    reply = _frame(_ERROR, [f"malformed request: {e}".encode()])
+                except (IndexError, ValueError, UnicodeDecodeError, OverflowError) as e:
+                    reply = _frame(_INVALID, [f"plait store: malformed request: {e}".encode()])
                 if reply is None:
                     return
                 conn.sendall(reply)
@@ -159,6 +184,25 @@ class StoreServer:
                 self._conns.discard(conn)
             conn.close()
 
+    def _hello(self, conn):
+        """The client's first frame: HELLO and, where this store has one, the job's token."""
+        try:
+            code, fields = _recv_frame(conn, _HELLO_FRAME)
+        except _FrameTooBig:
+            code, fields = None, []
+        if code == _HELLO and (
+            self._token is None or (fields and hmac.compare_digest(fields[0], self._token))
+        ):
+            conn.sendall(_frame(_OK, []))
+            return True
+        why = (
+            "refused: the first request must present the job's token"
+            if self._token is not None and code == _HELLO
+            else "refused: not a plait store client (or an older one) saying hello"
+        )
+        conn.sendall(_frame(_ERROR, [f"{why} (${TOKEN_ENV}, set by plait-run)".encode()]))
+        return False
+
     def _handle(self, code, f, conn):
         if code == _SET:
             with self._cond:
@@ -167,13 +211,13 @@ class StoreServer:
             return _frame(_OK, [])
         if code == _GET:
             key = f[0].decode()
-            got = self._await([key], float(f[1]), conn)
+            got = self._await([key], _parse_wait(f[1]), conn)
             if got is None:
                 return None
             missing, values = got
             return _frame(_TIMEOUT, [key.encode()]) if missing else _frame(_OK, values)
         if code == _ADD:
-            key, delta = f[0].decode(), int(f[1])
+            key, delta = f[0].decode(), _parse_int(f[1])
             with self._cond:
                 try:
                     new = int(self._data.get(key, b"0")) + delta
@@ -183,7 +227,7 @@ class StoreServer:
                 self._cond.notify_all()
             return _frame(_OK, [str(new).encode()])
         if code == _WAIT:
-            got = self._await([k.decode() for k in f[1:]], float(f[0]), conn)
+            got = self._await([k.decode() for k in f[1:]], _parse_wait(f[0]), conn)
             if got is None:
                 return None
             return _frame(_TIMEOUT, [k.encode() for k in got[0]]) if got[0] else _frame(_OK, [])
@@ -212,6 +256,21 @@ class StoreServer:
                 self._cond.wait(_PEER_CHECK_S if left is None else min(left, _PEER_CHECK_S))
 
 
+def _parse_wait(field):
+    """A wait time off the wire: seconds >= 0, or -1 for forever; nan, inf and the rest refused."""
+    t = float(field.decode("ascii"))
+    if not (t >= 0 or t == -1) or math.isinf(t):
+        raise ValueError(f"wait time {field!r} is not a number of seconds >= 0 (or -1)")
+    return t
+
+
+def _parse_int(field):
+    text = field.decode("ascii")
+    if not text.lstrip("-").isdigit() or len(text) > 40:
+        raise ValueError(f"{field[:50]!r} is not an integer")
+    return int(text)
+
+
 def _key(key):
     if not isinstance(key, str):
         raise _errors.InvalidArgument(f"store keys are str, not {type(key).__name__}")
@@ -223,8 +282,10 @@ class Store:
     the default for get()/wait(); None waits forever. One request at a time per client, so threads
     may share it, but a blocking get() holds it up for the others."""
 
-    def __init__(self, host, port, timeout=60.0):
-        self.host, self.port, self.timeout = host, int(port), _finite(timeout)
+    def __init__(self, host, port, timeout=60.0, token=None):
+        self.host, self.port, self.timeout = host, _port(port, f"{host}:{port}"), _finite(timeout)
+        token = os.environ.get(TOKEN_ENV) if token is None else token
+        self._token = token.encode() if isinstance(token, str) else (token or b"")
         self._lock = threading.Lock()
         self._gone = None
         self._sock = self._connect()
@@ -242,19 +303,39 @@ class Store:
                 sock = socket.create_connection(
                     (self.host, self.port), timeout=None if left is None else max(left, 0.01)
                 )
-                sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return sock
             except OSError as e:
                 if left is not None and left <= delay:
                     raise _errors.TimeoutError(
                         f"could not connect to the plait store at {self._addr} within {self.timeout:g} s: {e}"
                     ) from None
+            else:
+                return self._say_hello(sock)
             time.sleep(delay)
             delay = min(2 * delay, 0.5)
 
+    def _say_hello(self, sock):
+        try:
+            sock.settimeout(max(self.timeout or 0.0, _REPLY_SLACK_S))
+            sock.sendall(_frame(_HELLO, [self._token]))
+            status, out = _recv_frame(sock)
+            sock.settimeout(None)
+        except OSError as e:
+            sock.close()
+            raise _errors.PlaitError(f"the plait store at {self._addr} did not answer hello: {e}") from None
+        if status != _OK:
+            sock.close()
+            why = out[0].decode(errors="replace") if out else "no reason given"
+            raise _errors.PlaitError(f"the plait store at {self._addr} {why}")
+        return sock
+
     def _wait_s(self, timeout):
-        return self.timeout if timeout is None else _finite(timeout)
+        if timeout is None:
+            return self.timeout
+        timeout = _errors.number(timeout, "store wait: timeout")
+        if not timeout >= 0:
+            raise _errors.InvalidArgument(f"store wait: timeout must be >= 0 seconds, got {timeout!r}")
+        return _finite(timeout)
 
     def _request(self, code, fields, wait_s=0.0):
         with self._lock:
@@ -292,6 +373,11 @@ class Store:
             value = memoryview(value).tobytes()  # not bytes(): bytes(5) is five zeros
         except TypeError:
             raise _errors.InvalidArgument(f"store values are bytes, not {type(value).__name__}") from None
+        if len(value) > MAX_FRAME - 1024:
+            raise _errors.InvalidArgument(
+                f"store value for {key!r} is {len(value)} bytes; "
+                f"the plait store takes up to {MAX_FRAME - 1024}"
+            )
         self._request(_SET, [_key(key), value])
 
     def get(self, key, timeout=None):
@@ -319,6 +405,11 @@ class Store:
             missing = [k.decode() for k in out]
             self._timed_out(f"{len(missing)} of {len(keys)} keys: " + ", ".join(map(repr, missing)), wait_s)
 
+    def check(self, keys):
+        """Whether every key exists now (no waiting)."""
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        return self._request(_WAIT, [b"0", *map(_key, keys)], 0.0)[0] == _OK
+
     def delete(self, key):
         """Removes key; whether it existed."""
         return self._request(_DELETE, [_key(key)])[1][0] == b"1"
@@ -338,7 +429,21 @@ class Store:
 
 def _finite(timeout):
     # inf would overflow socket.settimeout(); it means the same as None.
-    return None if timeout is None or math.isinf(timeout) else float(timeout)
+    if timeout is None or math.isinf(timeout):
+        return None
+    if not float(timeout) >= 0:
+        raise _errors.InvalidArgument(f"store timeout must be >= 0 seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def _port(port, where):
+    try:
+        p = operator.index(port) if not isinstance(port, str) else int(port)
+    except (TypeError, ValueError):
+        raise _errors.InvalidArgument(f"plait store {where}: port {port!r} is not an integer") from None
+    if not 0 < p < 65536:
+        raise _errors.InvalidArgument(f"plait store {where}: port {p} is not in 1..65535")
+    return p
 
 
 def _secs(wait_s):
@@ -356,8 +461,8 @@ def store_from_env(rank=None):
     if spec:
         host, _, port = spec.rpartition(":")
         host = host.strip("[]")
-        if not host or not port.isdigit():
-            raise _errors.InvalidArgument(f"PLAIT_STORE={spec!r} is not host:port")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise _errors.InvalidArgument(f"PLAIT_STORE={spec!r} is not host:port (a port in 1..65535)")
         return host, int(port), False
     host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
     port = os.environ.get("MASTER_PORT")

@@ -28,6 +28,7 @@ failing on any node stops the ranks of every node, each launcher naming the node
 import argparse
 import ctypes
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -366,20 +367,23 @@ def _wait_for_nodes(client, nnodes):
         time.sleep(0.1)
 
 
-def _node_store(args):
+def _node_store(args, token):
     """(server or None, "host:port", nodes or None) of this launch; None when node 0 is unreachable."""
     if args.nnodes == 1:
-        server = _store.StoreServer("127.0.0.1", 0)
+        server = _store.StoreServer("127.0.0.1", 0, token=token)
         return server, f"{server.host}:{server.port}", None
     server = None
     if args.node_rank == 0:
         try:
-            server = _store.StoreServer(args.master_addr, args.master_port + 1)
+            server = _store.StoreServer(args.master_addr, args.master_port + 1, token=token)
         except Exception:  # noqa: BLE001 - e.g. a name of this host that is not bound locally
-            server = _store.StoreServer("0.0.0.0", args.master_port + 1)
+            server = _store.StoreServer("0.0.0.0", args.master_port + 1, token=token)
     store_addr = f"{args.master_addr}:{args.master_port + 1}"
     try:
-        nodes = (_store.Store(args.master_addr, args.master_port + 1, timeout=300), args.node_rank)
+        nodes = (
+            _store.Store(args.master_addr, args.master_port + 1, timeout=300, token=token),
+            args.node_rank,
+        )
     except Exception as e:  # noqa: BLE001
         print(
             f"plait-run: node {args.node_rank}: cannot reach node 0's store at {store_addr}: {e}",
@@ -417,7 +421,11 @@ def main(argv=None):
     args = _parse(sys.argv[1:] if argv is None else list(argv))
     n, cmd = args.nproc, _command(args)
     world, first = n * args.nnodes, n * args.node_rank
-    made = _node_store(args)
+    # The job's store admits only its ranks: they get a fresh secret in the environment. Several
+    # nodes' launchers cannot agree on a fresh one: there the user's PLAIT_STORE_TOKEN (the same
+    # on every node) serves, else the store stays open as before.
+    token = os.environ.get(_store.TOKEN_ENV) or (secrets.token_hex(16) if args.nnodes == 1 else None)
+    made = _node_store(args, token)
     if made is None:
         return 1
     server, store_addr, nodes = made
@@ -434,6 +442,8 @@ def main(argv=None):
         TORCHELASTIC_MAX_RESTARTS=str(args.max_restarts),
         TORCHELASTIC_RESTART_COUNT="0",
     )
+    if token:
+        env[_store.TOKEN_ENV] = token
     if args.dump_on_error:
         os.makedirs(args.dump_on_error, exist_ok=True)
         env["PLAIT_DUMP_ON_ERROR"] = os.path.abspath(args.dump_on_error)
@@ -451,7 +461,7 @@ def main(argv=None):
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
     try:
         if _hvd.is_elastic(args):
-            client = _store.Store(server.host, server.port, timeout=60)
+            client = _store.Store(server.host, server.port, timeout=60, token=token)
             try:
                 spawn = _hvd.spawner(cmd, _die_with_parent(), procs)
                 return _hvd.elastic_main(args, cmd, env, client, spawn, lambda ps: _take_down(ps, args.grace))
@@ -477,7 +487,7 @@ def main(argv=None):
             _shm.sweep_stale()  # segments the failed attempt's ranks created and never unlinked
             # A fresh store (and torch port) per attempt: the failed one's counters are half used.
             server.close()
-            server = _store.StoreServer("127.0.0.1", 0)
+            server = _store.StoreServer("127.0.0.1", 0, token=token)
             env.update(
                 PLAIT_STORE=f"{server.host}:{server.port}",
                 TORCHELASTIC_RESTART_COUNT=str(attempt),

@@ -56,6 +56,27 @@ def to_torch(e, where=""):
     return e  # pragma: no cover - _MAP ends with the base class
 
 
+_FLIGHT_KINDS = (3, 4, 5)  # the C API's mismatch, timeout, peer lost: the kinds plait reports on
+
+
+def attach_flight(err, group, kind):
+    """Gives a native backend error the flight report of its group's communicator (err.flight),
+    as plait's own errors carry it; left None when the group or its report is gone."""
+    if kind not in _FLIGHT_KINDS:
+        return
+    from plait import _flight
+
+    from . import _native
+
+    comm = _native._comms.get(group)
+    if comm is None:
+        return
+    try:
+        err.flight = _flight.dump(comm)
+    except Exception:  # noqa: BLE001 - the report is a help, never a second failure
+        pass
+
+
 def mapped(fn):
     """Raises plait errors out of a group method as torch errors naming the group and the call."""
 

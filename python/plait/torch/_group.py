@@ -80,6 +80,7 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
                     size,
                     store=TorchStore(store, secs),
                     timeout=secs,
+                    init_timeout=secs,
                     buffer_bytes=buffer_bytes,
                     set_default=False,
                 )

@@ -116,6 +116,7 @@ def create(opts, buffer_bytes):
             opts.group_size,
             store=TorchStore(opts.store, secs),
             timeout=secs,
+            init_timeout=secs,  # the group's timeout bounds its creation too, as gloo's does
             buffer_bytes=buffer_bytes,
             set_default=False,
         )

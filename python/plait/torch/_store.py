@@ -29,7 +29,7 @@ class TorchStore(_store.Store):
 
     def get(self, key, timeout=None):
         wait_s = self.timeout if timeout is None else float(timeout)
-        if wait_s is not None:
+        if wait_s:  # 0: the key is known to be there (torch reads a zero wait as its default)
             self.wait([key], wait_s)
         try:
             return bytes(self._torch.get(key))
@@ -42,6 +42,10 @@ class TorchStore(_store.Store):
     def wait(self, keys, timeout=None):
         keys = [keys] if isinstance(keys, str) else list(keys)
         wait_s = self.timeout if timeout is None else float(timeout)
+        if wait_s is not None and wait_s <= 0:  # torch reads a zero timeout as its default
+            if not self.check(keys):
+                raise _errors.TimeoutError(f"keys {keys} are not in torch's store yet")
+            return
         try:
             if wait_s is None:
                 self._torch.wait(keys)
@@ -51,6 +55,10 @@ class TorchStore(_store.Store):
             raise _errors.TimeoutError(
                 f"timed out after {wait_s:g} s waiting for {keys} in torch's store: {e}"
             ) from None
+
+    def check(self, keys):
+        """Whether every key exists now (plait's rendezvous looks for failures between waits)."""
+        return bool(self._torch.check([keys] if isinstance(keys, str) else list(keys)))
 
     def delete(self, key):
         return bool(self._torch.delete_key(key))
