@@ -144,6 +144,7 @@ BAD = [
     ("PLAIT_ASYNC_DEFER_BYTES", "-1"),
     ("PLAIT_BUFFER_BYTES", "64k"),
     ("PLAIT_TIMEOUT", "nan"),
+    ("PLAIT_SINGLE_COPY", "off"),
 ]
 
 
@@ -190,7 +191,17 @@ def test_env_values_named_before_any_wait(monkeypatch):
     with pytest.raises(plait.InvalidArgument, match="PLAIT_ALGO"):
         _bootstrap.check_env()
     monkeypatch.delenv("PLAIT_ALGO")
-    for name, value in (("PLAIT_INTER", "tcp"), ("PLAIT_FLIGHT_SIZE", "lots")):
+    for name, value in (
+        ("PLAIT_INTER", "tcp"),
+        ("PLAIT_FLIGHT_SIZE", "lots"),
+        ("PLAIT_FLIGHT", "no"),
+        ("PLAIT_HIER_CHECK", "false"),
+        ("PLAIT_GPU_TRANSPORT", "nvlink"),
+        ("PLAIT_REDUCE_ISA", "sse"),
+        ("PLAIT_GPU_CHUNK_BYTES", "4k"),
+        ("PLAIT_GPU_IPC_BYTES", "0"),
+        ("PLAIT_GPU_WATCHDOG_MS", "-5"),
+    ):
         monkeypatch.setenv(name, value)
         with pytest.raises(plait.InvalidArgument, match=name):
             _bootstrap.check_env()

@@ -208,7 +208,11 @@ def test_launcher_hands_its_ranks_a_token_and_binds_loopback(tmp_path):
         timeout=60,
         env=env,
     )
-    lines = [ln.split() for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    # Each line arrives prefixed with its rank ("[0] RESULT ...").
+    lines = [ln.split()[1:] for ln in out.stdout.splitlines() if ln.split()[1:2] == ["RESULT"]]
+    assert sorted(ln.split()[0] for ln in out.stdout.splitlines() if "RESULT" in ln) == ["[0]", "[1]"], (
+        out.stdout
+    )
     assert len(lines) == 2, out.stdout + out.stderr
     for _, host, toklen, stray in lines:
         assert host == "127.0.0.1"

@@ -147,22 +147,40 @@ def _timeouts(timeout, init_timeout):
     return timeout, init_timeout
 
 
+# Settings read after the rendezvous (by the native communicator, the GPU queue, the reduction
+# kernels): each value is checked here, before any rank waits on this one. A switch is on unless
+# it is "0", so a stray "off" or "false" would silently mean on: only 0 and 1 are taken.
+_SWITCHES = ("PLAIT_FLIGHT", "PLAIT_SINGLE_COPY", "PLAIT_HIER_CHECK")
+_CHOICES = {
+    "PLAIT_INTER": ("gloo", "mpi"),
+    "PLAIT_GPU_TRANSPORT": ("auto", "nccl", "ipc"),
+    "PLAIT_REDUCE_ISA": ("avx512", "avx2", "portable"),
+}
+_POSITIVE = {
+    "PLAIT_BUFFER_BYTES": "a positive integer number of bytes",
+    "PLAIT_GPU_CHUNK_BYTES": "a positive integer number of bytes",
+    "PLAIT_GPU_IPC_BYTES": "a positive integer number of bytes",
+    "PLAIT_GPU_WATCHDOG_MS": "a positive integer number of milliseconds",
+}
+
+
 def check_env():
     """Every PLAIT_* setting a communicator reads, checked before any rank waits on this one."""
     _C.check_env()
-    text = os.environ.get("PLAIT_BUFFER_BYTES")
-    if text is not None:
-        try:
-            ok = int(text) > 0
-        except ValueError:
-            ok = False
-        if not ok:
-            raise InvalidArgument(f"PLAIT_BUFFER_BYTES={text!r} is not a positive integer number of bytes")
-    text = os.environ.get("PLAIT_INTER", "").strip().lower()
-    if text not in ("", "gloo", "mpi"):
-        raise InvalidArgument(f"PLAIT_INTER={os.environ['PLAIT_INTER']!r}: choose gloo or mpi")
-    text = os.environ.get("PLAIT_FLIGHT_SIZE")
-    if text is not None and os.environ.get("PLAIT_FLIGHT", "1") != "0":
+    env = os.environ
+    for name in _SWITCHES:
+        if env.get(name, "1") not in ("0", "1"):
+            raise InvalidArgument(f"{name}={env[name]!r}: set it to 0 (off) or 1 (on)")
+    for name, choices in _CHOICES.items():
+        text = env.get(name, "").strip().lower()
+        if text and text not in choices:
+            raise InvalidArgument(f"{name}={env[name]!r}: choose one of {', '.join(choices)}")
+    for name, what in _POSITIVE.items():
+        text = env.get(name)
+        if text is not None and not (text.strip().isdigit() and int(text) > 0):
+            raise InvalidArgument(f"{name}={text!r} is not {what}")
+    text = env.get("PLAIT_FLIGHT_SIZE")
+    if text is not None and env.get("PLAIT_FLIGHT", "1") != "0":
         if not (text.isdigit() and 1 <= int(text) <= 1 << 16):
             raise InvalidArgument(f"PLAIT_FLIGHT_SIZE={text!r} is not a number of records in 1..65536")
 
