@@ -67,7 +67,17 @@ void NcclTransport::begin(cudaStream_t s, const std::string& what, const Poll& p
   stream_ = s, what_ = &what, poll_ = &poll;
 }
 
-void NcclTransport::end() { stream_ = nullptr, what_ = nullptr, poll_ = nullptr; }
+void NcclTransport::end() {
+  // Unwinding from an error inside a group (a send that found the communicator broken): close
+  // it, ignoring what NCCL says, so NCCL's thread-local group depth is back to 0. Left open, the
+  // abort that follows would only be queued into the group, never reclaim the communicator, and
+  // swallow every later NCCL call of this thread (torch's too, when it shares libnccl).
+  while (group_open_ > 0) {
+    --group_open_;
+    api_.GroupEnd();
+  }
+  stream_ = nullptr, what_ = nullptr, poll_ = nullptr;
+}
 
 std::string NcclTransport::async_error(ErrorKind* kind) {
   if (!comm_) return "";
@@ -122,8 +132,15 @@ void NcclTransport::check(nccl::Result r, const std::string& what) {
                               "; NCCL communicator aborted");
 }
 
-void NcclTransport::group_start() { check(api_.GroupStart(), "ncclGroupStart"); }
-void NcclTransport::group_end() { check(api_.GroupEnd(), "ncclGroupEnd"); }
+void NcclTransport::group_start() {
+  check(api_.GroupStart(), "ncclGroupStart");
+  ++group_open_;
+}
+
+void NcclTransport::group_end() {
+  --group_open_;  // NCCL lowers its depth first, whatever ncclGroupEnd then reports
+  check(api_.GroupEnd(), "ncclGroupEnd");
+}
 
 void NcclTransport::send(const void* buf, size_t bytes, int peer) {
   check(api_.Send(buf, bytes, nccl::Uint8, peer, comm_, stream_),

@@ -236,20 +236,23 @@ def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result, ro
     else:
         # The communicator's own call path: validate -> select -> check -> enqueue on g.
         _C.gpu_call(comm._c, coll, gx, go, dt, op, algo, ga.stream, t, root, peer)
+    # Sync and async alike, on the default stream too: an async handle dropped after block()
+    # holds no reference either.
+    _record_streams(gx, go)
     if async_op:
         return GpuHandle(g.record(ga.stream, t), (x, out), result, ga.device)
-    _record_streams(ga.stream, gx, go)
     return result
 
 
-def _record_streams(stream, *arrays):
-    """A synchronous call holds no reference to its tensors: tell torch's caching allocator they
-    are in use on the call's stream, so a tensor freed right after the call (allocated on another
-    stream) is not handed out again before the collective ran (as ProcessGroupNCCL does)."""
-    if stream:  # the default stream needs none
-        for a in arrays:
-            if a is not None:
-                a.record_stream()
+def _record_streams(*arrays):
+    """Tells torch's caching allocator that the call's tensors are in use on the call's stream
+    (as ProcessGroupNCCL does), so a tensor freed right after the call is not handed out again
+    on another stream before the collective ran. Always: a tensor allocated on a side stream and
+    used on the default stream needs it as much as the reverse, and torch makes it a no-op when
+    the streams are the same."""
+    for a in arrays:
+        if a is not None:
+            a.record_stream()
 
 
 def _communicator(comm, device, timeout, head):
@@ -321,7 +324,19 @@ def _communicator(comm, device, timeout, head):
     return g
 
 
+def _chunk_bytes(comm, head):
+    v = os.environ.get("PLAIT_GPU_CHUNK_BYTES", "")
+    try:
+        chunk = int(v) if v else DEFAULT_CHUNK_BYTES
+    except ValueError:
+        chunk = -1
+    if chunk < 64:
+        comm.fail(f"{head}: PLAIT_GPU_CHUNK_BYTES={v!r}: need a whole number of bytes >= 64")
+    return chunk
+
+
 def _nccl_queue(comm, device, t, head):
+    chunk = _chunk_bytes(comm, head)  # before the unique id: peers learn of it at once
     uid = np.zeros(128, dtype=np.uint8)
     if comm.rank == 0:
         try:
@@ -329,22 +344,27 @@ def _nccl_queue(comm, device, t, head):
         except _errors.PlaitError as e:
             comm.fail(f"{head}: ncclGetUniqueId: {e}")
     comm.broadcast(uid, 0, timeout=t)
-    chunk = int(os.environ.get("PLAIT_GPU_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
-    if _hierarchical(comm):
+    # Every rank is inside ncclCommInitRankConfig until all have joined: a rank that fails before
+    # it joins (loading NCCL, scratch memory, a bad setting) tells the others through the
+    # communicator, or they would wait out their whole deadline and report it as a timeout.
+    try:
+        if _hierarchical(comm):
+            return _C.nccl_queue(
+                comm.local._c,
+                uid.tobytes(),
+                device,
+                t,
+                chunk,
+                os.environ.get("PLAIT_GPU_ALGO", ""),
+                _cuda.nccl_path(),
+                rank=comm.rank,
+                size=comm.size,
+            )
         return _C.nccl_queue(
-            comm.local._c,
-            uid.tobytes(),
-            device,
-            t,
-            chunk,
-            os.environ.get("PLAIT_GPU_ALGO", ""),
-            _cuda.nccl_path(),
-            rank=comm.rank,
-            size=comm.size,
+            comm._c, uid.tobytes(), device, t, chunk, os.environ.get("PLAIT_GPU_ALGO", ""), _cuda.nccl_path()
         )
-    return _C.nccl_queue(
-        comm._c, uid.tobytes(), device, t, chunk, os.environ.get("PLAIT_GPU_ALGO", ""), _cuda.nccl_path()
-    )
+    except _errors.PlaitError as e:
+        comm.fail(f"{head}: creating the NCCL communicator: {e}")
 
 
 def _ipc_queue(comm, device, t, head):
