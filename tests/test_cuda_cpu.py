@@ -1128,7 +1128,9 @@ def test_a_gpu_queue_that_fails_on_one_rank_fails_on_every_rank_at_once(case, pa
     waiting out their whole deadline and calling it a timeout."""
     results = run_ranks(_queue_fails_on_one_rank, 2, RUN_TIMEOUT, args=(case,))
     for rank, (cls, msg, took) in enumerate(results):
-        assert cls == "InvalidArgument" and pattern in msg, (rank, cls, msg)
+        # rank 1 raises its own error; rank 0 that error, or the abort that carries it
+        allowed = ("InvalidArgument",) if rank == 1 else ("InvalidArgument", "PlaitError")
+        assert cls in allowed and pattern in msg, (rank, cls, msg)
         assert took < 15, f"rank {rank} waited {took:.1f} s"
 
 

@@ -367,6 +367,19 @@ def _nccl_queue(comm, device, t, head):
         comm.fail(f"{head}: creating the NCCL communicator: {e}")
 
 
+def after_finalize(comm, g):
+    """Called by Communicator.finalize once its GPU queue finalized. Over CUDA IPC a peer's final
+    drain still reads this rank's flags after this rank's own drain ended, so no rank frees its
+    IPC memory (when `g` is dropped) before every rank finished: a host barrier, skipped when the
+    communicator already failed (then nobody drains, and the barrier would only raise)."""
+    if g.transport != "ipc":
+        return
+    try:
+        comm.barrier()
+    except _errors.PlaitError:
+        pass
+
+
 def _ipc_queue(comm, device, t, head):
     staging = int(os.environ.get("PLAIT_GPU_IPC_BYTES", DEFAULT_IPC_BYTES))
     try:

@@ -65,6 +65,7 @@ void test_ipc_protocol() {
     const auto errors = run_world(n, Tp::ipc, [](Rank& r) {
       for (const Step& s : plan(7u + uint32_t(r.size), 24)) run_step(r, s, 20);
       r.q->finalize();
+      r.barrier->wait();  // Communicator.finalize's barrier: peers' drains read our flags
     });
     for (int rank = 0; rank < n; ++rank)
       EXPECT(errors[size_t(rank)].empty(), "n", n, "rank", rank, errors[size_t(rank)]);
