@@ -1151,3 +1151,30 @@ def test_gpu_handle_block_makes_the_stream_wait():
     h = _gpu.GpuHandle(ev, ("x", "out"), "result", 3)
     h.block(0xABC)
     assert ev.blocked == [0xABC] and h.device == 3
+
+
+def test_gpu_queues_are_finalized_at_exit():
+    """Review 2, finding 14: a script that never finalizes has its GPU queues finalized by atexit
+    while the CUDA runtime is still loaded (their watchdogs stop polling); errors are swallowed."""
+    from plait import _gpu
+
+    class _Queue:
+        def __init__(self, error=None):
+            self.finalized, self.error = 0, error
+
+        def finalize(self):
+            self.finalized += 1
+            if self.error:
+                raise plait.PlaitError(self.error)
+
+    class _Comm:
+        pass
+
+    comms = [_Comm() for _ in range(3)]
+    for c, q in zip(comms, (_Queue(), _Queue("peer died"), None)):
+        c._gpu = q
+        _gpu._LIVE.add(c)
+    _gpu._finalize_at_exit()
+    assert [c._gpu.finalized for c in comms[:2]] == [1, 1]
+    for c in comms:
+        _gpu._LIVE.discard(c)

@@ -65,6 +65,7 @@ constexpr bool returns_result(R (*)(A...)) {
 static_assert(arity(&ncclAllReduce) == 7 && arity(&ncclReduceScatter) == 7 &&
                   arity(&ncclAllGather) == 6 && arity(&ncclBroadcast) == 7 &&
                   arity(&ncclReduce) == 8 && arity(&ncclSend) == 6 && arity(&ncclRecv) == 6 &&
+                  arity(&ncclCommFinalize) == 1 && returns_result(&ncclCommFinalize) &&
                   returns_result(&ncclBroadcast) && returns_result(&ncclReduce),
               "collective entry points");
 static_assert(std::is_same<decltype(&ncclBroadcast),

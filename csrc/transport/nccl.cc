@@ -47,6 +47,13 @@ NcclTransport::~NcclTransport() {
 
 std::string NcclTransport::describe() const { return "NCCL " + version_text(api_.version); }
 
+// Non-blocking (blocking = 0), so that every host wait (init, a group settling, finalize) has a
+// deadline and a peer check. Its cost (review 2, finding 8): NCCL launches each call or group
+// end from a thread it starts for it and returns ncclInProgress, which settle() polls: tens of
+// us of host time per NCCL call, paid per step by ring/tree. Correct, and accepted until it is
+// measured on a GPU (tests/gpu/run.sh's hand-off stage: enqueue-only 8-byte calls, world of
+// one); the remedy then is a blocking child communicator (ncclCommSplit, blocking = 1) for the
+// calls, keeping this one for init and relying on the watchdog's ncclCommAbort for deadlines.
 void NcclTransport::connect(const Poll& poll) {
   nccl::Config cfg{sizeof(nccl::Config), nccl::kApiMagic, nccl::kConfigVersion, 0,
                    nccl::kUndefInt,      nccl::kUndefInt, nccl::kUndefInt,      nullptr};
@@ -101,9 +108,15 @@ void NcclTransport::close(const Poll& poll) {
   const std::string what = "finalize";
   what_ = &what;
   poll_ = &poll;
-  const nccl::Result r = settle("finalize");
+  // NCCL's order for a non-blocking communicator: ncclCommFinalize (flushes its work and stops
+  // its proxy, ncclInProgress until done, polled under the finalize deadline), then
+  // ncclCommDestroy, which then only frees. Destroy alone would run the whole teardown blocking,
+  // with no deadline.
+  nccl::Result r = settle("finalize");
+  if (r == nccl::Success) r = api_.CommFinalize(comm_);
+  if (r == nccl::InProgress) r = settle("ncclCommFinalize");
   what_ = nullptr, poll_ = nullptr;
-  if (r != nccl::Success) check(r, "finalize");
+  if (r != nccl::Success) check(r, "ncclCommFinalize");
   nccl::Comm c = comm_;
   comm_ = nullptr;
   api_.CommDestroy(c);

@@ -20,7 +20,9 @@ error through NCCL's errors and the call's deadline). The CUDA IPC transport rea
 only, so it is refused there.
 """
 
+import atexit
 import os
+import weakref
 import zlib
 
 import numpy as np
@@ -321,7 +323,26 @@ def _communicator(comm, device, timeout, head):
     if not hier:
         _C.gpu_attach(comm._c, g)  # the communicator enqueues its GPU calls there
     comm._gpu = g
+    _LIVE.add(comm)
     return g
+
+
+_LIVE = weakref.WeakSet()  # communicators that have a GPU queue
+
+
+@atexit.register
+def _finalize_at_exit():
+    """A script that ends with GPU calls in flight and no finalize(): finalize its queues while
+    the CUDA runtime is still loaded, so their watchdogs stop polling events before it unloads
+    (cudaErrorCudartUnloading would read as a GPU failure and abort every rank; review 2,
+    finding 14). A queue that already failed returns at once; errors are of no use here."""
+    for comm in list(_LIVE):
+        g = getattr(comm, "_gpu", None)
+        if g is not None:
+            try:
+                g.finalize()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
 
 
 def _chunk_bytes(comm, head):

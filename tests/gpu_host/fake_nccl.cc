@@ -52,7 +52,7 @@ struct ncclComm {
   fake::World* w = nullptr;
   int rank = 0;
   bool blocking = true;
-  std::atomic<bool> aborted{false}, inprogress{false};
+  std::atomic<bool> aborted{false}, inprogress{false}, finalized{false};
   std::atomic<int> async{n::Success};
   std::string last;
 };
@@ -233,7 +233,15 @@ n::Result CommInitRankConfig(n::Comm* out, int size, n::UniqueId id, int rank, n
   return w->joined >= size ? n::Success : n::Timeout;
 }
 
+n::Result CommFinalize(n::Comm c) {
+  ++nccl_stats().finalizes;
+  c->finalized = true;
+  return issued(c);
+}
+
 n::Result CommDestroy(n::Comm c) {
+  // Before ncclCommFinalize the whole teardown would run here, blocking, with no deadline.
+  if (!c->finalized) ++nccl_stats().unfinalized_destroys;
   ++nccl_stats().destroys;
   c->aborted = true;
   return n::Success;
@@ -388,13 +396,11 @@ n::Result GroupEnd() {
 }  // namespace
 
 const plait::NcclApi& nccl_api() {
-  static const plait::NcclApi api = {GetVersion,     GetUniqueId,  CommInitRankConfig,
-                                     CommDestroy,    CommAbort,    CommGetAsyncError,
-                                     GetErrorString, GetLastError, AllReduce,
-                                     ReduceScatter,  AllGather,    Broadcast,
-                                     Reduce,         Send,         Recv,
-                                     GroupStart,     GroupEnd,     23206,
-                                     "fake"};
+  static const plait::NcclApi api = {
+      GetVersion,    GetUniqueId,       CommInitRankConfig, CommFinalize, CommDestroy,
+      CommAbort,     CommGetAsyncError, GetErrorString,     GetLastError, AllReduce,
+      ReduceScatter, AllGather,         Broadcast,          Reduce,       Send,
+      Recv,          GroupStart,        GroupEnd,           23206,        "fake"};
   return api;
 }
 
@@ -415,8 +421,8 @@ NcclStats& nccl_stats() {
 
 void nccl_reset_stats() {
   NcclStats& s = nccl_stats();
-  for (auto* a : {&s.inits, &s.aborts, &s.lost_aborts, &s.destroys, &s.ptds_launches, &s.groups,
-                  &s.sends, &s.recvs})
+  for (auto* a : {&s.inits, &s.aborts, &s.lost_aborts, &s.finalizes, &s.unfinalized_destroys,
+                  &s.destroys, &s.ptds_launches, &s.groups, &s.sends, &s.recvs})
     *a = 0;
 }
 

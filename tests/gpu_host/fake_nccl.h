@@ -19,7 +19,8 @@ const plait::NcclApi& nccl_api();
 plait::nccl::UniqueId nccl_world(int n);  // a new world of n ranks
 
 struct NcclStats {
-  std::atomic<int> inits{0}, aborts{0}, lost_aborts{0}, destroys{0}, ptds_launches{0};
+  std::atomic<int> inits{0}, aborts{0}, lost_aborts{0}, finalizes{0}, destroys{0}, ptds_launches{0};
+  std::atomic<int> unfinalized_destroys{0};
   std::atomic<int> groups{0}, sends{0}, recvs{0};
 };
 NcclStats& nccl_stats();

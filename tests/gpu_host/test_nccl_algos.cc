@@ -94,6 +94,8 @@ void test_nccl_algorithms() {
     });
     for (int rank = 0; rank < n; ++rank) EXPECT(errors[size_t(rank)].empty(), errors[size_t(rank)]);
     EXPECT(fake::nccl_stats().destroys == n, "finalize destroys every communicator");
+    EXPECT(fake::nccl_stats().finalizes == n && fake::nccl_stats().unfinalized_destroys == 0,
+           "ncclCommFinalize before ncclCommDestroy (review 2, finding 9)");
     EXPECT(fake::nccl_stats().aborts == 0 && fake::hangs() == 0, "no abort, no hang");
   }
 }
