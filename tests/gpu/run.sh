@@ -131,6 +131,7 @@ else
   B=($PY -m plait.bench --device cuda -c allreduce -b 8 -e 64M -f 32 --trials 2 -w 1 --time 0.3 -a all)
   stage bench_ipc 60 env PLAIT_GPU_TRANSPORT=ipc "${B[@]}" -n 2 --json "$OUT/bench_ipc.json"
   stage bench_nccl 40 "${B[@]}" -n "$(( ndev >= 2 ? (ndev < 4 ? ndev : 4) : 1 ))" -e 1M --json "$OUT/bench_nccl.json"
+  stage bench_vs_nccl 45 $PY -m plait.run -n "$(( ndev >= 2 ? (ndev < 4 ? ndev : 4) : 1 ))" bench/gpu_vs_nccl.py 8,65536,67108864 2
   stage t_cpu 60 "${PT[@]}" "${PAR[@]}" tests/test_cuda_cpu.py tests/test_gpu_host.py
   if (( $(left) >= 40 )) && command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d 2>/dev/null; then
     stage mps_handoff 40 bash -c "$PY -m plait.run -n 2 $G/handoff.py ipc 200; $PY -m plait.run -n 4 $G/handoff.py ipc 100"
@@ -161,6 +162,7 @@ for b in ipc nccl; do
   awk -v t="$b" '$1=="allreduce" { a=$3; if ($2==8) lat[a]=$4; if ($2==67108864) bw[a]=$6; w[a]+=$7; seen[a]=1 }
     END { for (a in seen) printf "%-6s %-9s %12s %14s %7d\n", t, a, (a in lat ? lat[a] : "-"), (a in bw ? bw[a] : "-"), w[a] }' "$f" | sort -k2
 done
+grep -hE "^[# ]" "$LOGS/bench_vs_nccl.log" 2>/dev/null | tail -6  # plait vs torch's NCCL, side by side
 echo "failed tests: $(wc -l <"$OUT/rerun.txt") (\$OUT/rerun.txt; RERUN=1 tests/gpu/run.sh reruns them)"
 echo "status: $status"
 } | tee "$OUT/summary.txt"
