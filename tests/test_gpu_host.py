@@ -132,6 +132,13 @@ def test_review_finding(exe, case):
     run(exe, case)
 
 
+def test_reduction_element_functions_match_the_cpu_bitwise(exe):
+    """reduce_cuda.cu's arithmetic per element (reduce/reduce_elem.h, __host__ __device__) against
+    the CPU kernels, bitwise: f16/bf16/f32/f64/int8/uint8/int32/int64 x sum/prod/min/max and bool
+    or/and over every pair of edge values (NaN, inf, signed zeros, limits, wrap-around)."""
+    run(exe, "element_functions_match_the_cpu")
+
+
 def test_ipc_protocol_over_threads(exe):
     """Mixed one_shot/two_shot/ring sequences of allreduce, reduce_scatter and allgather, worlds of
     1..4, random counts over 4 KiB staging, in place and out, random delays in every kernel."""

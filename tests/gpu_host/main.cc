@@ -13,6 +13,7 @@ void test_per_thread_stream_is_relayed();
 void test_abort_meeting_the_call_lock_is_not_lost();
 void test_ipc_protocol();
 void test_ipc_peer_stops();
+void test_element_functions_match_the_cpu();
 }  // namespace host
 
 int main(int argc, char** argv) {
@@ -30,6 +31,7 @@ int main(int argc, char** argv) {
        host::test_abort_meeting_the_call_lock_is_not_lost},
       {"ipc_protocol", host::test_ipc_protocol},
       {"ipc_peer_stops", host::test_ipc_peer_stops},
+      {"element_functions_match_the_cpu", host::test_element_functions_match_the_cpu},
   };
   int ran = 0;
   for (const Test& t : tests) {
