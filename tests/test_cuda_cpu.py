@@ -700,6 +700,10 @@ def _gpu_path(rank, n, store, case):
         "alltoall_in_place": lambda: comm.alltoall(x, out=x),
         "ipc_broadcast": lambda: comm.broadcast(x, 0),
         "unknown_algorithm": lambda: comm.allreduce(x, out=y, algorithm="ring" if rank else "nope"),
+        # review 2, finding 6: a misaligned device view would fault the kernel (a sticky error)
+        "misaligned": lambda: comm.allreduce(
+            FakeCuda((4 * n,), ptr=(1 << 20) + 2 * (rank == 1), stream=7), out=y
+        ),
     }
     try:
         calls[case]()
@@ -717,6 +721,7 @@ def _gpu_path(rank, n, store, case):
         ("alltoall_in_place", "alltoall cannot run in place on a GPU"),
         ("ipc_broadcast", "no path over the CUDA IPC transport"),
         ("unknown_algorithm", "has no algorithm 'nope' (choose auto, nccl, ring, tree) over NCCL"),
+        ("misaligned", "input at address 0x100002 is not aligned to its 4-byte float32 elements"),
     ],
 )
 def test_gpu_call_path_refuses_bad_calls_on_every_rank(case, pattern):
@@ -889,7 +894,10 @@ def test_watchdog_reports_a_failed_gpu_event():
     p.set(end, -1)
     _until(p.fired)
     (msg,) = p.aborts()
-    assert msg.startswith("generic: reduce_scatter (ring, int32, count 9): the GPU reported an error"), msg
+    assert msg.startswith(
+        "generic: reduce_scatter (ring, int32, count 9): the GPU reported an error for this call's "
+        "work (cudaErrorLaunchFailure;"
+    ), msg  # review 2, finding 13: the CUDA error is named
 
 
 def test_watchdog_is_idle_without_calls():
@@ -1033,9 +1041,9 @@ def test_torch_work_of_a_failed_cuda_call_raises(monkeypatch):
         work.get_future().wait()
 
 
-def test_synchronous_torch_calls_record_their_tensors_on_the_stream(monkeypatch):
-    """P7: a synchronous GPU call keeps no reference, so torch's caching allocator is told that
-    the tensors are in use on the call's stream (never for the default stream or cupy arrays)."""
+def test_torch_calls_record_their_tensors_on_the_stream(monkeypatch):
+    """P7, review 2 finding 7: a GPU call tells torch's caching allocator that its tensors are in
+    use on the call's stream, the default stream included (never for cupy arrays)."""
     torch = pytest.importorskip("torch")
     from plait import _gpu
 
@@ -1052,10 +1060,78 @@ def test_synchronous_torch_calls_record_their_tensors_on_the_stream(monkeypatch)
     t, c = _Owner(), _Owner()
     torch_arr = _arrays.GpuArray(1 << 20, 64, 4, 1, "float32", 77, t, "torch")
     cupy_arr = _arrays.GpuArray(2 << 20, 64, 4, 1, "float32", 77, c, "cupy")
-    _gpu._record_streams(77, torch_arr, None, cupy_arr)
+    _gpu._record_streams(torch_arr, None, cupy_arr)
     assert t.recorded == ["stream of GPU 1"] and c.recorded == []
-    _gpu._record_streams(0, torch_arr)
-    assert t.recorded == ["stream of GPU 1"], "the default stream needs no record"
+    default = _arrays.GpuArray(1 << 20, 64, 4, 0, "float32", 0, t, "torch")
+    _gpu._record_streams(default)
+    assert t.recorded == ["stream of GPU 1", "stream of GPU 0"], "the default stream too"
+
+
+def _recorded_streams(rank, n, store):
+    p, comm, fake = _fake_gpu(rank, n, store)
+    seen = []
+    p._arrays.GpuArray.record_stream = lambda self: seen.append((self.ptr, self.stream))
+    x, y = FakeCuda(ptr=1 << 20, stream=0), FakeCuda(ptr=2 << 20, stream=0)
+    comm.allreduce(x, out=y)  # the default stream
+    h = comm.allreduce(x, out=FakeCuda(ptr=3 << 20, stream=9), async_op=True)
+    comm.barrier()
+    return seen, fake.records(), type(h).__name__
+
+
+@needs_gpu_rows
+def test_sync_async_and_default_stream_calls_record_their_arrays():
+    """Review 2, finding 7: an async call's arrays are recorded too (a handle dropped after
+    block() keeps nothing alive), and so are a default-stream call's."""
+    (seen, records, handle), _ = run_ranks(_recorded_streams, 2, RUN_TIMEOUT)
+    assert seen == [(1 << 20, 0), (2 << 20, 0), (1 << 20, 0), (3 << 20, 9)], seen
+    assert [r[0] for r in records] == ["allreduce", "allreduce"] and handle == "GpuHandle"
+
+
+def _queue_fails_on_one_rank(rank, n, store, case):
+    """Every rank creates the NCCL queue, which waits in ncclCommInitRankConfig for all of them
+    (here: a barrier standing for it); rank 1 fails before it joins."""
+    import time
+
+    import plait as p
+    from plait import _gpu
+
+    comm = p.init(rank, n, store=store, timeout=60)
+    p._C.nccl_unique_id = lambda path: bytes(range(128))
+    p._cuda.nccl_path = lambda: "libnccl.so.2"
+
+    def queue(cpu, uid, device, t, chunk, algo, path, **kw):
+        if rank == 1 and case == "queue":
+            raise p.PlaitError("rank 1: cudaMalloc of 8388608 bytes of scratch: out of memory")
+        comm.barrier(timeout=30)  # init is a collective of every rank
+        return "queue"
+
+    p._C.nccl_queue = queue
+    if rank == 1 and case == "chunk":
+        os.environ["PLAIT_GPU_CHUNK_BYTES"] = "4M"
+    t0 = time.monotonic()
+    try:
+        _gpu._nccl_queue(comm, 0, 30.0, f"rank {rank}: allreduce (torch float32 x 4 on GPU 0)")
+    except p.PlaitError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return None, "no error", time.monotonic() - t0
+
+
+@pytest.mark.parametrize(
+    "case,pattern",
+    [
+        ("queue", "creating the NCCL communicator: rank 1: cudaMalloc"),
+        ("chunk", "PLAIT_GPU_CHUNK_BYTES='4M'"),
+    ],
+)
+def test_a_gpu_queue_that_fails_on_one_rank_fails_on_every_rank_at_once(case, pattern):
+    """Review 2, finding 5: peers waiting in NCCL's init learn of the failure at once, instead of
+    waiting out their whole deadline and calling it a timeout."""
+    results = run_ranks(_queue_fails_on_one_rank, 2, RUN_TIMEOUT, args=(case,))
+    for rank, (cls, msg, took) in enumerate(results):
+        # rank 1 raises its own error; rank 0 that error, or the abort that carries it
+        allowed = ("InvalidArgument",) if rank == 1 else ("InvalidArgument", "PlaitError")
+        assert cls in allowed and pattern in msg, (rank, cls, msg)
+        assert took < 15, f"rank {rank} waited {took:.1f} s"
 
 
 def test_gpu_handle_block_makes_the_stream_wait():
@@ -1075,3 +1151,30 @@ def test_gpu_handle_block_makes_the_stream_wait():
     h = _gpu.GpuHandle(ev, ("x", "out"), "result", 3)
     h.block(0xABC)
     assert ev.blocked == [0xABC] and h.device == 3
+
+
+def test_gpu_queues_are_finalized_at_exit():
+    """Review 2, finding 14: a script that never finalizes has its GPU queues finalized by atexit
+    while the CUDA runtime is still loaded (their watchdogs stop polling); errors are swallowed."""
+    from plait import _gpu
+
+    class _Queue:
+        def __init__(self, error=None):
+            self.finalized, self.error = 0, error
+
+        def finalize(self):
+            self.finalized += 1
+            if self.error:
+                raise plait.PlaitError(self.error)
+
+    class _Comm:
+        pass
+
+    comms = [_Comm() for _ in range(3)]
+    for c, q in zip(comms, (_Queue(), _Queue("peer died"), None)):
+        c._gpu = q
+        _gpu._LIVE.add(c)
+    _gpu._finalize_at_exit()
+    assert [c._gpu.finalized for c in comms[:2]] == [1, 1]
+    for c in comms:
+        _gpu._LIVE.discard(c)

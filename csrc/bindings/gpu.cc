@@ -75,9 +75,11 @@ class WatchdogProbe {
       return reinterpret_cast<Watchdog::Event>(uintptr_t(state_.size()));
     };
     h.destroy = [](Watchdog::Event) {};
-    h.query = [this](Watchdog::Event e) {
+    h.query = [this](Watchdog::Event e, std::string* why) {
       std::lock_guard<std::mutex> lock(mu_);
-      return state_[id(e) - 1];
+      const int st = state_[id(e) - 1];
+      if (st < 0) *why = "cudaErrorLaunchFailure";
+      return st;
     };
     h.poll = [this](ErrorKind* k) {
       {
@@ -305,6 +307,10 @@ void bind_gpu(py::module_& m) {
            }),
            py::arg("cpu"), py::arg("device") = 0, py::arg("transport") = "nccl",
            py::arg("timeout") = 300.0, py::arg("algo_override") = "", py::keep_alive<1, 2>())
+      .def(
+          "record", [](FakeDeviceQueue&, uintptr_t, double) { return py::none(); },
+          py::arg("stream"), py::arg("timeout"),
+          "No event: the recording queue enqueues nothing (an async call's handle holds None).")
       .def("records", [](FakeDeviceQueue& q) {
         py::list out;
         for (const auto& r : q.records())

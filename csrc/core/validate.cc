@@ -1,4 +1,5 @@
 // The one validator: every call, host or GPU, is checked here before anything is selected or run.
+#include <cstdint>
 #include <memory>
 #include <sstream>
 
@@ -50,6 +51,13 @@ std::string validate_call(Coll c, const Buffer& in, const Buffer& out, RedOp op,
             << dtype_name(a.dtype);
     if (b.bytes % es)
       bad() << name << " has " << b.bytes << " bytes, not a whole number of elements";
+    // A GPU kernel reading a misaligned T* faults with a sticky error that kills the process's
+    // CUDA context (torch's too), so such views (a cupy MemoryPointer at an odd offset, a
+    // __cuda_array_interface__ object) are refused here, before any launch. Host kernels cope.
+    if (b.device == Device::cuda && reinterpret_cast<uintptr_t>(b.ptr) % es)
+      bad() << name << " at address 0x" << std::hex << reinterpret_cast<uintptr_t>(b.ptr)
+            << std::dec << " is not aligned to its " << es << "-byte " << dtype_name(b.dtype)
+            << " elements (pass an aligned view)";
   };
   auto overlap = [](const Buffer& x, const Buffer& y) {
     auto xs = static_cast<const char*>(x.ptr), ys = static_cast<const char*>(y.ptr);

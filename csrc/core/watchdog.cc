@@ -88,6 +88,7 @@ void Watchdog::fire(ErrorKind kind, const std::string& msg, std::unique_lock<std
 }
 
 void Watchdog::loop() {
+  if (h_.on_thread_start) h_.on_thread_start();
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     cv_.wait(lock, [&] { return stop_ || (!fired_ && (!calls_.empty() || !polled_after_drain_)); });
@@ -96,13 +97,14 @@ void Watchdog::loop() {
     // the only one that can be running.
     while (!calls_.empty()) {
       Call& c = calls_.front();
-      const int st = h_.query(c.end);
+      std::string err;
+      const int st = h_.query(c.end, &err);
       if (st == 0) break;
       if (st < 0 && !fired_) {
         fire(ErrorKind::generic,
-             c.what +
-                 ": the GPU reported an error for this call's work (a kernel failed; "
-                 "the next CUDA call in this process says which)",
+             c.what + ": the GPU reported an error for this call's work (" +
+                 (err.empty() ? std::string("a kernel failed") : err) +
+                 "; the next CUDA call in this process says more)",
              lock);
         break;
       }
@@ -115,7 +117,8 @@ void Watchdog::loop() {
     const double now = watchdog_now_s();
     if (!calls_.empty()) {
       Call& c = calls_.front();
-      if (c.started < 0 && h_.query(c.start) != 0) c.started = now;
+      std::string err;
+      if (c.started < 0 && h_.query(c.start, &err) != 0) c.started = now;
       if (c.started >= 0 && now - c.started > c.timeout_s) {
         kind = ErrorKind::timeout;
         char secs[32];

@@ -63,7 +63,11 @@ class Watchdog {
   struct Hooks {
     std::function<Event()> create;  // a new event (never null)
     std::function<void(Event)> destroy;
-    std::function<int(Event)> query;  // 1 done, 0 not yet, -1 failed (the GPU error is in poll)
+    // 1 done, 0 not yet, -1 failed: then *why names the error (cudaGetErrorName).
+    std::function<int(Event, std::string* why)> query;
+    // Run once on the watchdog's thread before it queries anything (CUDA: the thread's capture
+    // mode, so that its queries never touch another thread's CUDA-graph capture). May be empty.
+    std::function<void()> on_thread_start;
     // Why pending work cannot finish ("" while all is well); sets *kind. Polled while work is in
     // flight and once after it drained (an IPC error word is read after the kernel ran).
     std::function<std::string(ErrorKind*)> poll;

@@ -28,6 +28,29 @@ static_assert(n::kApiMagic == NCCL_API_MAGIC && n::kUndefInt == NCCL_CONFIG_UNDE
 static_assert(offsetof(n::Config, blocking) == offsetof(ncclConfig_t, blocking) &&
                   offsetof(n::Config, netName) == offsetof(ncclConfig_t, netName),
               "ncclConfig_t prefix layout");
+// Every value, every field of the 2.14 prefix, and its end: NCCL reads `size` bytes of the
+// config, so plait's struct must stop exactly where 2.14's did (at splitShare).
+static_assert(int(n::Success) == int(ncclSuccess) &&
+                  int(n::UnhandledCudaError) == int(ncclUnhandledCudaError) &&
+                  int(n::SystemError) == int(ncclSystemError) &&
+                  int(n::InternalError) == int(ncclInternalError) &&
+                  int(n::InvalidArgument) == int(ncclInvalidArgument),
+              "ncclResult_t values (the rest)");
+static_assert(int(n::Uint32) == int(ncclUint32) && int(n::Uint64) == int(ncclUint64),
+              "ncclDataType_t unsigned values");
+static_assert(sizeof(n::Config) == offsetof(ncclConfig_t, splitShare), "the 2.14 config's end");
+static_assert(offsetof(n::Config, size) == offsetof(ncclConfig_t, size) &&
+                  offsetof(n::Config, magic) == offsetof(ncclConfig_t, magic) &&
+                  offsetof(n::Config, version) == offsetof(ncclConfig_t, version) &&
+                  offsetof(n::Config, cgaClusterSize) == offsetof(ncclConfig_t, cgaClusterSize) &&
+                  offsetof(n::Config, minCTAs) == offsetof(ncclConfig_t, minCTAs) &&
+                  offsetof(n::Config, maxCTAs) == offsetof(ncclConfig_t, maxCTAs),
+              "ncclConfig_t field offsets");
+static_assert(n::kConfigVersion == NCCL_VERSION(2, 14, 0), "the config version plait states");
+static_assert(sizeof(n::Result) == sizeof(ncclResult_t) &&
+                  sizeof(n::DataType) == sizeof(ncclDataType_t) &&
+                  sizeof(n::RedOp) == sizeof(ncclRedOp_t),
+              "enums travel as int");
 
 // The entry points nccl_loader.h declares: same result and parameter count as nccl.h (the handle
 // type is plait's own incomplete struct, so the signatures cannot be compared whole).
@@ -42,6 +65,7 @@ constexpr bool returns_result(R (*)(A...)) {
 static_assert(arity(&ncclAllReduce) == 7 && arity(&ncclReduceScatter) == 7 &&
                   arity(&ncclAllGather) == 6 && arity(&ncclBroadcast) == 7 &&
                   arity(&ncclReduce) == 8 && arity(&ncclSend) == 6 && arity(&ncclRecv) == 6 &&
+                  arity(&ncclCommFinalize) == 1 && returns_result(&ncclCommFinalize) &&
                   returns_result(&ncclBroadcast) && returns_result(&ncclReduce),
               "collective entry points");
 static_assert(std::is_same<decltype(&ncclBroadcast),

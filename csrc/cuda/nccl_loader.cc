@@ -38,6 +38,7 @@ const NcclApi& nccl_load(const std::string& path) {
   resolve(lib, "ncclGetVersion", &api->GetVersion, name);
   resolve(lib, "ncclGetUniqueId", &api->GetUniqueId, name);
   resolve(lib, "ncclCommInitRankConfig", &api->CommInitRankConfig, name);
+  resolve(lib, "ncclCommFinalize", &api->CommFinalize, name);
   resolve(lib, "ncclCommDestroy", &api->CommDestroy, name);
   resolve(lib, "ncclCommAbort", &api->CommAbort, name);
   resolve(lib, "ncclCommGetAsyncError", &api->CommGetAsyncError, name);

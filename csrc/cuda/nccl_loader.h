@@ -12,6 +12,7 @@ struct NcclApi {
   nccl::Result (*GetVersion)(int*);
   nccl::Result (*GetUniqueId)(nccl::UniqueId*);
   nccl::Result (*CommInitRankConfig)(nccl::Comm*, int, nccl::UniqueId, int, nccl::Config*);
+  nccl::Result (*CommFinalize)(nccl::Comm);  // 2.14+: flushes a non-blocking communicator
   nccl::Result (*CommDestroy)(nccl::Comm);
   nccl::Result (*CommAbort)(nccl::Comm);
   nccl::Result (*CommGetAsyncError)(nccl::Comm, nccl::Result*);

@@ -60,7 +60,25 @@ void refuse_capture(cudaStream_t stream, const std::string& who, Coll c) {
       who + ": " + coll_name(c) + ": the stream is being captured into a CUDA graph (" +
       (e != cudaSuccess ? cudaGetErrorString(e) : "cudaStreamIsCapturing") +
       "): plait's GPU collectives cannot be captured (torch.cuda.graph, torch.compile "
-      "mode=\"reduce-overhead\"); issue them outside the capture");
+      "mode=\"reduce-overhead\")); the GPU communicator is aborted on every rank (the ranks "
+      "may not all capture alike, so the call cannot simply be skipped): create a new "
+      "communicator and issue its calls outside the capture");
+}
+
+bool is_capture_error(cudaError_t e) {
+  switch (e) {
+    case cudaErrorStreamCaptureUnsupported:
+    case cudaErrorStreamCaptureInvalidated:
+    case cudaErrorStreamCaptureMerge:
+    case cudaErrorStreamCaptureUnmatched:
+    case cudaErrorStreamCaptureUnjoined:
+    case cudaErrorStreamCaptureIsolation:
+    case cudaErrorStreamCaptureImplicit:
+    case cudaErrorStreamCaptureWrongThread:
+      return true;
+    default:
+      return false;
+  }
 }
 
 Watchdog::Hooks cuda_event_hooks(int device) {
@@ -75,10 +93,23 @@ Watchdog::Hooks cuda_event_hooks(int device) {
     DeviceGuard g(device);
     cudaEventDestroy(static_cast<cudaEvent_t>(e));
   };
-  h.query = [device](Watchdog::Event e) {
+  h.query = [device](Watchdog::Event e, std::string* why) {
     DeviceGuard g(device);
     const cudaError_t r = cudaEventQuery(static_cast<cudaEvent_t>(e));
-    return r == cudaSuccess ? 1 : r == cudaErrorNotReady ? 0 : -1;
+    if (r == cudaSuccess) return 1;
+    if (r == cudaErrorNotReady) return 0;
+    cudaGetLastError();  // not this thread's to report to torch or cupy
+    // Another thread's capture (torch.cuda.graph) refused the query: not a GPU failure, ask later.
+    if (is_capture_error(r)) return 0;
+    *why = cudaGetErrorName(r);
+    return -1;
+  };
+  h.on_thread_start = [] {
+    // The watchdog polls events while other threads may capture CUDA graphs in the default global
+    // mode, which forbids cudaEventQuery from any thread and invalidates the capture; a thread in
+    // ThreadLocal mode is outside that rule (torch's NCCL watchdog does the same).
+    cudaStreamCaptureMode m = cudaStreamCaptureModeThreadLocal;
+    cudaThreadExchangeStreamCaptureMode(&m);
   };
   return h;
 }
@@ -135,6 +166,8 @@ StreamQueue::~StreamQueue() {
     cudaEventSynchronize(last_);
     cudaEventDestroy(last_);
   }
+  if (relay_) cudaStreamDestroy(relay_);
+  if (handoff_) cudaEventDestroy(handoff_);
   tp_.reset();  // frees with this GPU current, before the guard restores the caller's
 }
 
@@ -144,7 +177,7 @@ std::string StreamQueue::who() const {
 }
 
 void StreamQueue::open(const std::vector<std::string>& handles) {
-  std::lock_guard<std::mutex> lock(call_mu_);
+  CallLock lock(this);
   DeviceGuard g(device_);
   tp_->open(handles);
 }
@@ -161,6 +194,7 @@ void StreamQueue::throw_if_failed() {
 
 void StreamQueue::throw_if_failed_locked() {
   if (!failed_) return;
+  abort_pending_ = false;
   tp_->abort();  // the thread that recorded the error could not: this one held the transport
   throw_first();
 }
@@ -186,23 +220,47 @@ void StreamQueue::fail_locked(ErrorKind kind, const std::string& msg) {
 }
 
 void StreamQueue::fail(ErrorKind kind, const std::string& msg) {
-  std::lock_guard<std::mutex> lock(call_mu_);
+  CallLock lock(this);
   DeviceGuard g(device_);
   fail_locked(kind, msg);
 }
 
 void StreamQueue::abort_async(ErrorKind kind, const std::string& msg) {
   record(kind, msg);
-  // Only when no thread is inside a transport call; else that thread ends it at its next poll.
-  std::unique_lock<std::mutex> lock(call_mu_, std::try_to_lock);
-  if (lock.owns_lock()) tp_->abort();
+  // Only when no thread is inside a transport call; else the thread that holds it ends it when it
+  // lets go (CallLock), even if it never issues another call.
+  abort_pending_ = true;
+  CallLock lock(this, /*try_only=*/true);
+}
+
+StreamQueue::CallLock::CallLock(StreamQueue* q, bool try_only) : q_(q) {
+  owns_ = try_only ? q_->call_mu_.try_lock() : (q_->call_mu_.lock(), true);
+}
+
+StreamQueue::CallLock::~CallLock() {
+  if (!owns_) return;
+  q_->call_mu_.unlock();
+  q_->run_pending_abort();
+}
+
+void StreamQueue::run_pending_abort() {
+  // Whoever held call_mu_ when abort_async asked sees abort_pending_ after letting go (the flag is
+  // set before abort_async's try_lock); if another thread took the lock since, its release does it.
+  while (abort_pending_) {
+    std::unique_lock<std::mutex> lock(call_mu_, std::try_to_lock);
+    if (!lock.owns_lock()) return;
+    if (abort_pending_.exchange(false)) {
+      DeviceGuard g(device_);
+      tp_->abort();
+    }
+  }
 }
 
 std::string StreamQueue::watch_poll(ErrorKind* kind) {
   std::string why = peers_.why_stuck(kind);
   if (!why.empty()) return why;
-  std::unique_lock<std::mutex> lock(call_mu_, std::try_to_lock);
-  if (!lock.owns_lock()) return "";  // an issuing thread polls the transport itself
+  CallLock lock(this, /*try_only=*/true);
+  if (!lock.owns()) return "";  // an issuing thread polls the transport itself
   return tp_->async_error(kind);
 }
 
@@ -230,7 +288,7 @@ void StreamQueue::poll_once(const std::string& what) {
 
 void StreamQueue::enqueue(const Algorithm& alg, const CallArgs& a, uintptr_t stream_id) {
   const auto stream = reinterpret_cast<cudaStream_t>(stream_id);
-  std::lock_guard<std::mutex> lock(call_mu_);
+  CallLock lock(this);
   DeviceGuard g(device_);
   throw_if_failed_locked();
   {
@@ -253,19 +311,39 @@ void StreamQueue::enqueue(const Algorithm& alg, const CallArgs& a, uintptr_t str
   deadline_ = gpu_now_s() + a.timeout_s;  // 0 is a deadline that has passed
   try {
     Watchdog::Event start = wd_->acquire(), end = wd_->acquire();
+    const cudaStream_t s = relay_for(stream);
     // Calls on different streams still run in issue order: transports require it, and they
     // share scratch and staging.
-    cuda_ok(cudaStreamWaitEvent(stream, last_, 0), who() + ": cudaStreamWaitEvent");
-    cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(start), stream), who() + ": cudaEventRecord");
-    run(alg, a, what, stream);
-    cuda_ok(cudaEventRecord(last_, stream), who() + ": cudaEventRecord");
-    cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(end), stream), who() + ": cudaEventRecord");
+    cuda_ok(cudaStreamWaitEvent(s, last_, 0), who() + ": cudaStreamWaitEvent");
+    cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(start), s), who() + ": cudaEventRecord");
+    run(alg, a, what, s);
+    cuda_ok(cudaEventRecord(last_, s), who() + ": cudaEventRecord");
+    cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(end), s), who() + ": cudaEventRecord");
+    if (s != stream)  // the caller's per-thread stream goes on once the relayed call ran
+      cuda_ok(cudaStreamWaitEvent(stream, last_, 0), who() + ": cudaStreamWaitEvent");
     wd_->track(start, end, a.timeout_s, what);
     throw_if_failed_locked();  // the watchdog fired while this thread held the transport
   } catch (const PlaitError& e) {
     if (!failed_) fail_locked(e.kind(), e.what());
     throw;
   }
+}
+
+cudaStream_t StreamQueue::relay_for(cudaStream_t s) {
+  // A non-blocking NCCL communicator launches from its own group-job thread, where the handle
+  // cudaStreamPerThread means that thread's stream: the kernel would be ordered with neither the
+  // caller's work nor plait's events. Such calls go on a stream of the queue's own, after the
+  // caller's stream up to the call, and the caller's stream waits for them.
+  if (s != cudaStreamPerThread || !tp_->launches_elsewhere()) return s;
+  if (!relay_) {
+    cuda_ok(cudaStreamCreateWithFlags(&relay_, cudaStreamNonBlocking),
+            who() + ": cudaStreamCreate");
+    cuda_ok(cudaEventCreateWithFlags(&handoff_, cudaEventDisableTiming),
+            who() + ": cudaEventCreate");
+  }
+  cuda_ok(cudaEventRecord(handoff_, s), who() + ": cudaEventRecord");
+  cuda_ok(cudaStreamWaitEvent(relay_, handoff_, 0), who() + ": cudaStreamWaitEvent");
+  return relay_;
 }
 
 void StreamQueue::run(const Algorithm& alg, const CallArgs& a, const std::string& what,
@@ -306,7 +384,7 @@ void StreamQueue::run(const Algorithm& alg, const CallArgs& a, const std::string
 }
 
 void StreamQueue::finalize() {
-  std::lock_guard<std::mutex> lock(call_mu_);
+  CallLock lock(this);
   if (failed_ || finalized_) return;
   DeviceGuard g(device_);
   {
@@ -367,11 +445,12 @@ void StreamQueue::poll_pending(double deadline) {
 
 void StreamQueue::check_done() {
   if (failed_) throw_first();  // e.g. a kernel that gave up on the host's abort
-  std::unique_lock<std::mutex> lock(call_mu_, std::try_to_lock);
-  if (!lock.owns_lock()) return;  // the issuing thread checks before its next call
+  CallLock lock(this, /*try_only=*/true);
+  if (!lock.owns()) return;  // the issuing thread checks before its next call
   ErrorKind k = ErrorKind::generic;
   const std::string e = tp_->async_error(&k);
-  if (e.empty()) return;
+  // The watchdog may have recorded an error meanwhile and left the abort to this thread.
+  if (e.empty()) return throw_if_failed_locked();
   const std::string msg = who() + ": " + e + "; communicator aborted";
   record(k, msg);
   tp_->abort();

@@ -55,6 +55,8 @@ class GpuEvent {
 // Throws InvalidArgument when `stream` is being captured into a CUDA graph: the calls' epochs,
 // deadlines and events would be baked into the graph and replay wrong.
 void refuse_capture(cudaStream_t stream, const std::string& who, Coll c);
+// cudaErrorStreamCapture*: another thread's capture refused a call; not a failure of the GPU.
+bool is_capture_error(cudaError_t e);
 // The watchdog hooks for CUDA events on `device`.
 Watchdog::Hooks cuda_event_hooks(int device);
 double gpu_now_s();
@@ -103,12 +105,31 @@ class StreamQueue final : public DeviceQueue, public GpuWork {
   std::string watch_poll(ErrorKind* kind);  // the watchdog's poll hook
   std::string who() const;                  // "rank 0 (GPU 1, NCCL 2.27.3)"
   [[noreturn]] void throw_first();
+  // call_mu_ as every holder takes it: on release, an abort that another thread asked for while
+  // the lock was held (abort_async's try_lock failed) is carried out, so it is never lost.
+  class CallLock {
+   public:
+    explicit CallLock(StreamQueue* q, bool try_only = false);
+    ~CallLock();
+    bool owns() const { return owns_; }
+
+   private:
+    StreamQueue* q_;
+    bool owns_;
+  };
+  void run_pending_abort();  // after releasing call_mu_
+  // The stream the transport enqueues a call on: the caller's, or the relay when the transport
+  // launches from another thread and the caller's is the per-thread default stream.
+  cudaStream_t relay_for(cudaStream_t s);
 
   std::unique_ptr<DeviceTransport> tp_;
   GpuPeers peers_;
   cudaEvent_t last_ = nullptr;  // the last call's end: the next call's stream waits for it
   std::mutex call_mu_;          // the issuing thread; the transport is used only under it
-  mutable std::mutex err_mu_;   // first_error_, cur_
+  std::atomic<bool> abort_pending_{false};  // an abort waiting for call_mu_'s holder
+  cudaStream_t relay_ = nullptr;            // see relay_for; created at first use
+  cudaEvent_t handoff_ = nullptr;           // the caller's stream, up to the call, for relay_
+  mutable std::mutex err_mu_;               // first_error_, cur_
   std::atomic<bool> failed_{false};
   bool finalized_ = false;
   std::string first_error_;

@@ -13,105 +13,15 @@
 #include <type_traits>
 
 #include "core/errors.h"
+#include "reduce/reduce_elem.h"
 
 namespace plait {
 namespace {
 
-template <class T>
-struct Acc {
-  using type = T;
-};
-template <>
-struct Acc<__half> {
-  using type = float;
-};
-template <>
-struct Acc<__nv_bfloat16> {
-  using type = float;
-};
-
-template <class T>
-__device__ __forceinline__ typename Acc<T>::type widen(T x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ float widen<__half>(__half x) {
-  return __half2float(x);
-}
-template <>
-__device__ __forceinline__ float widen<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <class T>
-__device__ __forceinline__ T narrow(typename Acc<T>::type x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half narrow<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
-// Integer arithmetic in the unsigned type of the same width, so overflow wraps as numpy's does.
-template <class A>
-using Wrap = typename std::conditional<std::is_integral<A>::value, std::make_unsigned<A>,
-                                       std::common_type<A>>::type::type;
-
-struct Sum {
-  template <class A>
-  __device__ static A f(A a, A b) {
-    return A(Wrap<A>(a) + Wrap<A>(b));
-  }
-};
-struct Prod {
-  template <class A>
-  __device__ static A f(A a, A b) {
-    return A(Wrap<A>(a) * Wrap<A>(b));
-  }
-};
-struct Min {
-  template <class A>
-  __device__ static A f(A a, A b) {
-    const A m = a < b ? a : b;
-    return a != a ? a : m;  // NaN in a or b propagates, as on the CPU
-  }
-};
-struct Max {
-  template <class A>
-  __device__ static A f(A a, A b) {
-    const A m = a > b ? a : b;
-    return a != a ? a : m;
-  }
-};
-struct Or {
-  template <class A>
-  __device__ static A f(A a, A b) {
-    return A((a != 0) | (b != 0));
-  }
-};
-struct And {
-  template <class A>
-  __device__ static A f(A a, A b) {
-    return A((a != 0) & (b != 0));
-  }
-};
+using namespace elem;  // the arithmetic per element, shared with host tests
 
 __device__ __forceinline__ bool skipped(const int* skip) {
   return skip != nullptr && *static_cast<const volatile int*>(skip) != 0;
-}
-
-template <class T, class Op>
-__device__ __forceinline__ T apply(T x, T y, AvgScale s) {
-  using A = typename Acc<T>::type;
-  A u = widen(x), v = widen(y);
-  if constexpr (std::is_floating_point<A>::value) {
-    if (s.a) u = u / A(s.divisor);  // true divisions: each rounds once, in the wide type
-    if (s.b) v = v / A(s.divisor);
-  }
-  return narrow<T>(Op::f(u, v));
 }
 
 template <int B>

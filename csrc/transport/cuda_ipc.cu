@@ -29,6 +29,11 @@ __global__ void post_kernel(uint64_t* flag, uint64_t epoch, const volatile int* 
   store_release(flag, *skip != 0 ? IpcMapping::kPoison : epoch);
 }
 
+// Ranks sharing one GPU without MPS are time-sliced, and a spinning wait keeps its context on the
+// GPU (__nanosleep does not yield it): a cross-rank hand-off then costs about one time slice
+// (review 2, finding 11). Run such jobs under MPS (nvidia-cuda-mps-control -d); tests/gpu/run.sh
+// measures the hand-off with and without it. cuStreamWaitValue64 would hold no SM but loses the
+// poison and deadline logic below, which would move to host-side abort writes; not done.
 // One thread per peer (or only `only`'s when >= 0). Gives up on the host's abort, the deadline,
 // a peer's poison or an earlier give-up of this rank (skip), and then says why in words[1] and
 // sets skip. Plain stores, not atomics: atomics on mapped host memory are not atomic over PCIe,
@@ -39,6 +44,9 @@ __global__ void wait_kernel(uint64_t** flags, int which, int self, int only, int
   if (p >= n || p == self || (only >= 0 && p != only) || *skip != 0) return;
   const uint64_t* f = flags[p] + which;
   const uint64_t start = global_ns();
+  // The abort word lives in mapped host memory: each read is a PCIe round trip (~1 us), so it is
+  // read every 16th poll (a few us of delay on an abort), not on every one (review 2, finding 10).
+  unsigned polls = 0;
   for (;;) {
     const uint64_t v = load_acquire(f);
     int why = IpcMapping::ok;
@@ -46,7 +54,7 @@ __global__ void wait_kernel(uint64_t** flags, int which, int self, int only, int
       why = IpcMapping::peer_gave_up;
     else if (v >= epoch)
       return;
-    else if (words[0] != 0)
+    else if ((++polls & 15u) == 0 && words[0] != 0)
       why = IpcMapping::aborted;
     else if (global_ns() - start > timeout_ns)
       why = IpcMapping::timed_out;

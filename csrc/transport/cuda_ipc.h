@@ -3,6 +3,10 @@
 // cudaIpc handles (transport/cuda_ipc_mapping.h: the mapping, the flags and the waiting kernels).
 // Calls count epochs over the transport's life; a waiting kernel gives up on its own deadline or
 // the host's abort word, and reports why in an error word the host reads. CUDA builds only.
+// Lifetime: a peer's finalize drain reads this rank's flags after this rank's own drain ended, so
+// the transport (its memory) may be dropped only once every rank finished finalize; the host
+// communicator's finalize has a barrier for it (plait._gpu.after_finalize). Found by the host
+// tests under ThreadSanitizer (tests/test_gpu_host.py).
 #pragma once
 #include <memory>
 #include <string>

@@ -32,6 +32,10 @@ class DeviceTransport {
   virtual std::string describe() const = 0;  // for messages: "NCCL 2.27.3", "CUDA IPC"
   virtual Caps caps() const = 0;
 
+  // True when the transport launches its work from a thread of its own (a non-blocking NCCL
+  // communicator's group job): a stream handle that means "this thread's" (cudaStreamPerThread)
+  // then names another stream there, so the queue hands such calls over through a real stream.
+  virtual bool launches_elsewhere() const { return false; }
   // Joins the peers (NCCL: ncclCommInitRankConfig). Throws PlaitError.
   virtual void connect(const Poll& poll) { (void)poll; }
   // The handle peers map this rank's memory by, and mapping theirs (CUDA IPC only).

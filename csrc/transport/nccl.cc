@@ -47,6 +47,13 @@ NcclTransport::~NcclTransport() {
 
 std::string NcclTransport::describe() const { return "NCCL " + version_text(api_.version); }
 
+// Non-blocking (blocking = 0), so that every host wait (init, a group settling, finalize) has a
+// deadline and a peer check. Its cost (review 2, finding 8): NCCL launches each call or group
+// end from a thread it starts for it and returns ncclInProgress, which settle() polls: tens of
+// us of host time per NCCL call, paid per step by ring/tree. Correct, and accepted until it is
+// measured on a GPU (tests/gpu/run.sh's hand-off stage: enqueue-only 8-byte calls, world of
+// one); the remedy then is a blocking child communicator (ncclCommSplit, blocking = 1) for the
+// calls, keeping this one for init and relying on the watchdog's ncclCommAbort for deadlines.
 void NcclTransport::connect(const Poll& poll) {
   nccl::Config cfg{sizeof(nccl::Config), nccl::kApiMagic, nccl::kConfigVersion, 0,
                    nccl::kUndefInt,      nccl::kUndefInt, nccl::kUndefInt,      nullptr};
@@ -67,7 +74,17 @@ void NcclTransport::begin(cudaStream_t s, const std::string& what, const Poll& p
   stream_ = s, what_ = &what, poll_ = &poll;
 }
 
-void NcclTransport::end() { stream_ = nullptr, what_ = nullptr, poll_ = nullptr; }
+void NcclTransport::end() {
+  // Unwinding from an error inside a group (a send that found the communicator broken): close
+  // it, ignoring what NCCL says, so NCCL's thread-local group depth is back to 0. Left open, the
+  // abort that follows would only be queued into the group, never reclaim the communicator, and
+  // swallow every later NCCL call of this thread (torch's too, when it shares libnccl).
+  while (group_open_ > 0) {
+    --group_open_;
+    api_.GroupEnd();
+  }
+  stream_ = nullptr, what_ = nullptr, poll_ = nullptr;
+}
 
 std::string NcclTransport::async_error(ErrorKind* kind) {
   if (!comm_) return "";
@@ -91,9 +108,15 @@ void NcclTransport::close(const Poll& poll) {
   const std::string what = "finalize";
   what_ = &what;
   poll_ = &poll;
-  const nccl::Result r = settle("finalize");
+  // NCCL's order for a non-blocking communicator: ncclCommFinalize (flushes its work and stops
+  // its proxy, ncclInProgress until done, polled under the finalize deadline), then
+  // ncclCommDestroy, which then only frees. Destroy alone would run the whole teardown blocking,
+  // with no deadline.
+  nccl::Result r = settle("finalize");
+  if (r == nccl::Success) r = api_.CommFinalize(comm_);
+  if (r == nccl::InProgress) r = settle("ncclCommFinalize");
   what_ = nullptr, poll_ = nullptr;
-  if (r != nccl::Success) check(r, "finalize");
+  if (r != nccl::Success) check(r, "ncclCommFinalize");
   nccl::Comm c = comm_;
   comm_ = nullptr;
   api_.CommDestroy(c);
@@ -122,8 +145,15 @@ void NcclTransport::check(nccl::Result r, const std::string& what) {
                               "; NCCL communicator aborted");
 }
 
-void NcclTransport::group_start() { check(api_.GroupStart(), "ncclGroupStart"); }
-void NcclTransport::group_end() { check(api_.GroupEnd(), "ncclGroupEnd"); }
+void NcclTransport::group_start() {
+  check(api_.GroupStart(), "ncclGroupStart");
+  ++group_open_;
+}
+
+void NcclTransport::group_end() {
+  --group_open_;  // NCCL lowers its depth first, whatever ncclGroupEnd then reports
+  check(api_.GroupEnd(), "ncclGroupEnd");
+}
 
 void NcclTransport::send(const void* buf, size_t bytes, int peer) {
   check(api_.Send(buf, bytes, nccl::Uint8, peer, comm_, stream_),

@@ -38,6 +38,7 @@ class NcclTransport final : public DeviceTransport, public GpuOps {
   const char* name() const override { return "nccl"; }
   std::string describe() const override;
   Caps caps() const override { return kNcclCaps; }
+  bool launches_elsewhere() const override { return true; }
   void connect(const Poll& poll) override;
   // Around one call's steps: the stream they go on, the call's name for messages, its poll.
   void begin(cudaStream_t s, const std::string& what, const Poll& poll);
@@ -76,6 +77,9 @@ class NcclTransport final : public DeviceTransport, public GpuOps {
   cudaStream_t stream_ = nullptr;
   const std::string* what_ = nullptr;
   const Poll* poll_ = nullptr;
+  // ncclGroupStart calls not yet closed on this (the issuing) thread: an error inside a group
+  // must close it before ncclCommAbort runs, which NCCL otherwise defers into the open group.
+  int group_open_ = 0;
 };
 
 }  // namespace plait

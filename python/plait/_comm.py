@@ -572,6 +572,7 @@ class Communicator(VCollectives):
         if self._gpu is not None:
             g, self._gpu = self._gpu, None
             g.finalize()
+            _gpu.after_finalize(self, g)
         self._c.finalize()
         self._inflight = []
         close_all(self._keep)

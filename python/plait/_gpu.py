@@ -20,7 +20,9 @@ error through NCCL's errors and the call's deadline). The CUDA IPC transport rea
 only, so it is refused there.
 """
 
+import atexit
 import os
+import weakref
 import zlib
 
 import numpy as np
@@ -236,20 +238,23 @@ def call(comm, coll, x, out, op, algorithm, timeout, async_op, dtype, result, ro
     else:
         # The communicator's own call path: validate -> select -> check -> enqueue on g.
         _C.gpu_call(comm._c, coll, gx, go, dt, op, algo, ga.stream, t, root, peer)
+    # Sync and async alike, on the default stream too: an async handle dropped after block()
+    # holds no reference either.
+    _record_streams(gx, go)
     if async_op:
         return GpuHandle(g.record(ga.stream, t), (x, out), result, ga.device)
-    _record_streams(ga.stream, gx, go)
     return result
 
 
-def _record_streams(stream, *arrays):
-    """A synchronous call holds no reference to its tensors: tell torch's caching allocator they
-    are in use on the call's stream, so a tensor freed right after the call (allocated on another
-    stream) is not handed out again before the collective ran (as ProcessGroupNCCL does)."""
-    if stream:  # the default stream needs none
-        for a in arrays:
-            if a is not None:
-                a.record_stream()
+def _record_streams(*arrays):
+    """Tells torch's caching allocator that the call's tensors are in use on the call's stream
+    (as ProcessGroupNCCL does), so a tensor freed right after the call is not handed out again
+    on another stream before the collective ran. Always: a tensor allocated on a side stream and
+    used on the default stream needs it as much as the reverse, and torch makes it a no-op when
+    the streams are the same."""
+    for a in arrays:
+        if a is not None:
+            a.record_stream()
 
 
 def _communicator(comm, device, timeout, head):
@@ -318,10 +323,41 @@ def _communicator(comm, device, timeout, head):
     if not hier:
         _C.gpu_attach(comm._c, g)  # the communicator enqueues its GPU calls there
     comm._gpu = g
+    _LIVE.add(comm)
     return g
 
 
+_LIVE = weakref.WeakSet()  # communicators that have a GPU queue
+
+
+@atexit.register
+def _finalize_at_exit():
+    """A script that ends with GPU calls in flight and no finalize(): finalize its queues while
+    the CUDA runtime is still loaded, so their watchdogs stop polling events before it unloads
+    (cudaErrorCudartUnloading would read as a GPU failure and abort every rank; review 2,
+    finding 14). A queue that already failed returns at once; errors are of no use here."""
+    for comm in list(_LIVE):
+        g = getattr(comm, "_gpu", None)
+        if g is not None:
+            try:
+                g.finalize()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+
+
+def _chunk_bytes(comm, head):
+    v = os.environ.get("PLAIT_GPU_CHUNK_BYTES", "")
+    try:
+        chunk = int(v) if v else DEFAULT_CHUNK_BYTES
+    except ValueError:
+        chunk = -1
+    if chunk < 64:
+        comm.fail(f"{head}: PLAIT_GPU_CHUNK_BYTES={v!r}: need a whole number of bytes >= 64")
+    return chunk
+
+
 def _nccl_queue(comm, device, t, head):
+    chunk = _chunk_bytes(comm, head)  # before the unique id: peers learn of it at once
     uid = np.zeros(128, dtype=np.uint8)
     if comm.rank == 0:
         try:
@@ -329,22 +365,40 @@ def _nccl_queue(comm, device, t, head):
         except _errors.PlaitError as e:
             comm.fail(f"{head}: ncclGetUniqueId: {e}")
     comm.broadcast(uid, 0, timeout=t)
-    chunk = int(os.environ.get("PLAIT_GPU_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
-    if _hierarchical(comm):
+    # Every rank is inside ncclCommInitRankConfig until all have joined: a rank that fails before
+    # it joins (loading NCCL, scratch memory, a bad setting) tells the others through the
+    # communicator, or they would wait out their whole deadline and report it as a timeout.
+    try:
+        if _hierarchical(comm):
+            return _C.nccl_queue(
+                comm.local._c,
+                uid.tobytes(),
+                device,
+                t,
+                chunk,
+                os.environ.get("PLAIT_GPU_ALGO", ""),
+                _cuda.nccl_path(),
+                rank=comm.rank,
+                size=comm.size,
+            )
         return _C.nccl_queue(
-            comm.local._c,
-            uid.tobytes(),
-            device,
-            t,
-            chunk,
-            os.environ.get("PLAIT_GPU_ALGO", ""),
-            _cuda.nccl_path(),
-            rank=comm.rank,
-            size=comm.size,
+            comm._c, uid.tobytes(), device, t, chunk, os.environ.get("PLAIT_GPU_ALGO", ""), _cuda.nccl_path()
         )
-    return _C.nccl_queue(
-        comm._c, uid.tobytes(), device, t, chunk, os.environ.get("PLAIT_GPU_ALGO", ""), _cuda.nccl_path()
-    )
+    except _errors.PlaitError as e:
+        comm.fail(f"{head}: creating the NCCL communicator: {e}")
+
+
+def after_finalize(comm, g):
+    """Called by Communicator.finalize once its GPU queue finalized. Over CUDA IPC a peer's final
+    drain still reads this rank's flags after this rank's own drain ended, so no rank frees its
+    IPC memory (when `g` is dropped) before every rank finished: a host barrier, skipped when the
+    communicator already failed (then nobody drains, and the barrier would only raise)."""
+    if g.transport != "ipc":
+        return
+    try:
+        comm.barrier()
+    except _errors.PlaitError:
+        pass
 
 
 def _ipc_queue(comm, device, t, head):

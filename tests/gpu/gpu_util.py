@@ -15,6 +15,9 @@ OPS = ("sum", "prod", "min", "max", "avg")
 
 
 def _probe():
+    # run.sh probes once and exports the answer: no extra subprocess per rank of every test.
+    if os.environ.get("PLAIT_GPU_PROBE"):
+        return tuple(int(v) for v in os.environ["PLAIT_GPU_PROBE"].split())
     code = (
         "import plait, importlib.util as u\n"
         "print(int(plait.build_info()['cuda']), plait._C.cuda_device_count(),"
@@ -30,6 +33,9 @@ def _probe():
 
 
 CUDA_BUILD, DEVICES, _HAS_TORCH, _HAS_CUPY = _probe()
+if os.environ.get("PLAIT_GPU_REQUIRED") == "1" and not (CUDA_BUILD and DEVICES):
+    # run.sh on a GPU machine: a test that would skip for want of a device is an error there.
+    raise RuntimeError(f"PLAIT_GPU_REQUIRED=1 but cuda build={CUDA_BUILD}, devices={DEVICES}")
 
 
 def skip_reason(need=1):
