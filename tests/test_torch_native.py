@@ -18,9 +18,9 @@ import torch.distributed as dist  # noqa: E402 - after the importorskip
 from test_run import _ENV  # noqa: E402 - after the importorskip
 from test_torch_backend import init_pg, run_torch  # noqa: E402 - after the importorskip
 
-pytestmark = pytest.mark.skipif(
-    not plait.torch.native(), reason="the native torch backend did not build here"
-)
+# import plait.torch above fails when the backend cannot be built; native() is False only on a
+# CUDA build with a visible GPU, where the Python backend still serves the groups.
+pytestmark = pytest.mark.skipif(not plait.torch.native(), reason="CUDA build with a visible GPU")
 
 
 @pytest.fixture(autouse=True)
