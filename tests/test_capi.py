@@ -155,3 +155,35 @@ def test_device_buffers_are_enqueued_on_their_stream():
     for rank, (got, records) in enumerate(run_ranks(_device_calls, 2, timeout=60, args=(True,))):
         assert got == (0, "")
         assert [(r[0], r[2], r[3]) for r in records] == [("allreduce", 16, 0x5000 + rank)]
+
+
+def _bad_code(rank, n, addr):
+    import time
+
+    import plait
+
+    comm = plait.init(rank, n, store=addr, timeout=30)
+    t = _table()
+    c = _pointer(_C._comm_capsule(comm._c), b"plait.Communicator")
+    x = np.arange(4, dtype=np.float32)
+    y = np.empty_like(x)
+    bx, by = _host(x), _host(y)
+    if rank == 0:
+        bx.dtype = by.dtype = 99  # no such dtype: refused before any communication
+    t0 = time.monotonic()
+    got = _call(t, c, ALLREDUCE, bx, by)
+    took = time.monotonic() - t0
+    try:
+        comm.finalize()
+    except plait.PlaitError:
+        pass
+    return got, took
+
+
+def test_bad_code_through_the_c_api_fails_every_rank():
+    for rank, ((kind, msg), took) in enumerate(run_ranks(_bad_code, 3, timeout=60)):
+        assert kind == E_INVALID and "rank 0: C API call: bad collective (0), dtype or device code" in msg, (
+            rank,
+            msg,
+        )
+        assert took < 10, (rank, took)  # the peers learn of it at once, not at their 30 s deadline

@@ -65,8 +65,10 @@ uint32_t c_call(void* comm, uint8_t coll, const plait_buffer* in, const plait_bu
         (out && out->present && out->dtype >= uint8_t(DType::kCount)) ||
         (in && in->present && in->device > PLAIT_CUDA) ||
         (out && out->present && out->device > PLAIT_CUDA))
-      throw InvalidArgument("rank " + std::to_string(c.rank()) +
-                            ": bad collective, dtype or device code");
+      // As any rejected argument: aborts every rank, so no peer waits for this call.
+      c.fail(ErrorKind::invalid, "rank " + std::to_string(c.rank()) + ": C API call: bad " +
+                                     "collective (" + std::to_string(coll) +
+                                     "), dtype or device code");
     Task::Done hook;
     if (done)
       hook = [done, ctx](ErrorKind k, const std::string& m) { done(ctx, uint32_t(k), m.c_str()); };
