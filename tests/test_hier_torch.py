@@ -62,3 +62,76 @@ def test_torch_backend_across_hosts(tmp_path, hosts):
         assert b == [float(n - 1)] * 3
         assert objs == list(range(n))
         assert s == ([2.0, 2.0] if rank in (0, n - 1) else [1.0, 1.0])
+
+
+def _bad_input_on_one_host(rank, n, store_dir, hosts):
+    import time
+
+    os.environ["PLAIT_HOST_ID"] = hosts[rank]
+    init_pg("plait", rank, n, store_dir, timeout=20)
+    # rank 0 passes a wrong number of outputs, which the backend rejects before any communication;
+    # every other rank (on its host and on the others) makes the sound call and must not wait.
+    outs = [torch.empty(2) for _ in range(n + 1 if rank == 0 else n)]
+    t0 = time.monotonic()
+    try:
+        dist.all_gather(outs, torch.full((2,), float(rank)))
+    except Exception as e:  # noqa: BLE001 - the class differs between the culprit and its peers
+        kind = (
+            "invalid"
+            if isinstance(e, plait.InvalidArgument)
+            else "plait"
+            if isinstance(e, plait.PlaitError)
+            else ""
+        )
+        return kind or type(e).__name__, str(e), time.monotonic() - t0
+    return None, "", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "b"]], ids=["2x2", "2x1"])
+def test_bad_input_on_one_rank_raises_on_every_rank_of_every_host(tmp_path, hosts):
+    n = len(hosts)
+    got = run_torch(_bad_input_on_one_host, n, tmp_path, timeout=90, args=(hosts,))
+    for rank, (cls, msg, took) in enumerate(got):
+        assert cls is not None, f"rank {rank} returned from a call rank 0 rejected"
+        assert cls in ("invalid", "plait"), (rank, cls, msg)  # plait's classes, not a bare error
+        assert "rank 0" in msg and "all_gather" in msg, (rank, cls, msg)
+        assert took < 15, f"rank {rank} raised after {took:.1f} s, not promptly"
+    assert got[0][0] == "invalid", got[0]
+
+
+def _killed(rank, n, store_dir, hosts, victim):
+    import signal
+    import time
+
+    os.environ["PLAIT_HOST_ID"] = hosts[rank]
+    init_pg("plait", rank, n, store_dir, timeout=60)
+    t = torch.ones(1024)
+    start = time.monotonic()
+    for i in range(1_000_000):
+        if i == 5 and rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if i == 5:
+            start = time.monotonic()  # the victim dies about now
+        try:
+            dist.all_reduce(t) if i % 2 else dist.all_gather_into_tensor(torch.empty(n * 1024), t)
+        except Exception as e:  # noqa: BLE001 - checked by the caller
+            return type(e).__name__, isinstance(e, plait.PeerLostError), time.monotonic() - start, str(e)
+    return None
+
+
+@pytest.mark.parametrize("hosts,victim", [(["a", "a", "b", "b"], 3), (["a", "b"], 1)], ids=["2x2", "2x1"])
+def test_rank_killed_on_one_host_is_peer_lost_everywhere(tmp_path, hosts, victim):
+    n = len(hosts)
+    store_dir = str(tmp_path)
+    from conftest import run_ranks
+    from test_torch_backend import _rank_main
+
+    got = run_ranks(_rank_main, n, timeout=90, args=(_killed, (store_dir, hosts, victim)), may_die=(victim,))
+    for rank, res in enumerate(got):
+        if rank == victim:
+            assert res is None
+            continue
+        assert res is not None, f"rank {rank} never noticed the dead rank"
+        cls, lost, took, msg = res
+        assert lost, (rank, cls, msg)  # a PeerLostError (torch's DistBackendError subclass of it)
+        assert took < 10, f"rank {rank} raised after {took:.1f} s (deadline 60 s): {msg}"

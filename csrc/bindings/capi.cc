@@ -1,12 +1,13 @@
-// The C table of capi.h over the Communicator, and its two Python handles: plait._C._capi (the
-// table) and plait._C._comm_capsule(communicator) (a communicator for native callers).
+// The C table of capi.h over the one communicator interface (core/comm.h), and its two Python
+// handles: plait._C._capi (the table) and plait._C._comm_capsule(communicator) (a communicator for
+// native callers).
 #include "bindings/capi.h"
 
 #include <pybind11/pybind11.h>
 
 #include <cstring>
 
-#include "core/communicator.h"
+#include "core/comm.h"
 #include "transport/shared_mem.h"
 
 namespace py = pybind11;
@@ -20,6 +21,8 @@ static_assert(int(DType::boolean) == PLAIT_BOOL && int(DType::i64) == PLAIT_I64,
               "capi.h dtype codes");
 static_assert(int(RedOp::avg) == PLAIT_AVG, "capi.h op codes");
 static_assert(kAnySource == PLAIT_ANY_SOURCE, "capi.h any-source code");
+static_assert(int(Device::cuda) == PLAIT_CUDA && int(Device::cpu) == PLAIT_HOST,
+              "capi.h device codes");
 static_assert(int(ErrorKind::peer_lost) == PLAIT_E_PEER_LOST &&
                   int(ErrorKind::timeout) == PLAIT_E_TIMEOUT,
               "capi.h error codes");
@@ -41,21 +44,31 @@ Buffer to_buffer(const plait_buffer* b) {
   r.dtype = DType(b->dtype);
   r.writable = b->writable != 0;
   r.present = true;
+  if (b->device == PLAIT_CUDA) {
+    r.device = Device::cuda;
+    r.device_index = b->device_index;
+    r.stream = b->stream;
+  }
   return r;
 }
 
-int c_rank(void* c) { return static_cast<Communicator*>(c)->rank(); }
-int c_size(void* c) { return static_cast<Communicator*>(c)->size(); }
+int c_rank(void* c) { return static_cast<Comm*>(c)->rank(); }
+int c_size(void* c) { return static_cast<Comm*>(c)->size(); }
 
 uint32_t c_call(void* comm, uint8_t coll, const plait_buffer* in, const plait_buffer* out,
                 uint8_t op, int root, int peer, int64_t tag, const char* algo, double timeout_s,
                 plait_done_fn done, void* ctx, void** task, char* err, size_t errlen) {
-  auto& c = *static_cast<Communicator*>(comm);
+  auto& c = *static_cast<Comm*>(comm);
   try {
     if (coll >= uint8_t(Coll::kCount) ||
         (in && in->present && in->dtype >= uint8_t(DType::kCount)) ||
-        (out && out->present && out->dtype >= uint8_t(DType::kCount)))
-      throw InvalidArgument("rank " + std::to_string(c.rank()) + ": bad collective or dtype code");
+        (out && out->present && out->dtype >= uint8_t(DType::kCount)) ||
+        (in && in->present && in->device > PLAIT_CUDA) ||
+        (out && out->present && out->device > PLAIT_CUDA))
+      // As any rejected argument: aborts every rank, so no peer waits for this call.
+      c.fail(ErrorKind::invalid, "rank " + std::to_string(c.rank()) + ": C API call: bad " +
+                                     "collective (" + std::to_string(coll) +
+                                     "), dtype or device code");
     Task::Done hook;
     if (done)
       hook = [done, ctx](ErrorKind k, const std::string& m) { done(ctx, uint32_t(k), m.c_str()); };
@@ -72,7 +85,7 @@ uint32_t c_call(void* comm, uint8_t coll, const plait_buffer* in, const plait_bu
 
 uint32_t c_fail(void* comm, uint32_t kind, const char* msg, char* err, size_t errlen) {
   try {
-    static_cast<Communicator*>(comm)->fail(ErrorKind(kind), msg);
+    static_cast<Comm*>(comm)->fail(ErrorKind(kind), msg);
   } catch (const std::exception& e) {
     return report(e, err, errlen);
   }
@@ -80,7 +93,7 @@ uint32_t c_fail(void* comm, uint32_t kind, const char* msg, char* err, size_t er
 
 int c_task_run(void* comm, void* task) {
   try {
-    return static_cast<Communicator*>(comm)->run_here(*static_cast<std::shared_ptr<Task>*>(task));
+    return static_cast<Comm*>(comm)->run_here(*static_cast<std::shared_ptr<Task>*>(task));
   } catch (...) {
     return 0;
   }
@@ -92,7 +105,7 @@ void c_task_start(void* task) { (*static_cast<std::shared_ptr<Task>*>(task))->st
 
 void c_task_release(void* task) { delete static_cast<std::shared_ptr<Task>*>(task); }
 
-void c_finalize(void* comm) { static_cast<Communicator*>(comm)->finalize(); }
+void c_finalize(void* comm) { static_cast<Comm*>(comm)->finalize(); }
 
 void* c_shared_alloc(size_t bytes, uint64_t* id) {
   try {
@@ -113,7 +126,7 @@ void bind_capi(py::module_& m) {
   m.attr("_capi") = py::capsule(static_cast<const void*>(&kTable), PLAIT_CAPI_CAPSULE);
   // The communicator stays owned by its Python object: callers keep that alive while they use it.
   m.def("_comm_capsule",
-        [](Communicator& c) { return py::capsule(static_cast<void*>(&c), PLAIT_COMM_CAPSULE); });
+        [](Comm& c) { return py::capsule(static_cast<void*>(&c), PLAIT_COMM_CAPSULE); });
 }
 
 }  // namespace plait

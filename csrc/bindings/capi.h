@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define PLAIT_CAPI_VERSION 2
+#define PLAIT_CAPI_VERSION 3
 #define PLAIT_CAPI_CAPSULE "plait._C._capi"
 #define PLAIT_COMM_CAPSULE "plait.Communicator"
 
@@ -40,6 +40,7 @@ enum plait_dtype {
   PLAIT_BOOL
 };
 enum { PLAIT_ANY_SOURCE = -1 };
+enum plait_device { PLAIT_HOST = 0, PLAIT_CUDA };
 enum plait_op { PLAIT_SUM = 0, PLAIT_PROD, PLAIT_MIN, PLAIT_MAX, PLAIT_AVG };
 enum plait_error {
   PLAIT_OK = 0,
@@ -56,6 +57,12 @@ typedef struct plait_buffer {
   uint8_t dtype;
   uint8_t present;  // 0: no buffer (e.g. reduce's output on a non-root)
   uint8_t writable;
+  // Version 3: where the bytes live. PLAIT_HOST (0, what a zero-filled buffer says), or
+  // PLAIT_CUDA: memory of CUDA device device_index, the call enqueued on CUDA stream `stream`
+  // (a cudaStream_t; 0: the legacy default stream) and complete when that stream gets there.
+  uint8_t device;
+  int32_t device_index;
+  uintptr_t stream;
 } plait_buffer;
 
 // Completion of an asynchronous call; runs once on plait's progress thread (or on the thread
@@ -67,7 +74,9 @@ typedef struct plait_capi {
   uint32_t struct_size;  // sizeof(plait_capi) of the library: later versions only append
   int (*rank)(void* comm);
   int (*size)(void* comm);
-  // One call; a recv's peer may be PLAIT_ANY_SOURCE. done == NULL: synchronous, returns when it
+  // One call; a recv's peer may be PLAIT_ANY_SOURCE. Device buffers (PLAIT_CUDA) are enqueued on
+  // their stream by the communicator's GPU queue and return at once (done is not called: the
+  // stream orders what follows). Host buffers: done == NULL: synchronous, returns when it
   // finished. Otherwise asynchronous: returns 0 once it is queued, done(ctx, ...) follows exactly
   // once; with task != NULL, *task receives a handle for task_run / task_release. Validation errors
   // return their kind (done is not called) and abort the communicator on every rank, as the Python

@@ -102,7 +102,7 @@ struct Call {
   }
 };
 
-py::object call_buffers(Communicator& c, Coll coll, const Buffer& in, const Buffer& o, Call& k,
+py::object call_buffers(Comm& c, Coll coll, const Buffer& in, const Buffer& o, Call& k,
                         const std::string& op, int root, int peer, int64_t tag,
                         const std::string& algo, std::optional<double> timeout, bool async) {
   RedOp rop = RedOp::sum;
@@ -129,7 +129,7 @@ py::object call_buffers(Communicator& c, Coll coll, const Buffer& in, const Buff
   return py::none();
 }
 
-py::object call(Communicator& c, Coll coll, const py::object& x, const py::object& out,
+py::object call(Comm& c, Coll coll, const py::object& x, const py::object& out,
                 const std::string& op, int root, int peer, int64_t tag, const std::string& algo,
                 std::optional<double> timeout, bool async, const std::string& dtype) {
   Call k;
@@ -198,7 +198,7 @@ PyObject* fast_host(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       throw InvalidArgument(
           "fast_host takes (comm, coll, x_ptr, x_bytes, out_ptr, out_bytes, dtype, op, algorithm, "
           "root)");
-    Communicator& c = py::handle(args[0]).cast<Communicator&>();
+    Comm& c = py::handle(args[0]).cast<Comm&>();
     const Coll coll = coll_arg(args[1]);
     const DType dt = parse_dtype(utf8(args[6], "dtype"));
     const Buffer in = host_buffer(args[2], args[3], dt), o = host_buffer(args[4], args[5], dt);
@@ -220,7 +220,7 @@ PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return translate([&] {
     if (nargs != 6 && nargs != 7)
       throw InvalidArgument("fast_call takes (comm, coll, x, out, op, algorithm[, root])");
-    Communicator& c = py::handle(args[0]).cast<Communicator&>();
+    Comm& c = py::handle(args[0]).cast<Comm&>();
     const Coll coll = coll_arg(args[1]);
     const std::string op = utf8(args[4], "op"), algo = utf8(args[5], "algorithm");
     const int root = nargs == 7 ? root_arg(args[6]) : 0;
@@ -336,7 +336,44 @@ void bind_comm(py::module_& m) {
       "Raises InvalidArgument for a PLAIT_* setting a Communicator would refuse (PLAIT_ALGO, "
       "PLAIT_ASYNC_GRACE_US, PLAIT_ASYNC_DEFER_BYTES).");
 
-  py::class_<Communicator>(m, "Communicator")
+  // Every communicator's calls (and the C API's) enter through Comm (core/comm.h); the flat
+  // shared-memory one adds its segment's own properties.
+  py::class_<Comm>(m, "_Comm")
+      .def_property_readonly("rank", &Comm::rank)
+      .def_property_readonly("size", &Comm::size)
+      .def_property_readonly("closed", &Comm::closed)
+      .def_property("label", &Comm::label, &Comm::set_label)
+      .def(
+          "run_here",
+          [](Comm& c, const std::shared_ptr<Task>& t) {
+            py::gil_scoped_release nogil;
+            return c.run_here(t);
+          },
+          py::arg("task"),
+          "Runs an async task on this thread if it is next in line (a caller about to wait on "
+          "it); true if it is finished.")
+      .def("finalize",
+           [](Comm& c) {
+             py::gil_scoped_release nogil;
+             c.finalize();
+           })
+      .def(
+          "fail",
+          [](Comm& c, const std::string& msg, const std::string& kind) {
+            // Aborts the communicator on every rank and raises; kind: invalid (default) or
+            // mismatch.
+            c.fail(kind == "mismatch" ? ErrorKind::mismatch : ErrorKind::invalid, msg);
+          },
+          py::arg("msg"), py::arg("kind") = "invalid")
+      .def("call",
+           [](Comm& c, int coll, const py::object& x, const py::object& out, const std::string& op,
+              int root, int peer, int64_t tag, const std::string& algo,
+              std::optional<double> timeout, bool async, const std::string& dtype) {
+             if (coll < 0 || coll >= int(Coll::kCount))
+               throw InvalidArgument("bad collective code");
+             return call(c, Coll(coll), x, out, op, root, peer, tag, algo, timeout, async, dtype);
+           });
+  py::class_<Communicator, Comm>(m, "Communicator")
       .def(py::init([](std::shared_ptr<Segment> seg, int rank, double timeout,
                        const std::string& algo, bool oversubscribed, double init_timeout,
                        std::vector<int32_t> peer_pids) {
@@ -352,13 +389,9 @@ void bind_comm(py::module_& m) {
            py::arg("segment"), py::arg("rank"), py::arg("timeout"), py::arg("algo_override") = "",
            py::arg("oversubscribed") = false, py::arg("init_timeout") = 300.0,
            py::arg("peer_pids") = std::vector<int32_t>{})
-      .def_property_readonly("rank", &Communicator::rank)
-      .def_property_readonly("size", &Communicator::size)
-      .def_property_readonly("closed", &Communicator::closed)
       .def_property_readonly("single_copy", &Communicator::single_copy)
       .def_property_readonly("mapped_bytes", &Communicator::mapped_bytes)
       .def_property_readonly("single_copy_unavailable", &Communicator::single_copy_unavailable)
-      .def_property("label", &Communicator::label, &Communicator::set_label)
       .def(
           "flight_json",
           [](Communicator& c) {
@@ -367,40 +400,13 @@ void bind_comm(py::module_& m) {
           },
           "Every rank's last calls from the flight recorder, as JSON text.")
       .def("_flight_scribble", &Communicator::flight_scribble, py::arg("rank"), py::arg("seed"),
-           "Test hook: overwrites rank's flight ring with garbage drawn from seed.")
-      .def(
-          "run_here",
-          [](Communicator& c, const std::shared_ptr<Task>& t) {
-            py::gil_scoped_release nogil;
-            return c.run_here(t);
-          },
-          py::arg("task"),
-          "Runs an async task on this thread if it is next in line (a caller about to wait on "
-          "it); true if it is finished.")
-      .def("finalize",
-           [](Communicator& c) {
-             py::gil_scoped_release nogil;
-             c.finalize();
-           })
-      .def(
-          "fail",
-          [](Communicator& c, const std::string& msg, const std::string& kind) {
-            // Aborts the communicator on every rank and raises; kind: invalid (default) or
-            // mismatch.
-            c.fail(kind == "mismatch" ? ErrorKind::mismatch : ErrorKind::invalid, msg);
-          },
-          py::arg("msg"), py::arg("kind") = "invalid")
-      .def("call",
-           [](Communicator& c, int coll, const py::object& x, const py::object& out,
-              const std::string& op, int root, int peer, int64_t tag, const std::string& algo,
-              std::optional<double> timeout, bool async, const std::string& dtype) {
-             if (coll < 0 || coll >= int(Coll::kCount))
-               throw InvalidArgument("bad collective code");
-             return call(c, Coll(coll), x, out, op, root, peer, tag, algo, timeout, async, dtype);
-           });
+           "Test hook: overwrites rank's flight ring with garbage drawn from seed.");
   py::dict codes;
   for (int c = 0; c < int(Coll::kCount); ++c) codes[coll_name(Coll(c))] = c;
   m.attr("COLLECTIVES") = codes;
+  py::dict ops;  // the reduction codes, so Python never numbers them by hand
+  for (int o = 0; o < int(RedOp::kCount); ++o) ops[op_name(RedOp(o))] = o;
+  m.attr("OPS") = ops;
 }
 
 }  // namespace plait

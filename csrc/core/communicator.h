@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "algo/algo.h"
+#include "core/comm.h"
 #include "core/device.h"
 #include "core/errors.h"
 #include "core/flight.h"
@@ -46,56 +47,22 @@ struct Options {
 // init calls it before the rendezvous so a bad value fails every rank at once, not one mid-join.
 void check_env();
 
-class Task {
- public:
-  explicit Task(const CallArgs& a) : args(a) {}
-  // Waits up to timeout_s (nullopt: until finished; else seconds >= 0, InvalidArgument
-  // otherwise); true when finished. Throws the call's error.
-  bool wait(std::optional<double> timeout_s);
-  bool done() const { return state_.load(std::memory_order_acquire) != 0; }
-  // A deferred task (core/wakeup.h) that is not finished: has the progress thread start it now,
-  // for callers that will not wait on it soon.
-  void start() {
-    if (wake_ && !done()) wake_->kick();
-  }
-
-  // Called once when the task finishes, on the thread that finished it (plait's progress
-  // thread, or a waiter that ran the task itself): how callers complete their own futures
-  // (the torch backend) without a thread of theirs waiting on each task.
-  using Done = std::function<void(ErrorKind, const std::string&)>;
-
-  CallArgs args;
-
- private:
-  friend class Communicator;
-  void finish(ErrorKind kind, std::string msg, std::shared_ptr<const std::string> flight = nullptr);
-  Done on_done_;
-  std::mutex m_;
-  std::condition_variable cv_;
-  std::atomic<int> state_{0};  // 0 pending, 1 ok, 2 failed
-  ErrorKind kind_ = ErrorKind::none;
-  std::string msg_;
-  std::shared_ptr<const std::string> flight_;
-  uint64_t deferred_ns_ = 0;      // queued without a wake-up at this time (core/wakeup.h)
-  std::shared_ptr<Wakeup> wake_;  // kicked by a waiter of a deferred task
-};
-
-class Communicator {
+class Communicator final : public Comm {
  public:
   Communicator(std::shared_ptr<Segment> seg, int rank, const Options& opt);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  int rank() const { return rank_; }
+  int rank() const override { return rank_; }
   // Whether single-copy algorithms can run here, and if not, why.
   bool single_copy() const { return tp_.can_read_peers(); }
   uint64_t mapped_bytes() const { return tp_.mapped_bytes(); }
   std::string single_copy_unavailable() const {
     return single_copy() ? "" : tp_.read_unavailable();
   }
-  int size() const { return size_; }
-  bool closed() const { return closed_; }
+  int size() const override { return size_; }
+  bool closed() const override { return closed_; }
 
   // Validates and runs (or queues) one call. Returns the Task for async calls, null otherwise.
   // GPU buffers (Device::cuda) go to the attached DeviceQueue, enqueued on their stream: always
@@ -105,13 +72,11 @@ class Communicator {
   std::shared_ptr<Task> call(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root,
                              int peer, int64_t tag, const std::string& algo,
                              std::optional<double> timeout_s, bool async,
-                             Task::Done on_done = nullptr);
-  // Runs an async task on the calling thread when it is next in line and nothing runs (a caller
-  // about to wait on it saves two thread hand-offs). True if the task is finished on return.
-  bool run_here(const std::shared_ptr<Task>& t);
+                             Task::Done on_done = nullptr) override;
+  bool run_here(const std::shared_ptr<Task>& t) override;
   // Aborts the communicator on every rank with this error (used for input the Python layer
   // rejects before it reaches call()).
-  [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
+  [[noreturn]] void fail(ErrorKind kind, const std::string& msg) override;
   // The GPU transport's queue GPU calls are enqueued on (created by the first GPU call, once every
   // rank agreed on the transport: plait._gpu). Attaching twice is refused.
   void attach_device(std::shared_ptr<DeviceQueue> q);
@@ -130,12 +95,12 @@ class Communicator {
   // "rank p (pid ...) died" for the first peer that died (not one that left in order), or "".
   // Reads only the shared segment, like throw_if_aborted (a GPU watchdog polls it).
   std::string dead_peer();
-  void finalize();
+  void finalize() override;
 
   // Flight recorder and trace (core/flight.h, core/trace.h). The label names this communicator
   // in reports and as the trace's track (the torch backend sets its process group's name).
-  void set_label(const std::string& label);
-  std::string label() const;
+  void set_label(const std::string& label) override;
+  std::string label() const override;
   std::string flight_json();                   // every rank's last calls, as plait.dump writes them
   void flight_scribble(int r, uint64_t seed);  // test hook: garbage into rank r's ring
 

@@ -318,7 +318,7 @@ def init_in(client, prefix, rank, size, *, timeout, init_timeout, buffer_bytes, 
             init_timeout=init_timeout,
             buffer_bytes=buffer_bytes,
             keep=keep,
-            ctx=ctx,
+            ctx=dict(ctx or {}, init_in=init_in),
             join_local=join_local,
         )
     except BaseException as e:

@@ -32,13 +32,8 @@ from . import _C, _arrays, _cuda, _errors
 DEFAULT_CHUNK_BYTES = 4 << 20  # PLAIT_GPU_CHUNK_BYTES; a guess until measured on a GPU
 _ITEMSIZE = _arrays.ITEMSIZE
 DEFAULT_IPC_BYTES = 8 << 20  # PLAIT_GPU_IPC_BYTES: staging per rank of the IPC transport; a guess too
-_CODES = {
-    c: i
-    for i, c in enumerate(
-        ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "barrier")
-    )
-}
-_OP_CODES = {o: i for i, o in enumerate(("sum", "prod", "min", "max", "avg"))}
+_CODES = dict(_C.COLLECTIVES)  # the core's codes, never numbered here
+_OP_CODES = dict(_C.OPS)
 
 
 class GpuHandle:

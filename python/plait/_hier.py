@@ -226,7 +226,7 @@ class HierCommunicator(VCollectives):
             self._pending -= 1
 
     _FIELDS = ("call number", "collective", "count", "dtype", "op", "root")
-    _OPS = ("sum", "prod", "min", "max", "avg")
+    _OPS = tuple(sorted(_C.OPS, key=_C.OPS.get))  # the core's reduction codes, in their order
 
     def _fingerprint(self, name, count, dtype, bf16=False, op="sum", root=-1):
         """What ranks on every host must agree on; the local communicator checks its own host."""
@@ -875,10 +875,8 @@ class HierCommunicator(VCollectives):
             ctx["mpi_world"] = sub
         if c < 0:
             return None
-        from ._bootstrap import init_in
-
         new_rank = [r for _, r in members].index(self.rank)
-        return init_in(
+        return ctx["init_in"](  # _bootstrap.init_in, handed in by create: no import back up
             ctx["client"],
             f"{ctx['prefix']}/split{n}/{c}",
             new_rank,
@@ -920,7 +918,8 @@ class HierCommunicator(VCollectives):
 
 
 def create(client, prefix, rank, size, ids, *, timeout, init_timeout, buffer_bytes, keep, ctx, join_local):
-    """The HierCommunicator of this rank. ids: every rank's (host id, machine id)."""
+    """The HierCommunicator of this rank. ids: every rank's (host id, machine id). ctx["init_in"]
+    is the rendezvous (_bootstrap.init_in) that split joins its new communicators through."""
     lay = Layout([h for h, _ in ids], rank)
     ctx = dict(ctx or {})
     torch_store = ctx.get("torch_store")

@@ -256,10 +256,10 @@ class ProcessGroupPlait(Exchanges, dist.ProcessGroup):
     def _fail(self, msg):
         """Aborts the communicator on every rank (so no peer hangs) and raises InvalidArgument."""
         msg = f"rank {self._rank}: {msg}"
-        fail = getattr(getattr(self._comm, "_c", None), "fail", None)
-        if fail is not None:
-            fail(msg)
-        raise plait.InvalidArgument(msg)
+        # Communicator.fail and HierCommunicator.fail both abort every rank (of every host) and
+        # raise here; a multi-host group has no flat _c to fail on.
+        self._comm.fail(msg)
+        raise plait.InvalidArgument(msg)  # not reached: fail raises
 
     # -- reductions ----------------------------------------------------------------------------
     def _reduce_into(self, op, x, y, red, kw, *, root=None, scatter=False):

@@ -6,14 +6,23 @@ Python), into $PLAIT_CACHE_DIR (default ~/.cache/plait) under a file lock: many 
 once, one compiles, the rest wait and load. The module reaches plait's core only through
 plait._C's C API (bindings/capi.h), so there is one core in the process.
 
-PLAIT_TORCH_NATIVE: unset = native when it builds (else the Python backend, with a one-line
-note); 0 = always the Python backend; 1 = native or an error.
+When it cannot be built (no C++ compiler, no ninja, no Python headers, a cache directory that
+cannot be written), `import plait.torch` fails with one NativeBuildError naming each missing
+piece and how to get it, instead of running something else. While it compiles, stderr gets one
+line saying so (dots follow on a terminal).
+
+PLAIT_TORCH_NATIVE: unset or 1 = native or an error; 0 = the Python backend (kept only until
+multi-host groups and CUDA tensors reach the native one; they take the Python backend meanwhile).
 """
 
 import fcntl
 import hashlib
 import os
+import shutil
 import sys
+import sysconfig
+import threading
+import time
 import weakref
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,6 +30,7 @@ _SOURCES = ("torch/backend.cc", "torch/work.cc", "torch/collectives.cc", "torch/
 _HEADERS = ("torch/backend.h", "bindings/capi.h")
 _module = None
 _tried = False
+_error = None  # the NativeBuildError the build raised, raised again on each later use
 _comms = weakref.WeakValueDictionary()  # group name -> plait communicator of a native group
 
 
@@ -32,6 +42,72 @@ def _csrc():
     return None
 
 
+class NativeBuildError(ImportError):
+    """plait's torch backend cannot be compiled here; the message names what is missing."""
+
+
+def _cache_root():
+    return os.environ.get("PLAIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "plait")
+
+
+def _writable_dir(path):
+    """'' if path is (or can be made) a directory this process writes in, else why not."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        return e.strerror or str(e)
+    return "" if os.access(path, os.W_OK | os.X_OK) else "not writable"
+
+
+def missing():
+    """What compiling the backend needs and this machine lacks: a list of one-line items, each
+    naming the piece and how to get it (empty when everything is there)."""
+    out = []
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None and not (cxx == "c++" and (shutil.which("g++") or shutil.which("clang++"))):
+        out.append(f"a C++17 compiler ({cxx!r} is not on PATH): apt-get install g++ (or set CXX to one)")
+    if shutil.which("ninja") is None:
+        out.append("ninja (not on PATH): pip install ninja")
+    include = sysconfig.get_paths().get("include") or ""
+    if not os.path.isfile(os.path.join(include, "Python.h")):
+        ver = "%d.%d" % sys.version_info[:2]
+        out.append(f"the Python {ver} headers ({include}/Python.h): apt-get install python{ver}-dev")
+    root = _cache_root()
+    why = _writable_dir(root)
+    if why:
+        out.append(f"a writable cache directory ({root}: {why}): set PLAIT_CACHE_DIR to one")
+    return out
+
+
+class _Progress:
+    """The one line a compile prints; on a terminal, a dot every few seconds until it ends."""
+
+    def __init__(self, text, stream=None, interval=3.0):
+        self._s = stream or sys.stderr
+        self._interval = interval
+        self._tty = self._s.isatty()
+        self._t0 = time.monotonic()
+        self._stop = threading.Event()
+        self._s.write(text + ("" if self._tty else "\n"))
+        self._s.flush()
+        self._thread = None
+        if self._tty:
+            self._thread = threading.Thread(target=self._dots, daemon=True)
+            self._thread.start()
+
+    def _dots(self):
+        while not self._stop.wait(self._interval):
+            self._s.write(".")
+            self._s.flush()
+
+    def end(self, ok):
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._s.write(f" {'done' if ok else 'failed'} ({time.monotonic() - self._t0:.0f} s)\n")
+            self._s.flush()
+
+
 def _build():
     import torch
     from torch.utils import cpp_extension
@@ -40,63 +116,77 @@ def _build():
 
     src = _csrc()
     if src is None:
-        raise RuntimeError("the backend's C++ sources are not installed with plait")
+        raise NativeBuildError(
+            "plait.torch: the native backend's C++ sources are not installed with plait; reinstall plait"
+        )
     h = hashlib.sha256()
     for f in _SOURCES + _HEADERS:
         with open(os.path.join(src, f), "rb") as fh:
             h.update(f.encode() + b"\0" + fh.read())
     h.update(f"{torch.__version__}|{plait.__version__}|{sys.version_info[:2]}".encode())
     name = "plait_torch_" + h.hexdigest()[:16]
-    cache = os.environ.get("PLAIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "plait")
-    build_dir = os.path.join(cache, name)
+    build_dir = os.path.join(_cache_root(), name)
+    built = os.path.isfile(os.path.join(build_dir, name + ".so"))
+    lacking = [] if built else missing()
+    if lacking:
+        raise NativeBuildError(
+            f"plait.torch: cannot compile the native torch backend for torch {torch.__version__}; "
+            "missing: " + "; ".join(lacking)
+        )
     os.makedirs(build_dir, exist_ok=True)
     with open(os.path.join(build_dir, "build.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        progress = None
         if not os.path.exists(os.path.join(build_dir, name + ".so")):
-            print(
-                f"plait.torch: compiling the native backend for torch {torch.__version__} into {build_dir} "
-                "(once)",
-                file=sys.stderr,
-                flush=True,
+            progress = _Progress(
+                f"plait.torch: compiling the native backend for torch {torch.__version__} "
+                f"(once per torch version, about a minute) into {build_dir}"
             )
-        return cpp_extension.load(
-            name=name,
-            sources=[os.path.join(src, f) for f in _SOURCES],
-            extra_include_paths=[src],
-            build_directory=build_dir,
-            extra_cflags=["-O2"],
-            verbose=False,
-        )
+        ok = False
+        try:
+            mod = cpp_extension.load(
+                name=name,
+                sources=[os.path.join(src, f) for f in _SOURCES],
+                extra_include_paths=[src],
+                build_directory=build_dir,
+                extra_cflags=["-O2"],
+                verbose=False,
+            )
+            ok = True
+            return mod
+        finally:
+            if progress is not None:
+                progress.end(ok)
 
 
 def load():
-    """The compiled module, or None (the Python backend then serves the groups)."""
-    global _module, _tried
+    """The compiled module, or None where the Python backend serves the groups (PLAIT_TORCH_NATIVE=0,
+    or a CUDA build with a visible GPU). Raises NativeBuildError when it cannot be built."""
+    global _module, _tried, _error
     want = os.environ.get("PLAIT_TORCH_NATIVE", "")
     if want == "0":
         return None  # read at each group's creation, so a process may mix (tests do)
     if _tried:
+        if _error is not None:
+            raise NativeBuildError(str(_error))
         return _module
-    _tried = True
     if not want:
         import torch
 
         import plait
 
         if plait.build_info()["cuda"] and torch.cuda.is_available():
+            _tried = True
             return None  # CUDA tensors take plait's GPU path, which only the Python backend has yet
+    _tried = True
     try:
         _module = _build()
-    except Exception as e:  # noqa: BLE001 - any failure means: fall back, or raise when asked for
-        if want == "1":
-            raise RuntimeError(f"plait.torch: the native backend did not build: {e}") from e
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(
-            f"plait.torch: native backend unavailable ({first}); using the Python backend "
-            "(PLAIT_TORCH_NATIVE=0 silences this)",
-            file=sys.stderr,
-            flush=True,
-        )
+    except NativeBuildError as e:
+        _error = e
+        raise
+    except Exception as e:  # noqa: BLE001 - the compiler's own failure, said once with its text
+        _error = NativeBuildError(f"plait.torch: the native backend did not build: {str(e).strip()}")
+        raise _error from e
     return _module
 
 
