@@ -21,6 +21,13 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# Ranks are forked from this process. GNU OpenMP is not fork-safe: once a test has run a parallel
+# torch op here, a forked rank's first parallel op waits forever on the parent's thread team
+# (seen: 4-rank torch tests hung in gomp_team_barrier_wait_end after a Horovod test computed its
+# reference training here). One thread per process, as torchrun and plait-run set for their ranks,
+# means no team is ever made. Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 SHM_GLOB = "/dev/shm/plait-*"
 
 

@@ -67,6 +67,13 @@ def _reference(n, passes=1, op_sum=False):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _reference_rank(_rank, _n, _addr, n, passes=1, op_sum=False):
+    # The reference trains in a forked child, never in pytest's own process: autograd run here
+    # leaves thread-local state that later forked torch ranks inherit, and their gloo groups then
+    # deadlock on the GIL when destroyed (seen: DDP tests hanging after these ran).
+    return _np(_reference(n, passes, op_sum))
+
+
 def _train(rank, n, _addr, kind):
     hvd = _hvd()
     model = _model()
@@ -117,7 +124,7 @@ def _train(rank, n, _addr, kind):
 def test_distributed_optimizer(ranks, kind):
     n = 2
     got = _t(ranks(_train, n, args=(kind,), timeout=120))
-    want = _reference(n, passes=2 if kind == "passes" else 1, op_sum=kind == "sum")
+    want = _t(ranks(_reference_rank, 1, args=(n, 2 if kind == "passes" else 1, kind == "sum")))[0]
     tol = 2e-3 if kind == "fp16" else 1e-12
     for g, w in zip(got[0], want):
         assert torch.allclose(g, w, atol=tol, rtol=0), (kind, g, w)
@@ -131,7 +138,7 @@ def _train3(rank, n, _addr):
 
 def test_distributed_optimizer_three_ranks(ranks):
     got = _t(ranks(_train3, 3, timeout=120))
-    for g, w in zip(got[2], _reference(3)):
+    for g, w in zip(got[2], _t(ranks(_reference_rank, 1, args=(3,)))[0]):
         assert torch.allclose(g, w, atol=1e-12, rtol=0)
 
 
@@ -211,22 +218,27 @@ def _sync_bn(rank, n, _addr):
     return _np((out.detach(), x.grad, bn.running_mean.clone(), bn.running_var.clone(), gw, full, w))
 
 
-def test_sync_batch_norm(ranks):
-    n = 2
-    got = _t(ranks(_sync_bn, n, timeout=90))
-    full, w = got[0][5], got[0][6]
+def _bn_reference(_rank, _n, _addr, full, w):
+    # In a forked child, as _reference_rank says why.
+    full, w = torch.from_numpy(full), torch.from_numpy(w)
     ref = torch.nn.BatchNorm1d(3).double()
     x = full.clone().requires_grad_(True)
     out = ref(x)
     (out * w).sum().backward()
+    return _np((out.detach(), x.grad, ref.running_mean, ref.running_var, ref.weight.grad))
+
+
+def test_sync_batch_norm(ranks):
+    n = 2
+    got = _t(ranks(_sync_bn, n, timeout=90))
+    full, w = got[0][5], got[0][6]
+    out, xgrad, mean, var, wgrad = _t(ranks(_bn_reference, 1, args=_np((full, w))))[0]
     for r in range(n):
         o, g, rm, rv, gw = got[r][:5]
-        assert torch.allclose(o, out[4 * r : 4 * (r + 1)].detach(), atol=1e-10)
-        assert torch.allclose(g, x.grad[4 * r : 4 * (r + 1)], atol=1e-10)
-        assert torch.allclose(rm, ref.running_mean, atol=1e-12) and torch.allclose(
-            rv, ref.running_var, atol=1e-12
-        )
-        assert torch.allclose(gw, ref.weight.grad, atol=1e-10)
+        assert torch.allclose(o, out[4 * r : 4 * (r + 1)], atol=1e-10)
+        assert torch.allclose(g, xgrad[4 * r : 4 * (r + 1)], atol=1e-10)
+        assert torch.allclose(rm, mean, atol=1e-12) and torch.allclose(rv, var, atol=1e-12)
+        assert torch.allclose(gw, wgrad, atol=1e-10)
 
 
 def _compression(rank, n, _addr):
