@@ -4,8 +4,8 @@
 // reduce_scatter: per window of chunk_elems of each block, n - 1 steps; step s sends the partial
 // of block (r - s - 1) to the right (the input block itself at step 0), receives the left's
 // partial of block (r - s - 2) into scratch and adds this rank's input block to it; the last step
-// writes block r, finished, into the output. avg divides every input as it enters a sum, as
-// NCCL's pre-scaled avg does. Each rank sends and receives (n - 1) / n of the input.
+// writes block r, finished, into the output (avg: that step divides the sum by n, as the CPU
+// path does). Each rank sends and receives (n - 1) / n of the input.
 // allgather: n - 1 steps straight between output blocks; each rank sends (n - 1) blocks.
 // allreduce: the vector in rounds of n chunks, each round a reduce-scatter then an allgather in
 // place in the output: 2 (n - 1) steps, 2 (n - 1) / n of the vector sent per rank.
@@ -32,10 +32,8 @@ void gpu_reduce_scatter_ring(GpuCtx& c) {
       c.ops.recv(c.scratch_at(0), bytes, p.left);
       c.ops.group_end();
       const bool last = s + 2 == n;
-      // avg: this rank's input block is raw; what arrived is raw only at step 0 (a neighbour's
-      // input).
       c.reduce(last ? c.out_at(w.offset) : c.scratch_at(1), c.in_at(st.recv_block * m + w.offset),
-               c.scratch_at(0), w.count, true, s == 0);
+               c.scratch_at(0), w.count, last);
     }
   }
 }
@@ -55,8 +53,8 @@ void gpu_allgather_ring(GpuCtx& c) {
 
 void gpu_allreduce_ring(GpuCtx& c) {
   const int n = c.size;
-  c.load(c.a.out, c.a.in, c.a.count);  // avg: divided up front, so every partial is a plain sum
-  if (n == 1) return;                  // avg over one rank divides by 1: the copy is the result
+  c.copy(c.a.out, c.a.in, c.a.count);
+  if (n == 1) return;  // avg over one rank divides by 1: the copy is the result
   const RingPlan p = ring_plan(c.rank, n);
   for (const Span& r : chunk_plan(c.a.count, c.chunk_elems * n)) {
     const auto block = [&](int b) {
@@ -70,7 +68,8 @@ void gpu_allreduce_ring(GpuCtx& c) {
       if (out.count) c.ops.send(c.out_at(out.offset), c.bytes(out.count), p.right);
       if (in.count) c.ops.recv(c.scratch_at(0), c.bytes(in.count), p.left);
       c.ops.group_end();
-      c.reduce(c.out_at(in.offset), c.out_at(in.offset), c.scratch_at(0), in.count, false, false);
+      // The last reduce-scatter step finishes the block (avg: divides the sum).
+      c.reduce(c.out_at(in.offset), c.out_at(in.offset), c.scratch_at(0), in.count, s + 2 == n);
     }
     for (const RingStep& st : p.allgather) {
       const Span out = block(st.send_block), in = block(st.recv_block);

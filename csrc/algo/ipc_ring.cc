@@ -38,15 +38,14 @@ void run_ring(IpcCtx& c) {
     // The slot last held epoch post - 2; those of earlier calls are covered by begin().
     if (s.post > 2) c.tp.wait(IpcMapping::kDone, post - 2, c.timeout_ns, c.stream, right);
     switch (s.kind) {
-      case IpcRingStep::load:  // avg: every input is divided as it enters (NCCL's pre-scaled avg)
-        c.load(to, c.in_at(s.in_offset), s.count);
+      case IpcRingStep::load:
+        c.copy(to, c.in_at(s.in_offset), s.count);
         break;
       case IpcRingStep::reduce:
-        c.reduce(to, from, c.in_at(s.in_offset), s.count, false, true);
+        c.reduce(to, from, c.in_at(s.in_offset), s.count, false);
         break;
-      case IpcRingStep::finish:
-        c.reduce(to ? to : c.out_at(s.out_offset), from, c.in_at(s.in_offset), s.count, false,
-                 true);
+      case IpcRingStep::finish:  // avg: the sum is divided by n here, once
+        c.reduce(to ? to : c.out_at(s.out_offset), from, c.in_at(s.in_offset), s.count, true);
         if (to) c.copy(c.out_at(s.out_offset), to, s.count);
         break;
       case IpcRingStep::gather:

@@ -43,37 +43,21 @@ uint64_t now_ns() {
 
 }  // namespace
 
-void reduce_cuda(DType dtype, RedOp op, void* dst, const void* a, const void* b, size_t count,
-                 AvgScale scale, const int* skip, cudaStream_t stream) {
+void reduce_many_cuda(DType dtype, RedOp op, void* dst, const void* const* srcs, int nsrc,
+                      size_t count, int avg_divisor, const int* skip, cudaStream_t stream) {
+  if (nsrc < 1 || nsrc > kMaxReduceSrcs) throw InvalidArgument("reduce_cuda (fake): bad nsrc");
+  const std::vector<const void*> p(srcs, srcs + nsrc);
   fake::launch(stream, [=] {
     fake::jitter();
-    if (skipped(skip) || count == 0) return;
-    const void* x = a;
-    const void* y = b;
-    std::vector<char> xa, yb;
-    if (op == RedOp::avg) {  // raw operands enter the sum divided, as NCCL's pre-scaled avg
-      const size_t bytes = count * dtype_size(dtype);
-      if (scale.a) {
-        xa.resize(bytes);
-        reduce(dtype, RedOp::avg, xa.data(), &a, 1, count, scale.divisor);
-        x = xa.data();
-      }
-      if (scale.b) {
-        yb.resize(bytes);
-        reduce(dtype, RedOp::avg, yb.data(), &b, 1, count, scale.divisor);
-        y = yb.data();
-      }
-    }
-    const void* srcs[2] = {x, y};
-    reduce(dtype, op == RedOp::avg ? RedOp::sum : op, dst, srcs, 2, count, 0);
+    if (!skipped(skip) && count)
+      reduce(dtype, op, dst, p.data(), int(p.size()), count, avg_divisor);
   });
 }
 
-void divide_cuda(DType dtype, void* dst, const void* src, size_t count, int divisor,
-                 const int* skip, cudaStream_t stream) {
-  fake::launch(stream, [=] {
-    if (!skipped(skip) && count) reduce(dtype, RedOp::avg, dst, &src, 1, count, divisor);
-  });
+void reduce_cuda(DType dtype, RedOp op, void* dst, const void* a, const void* b, size_t count,
+                 int avg_divisor, const int* skip, cudaStream_t stream) {
+  const void* srcs[2] = {a, b};
+  reduce_many_cuda(dtype, op, dst, srcs, 2, count, avg_divisor, skip, stream);
 }
 
 void copy_cuda(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t rows,
