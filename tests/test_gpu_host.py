@@ -156,6 +156,12 @@ def test_ipc_protocol_over_threads(exe):
     run(exe, "ipc_protocol")
 
 
+def test_ipc_half_sums_round_once(exe):
+    """fp16 sum and avg over 3 and 4 ranks by one_shot, two_shot and ring: float32 partials
+    between ranks (the ring's slots), one rounding, the CPU's result; 30000s average to 30000."""
+    run(exe, "ipc_half_partials")
+
+
 def test_ipc_gives_up_on_a_stalled_peer(exe):
     run(exe, "ipc_peer_stops")
 

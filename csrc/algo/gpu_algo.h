@@ -60,10 +60,15 @@ struct IpcCtx {
   const char* in_at(int64_t e) const { return static_cast<const char*>(a.in) + e * int64_t(esize); }
   char* out_at(int64_t e) const { return static_cast<char*>(a.out) + e * int64_t(esize); }
   size_t bytes(int64_t elems) const { return size_t(elems) * esize; }
+  size_t psize() const { return partial_size(a.dtype); }  // bytes of a partial (reduce.h)
   // As GpuCtx's; every kernel is guarded by the transport's skip word, so once a wait of this
-  // call gave up, the rest of it moves nothing.
-  void reduce(void* dst, const void* x, const void* y, int64_t n, bool finish) const;
+  // call gave up, the rest of it moves nothing. x_partial: x holds float32 partials (f16/bf16),
+  // partial_dst: dst gets them (reduce.h), so sums that travel between ranks round only once.
+  void reduce(void* dst, const void* x, const void* y, int64_t n, bool finish,
+              bool x_partial = false, bool partial_dst = false) const;
   void copy(void* dst, const void* src, int64_t n) const;
+  // n elements of src into dst as partials (widened for f16/bf16, a copy otherwise).
+  void to_partials(void* dst, const void* src, int64_t n) const;
   // `rows` rows of n elements, rows spitch/dpitch elements apart.
   void copy_rows(void* dst, int64_t dpitch, const void* src, int64_t spitch, int64_t n,
                  int64_t rows) const;

@@ -10,8 +10,16 @@
 
 namespace plait {
 
-void IpcCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool finish) const {
-  reduce_cuda(a.dtype, a.op, dst, x, y, size_t(n), finish ? size : 0, tp.skip_word(), stream);
+void IpcCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool finish, bool x_partial,
+                    bool partial_dst) const {
+  reduce_cuda(a.dtype, a.op, dst, x, y, size_t(n), finish ? size : 0, tp.skip_word(), stream,
+              x_partial ? 1u : 0u, partial_dst);
+}
+
+void IpcCtx::to_partials(void* dst, const void* src, int64_t n) const {
+  if (psize() == esize) return copy(dst, src, n);
+  if (n == 0) return;
+  reduce_many_cuda(a.dtype, a.op, dst, &src, 1, size_t(n), 0, tp.skip_word(), stream, 0, true);
 }
 
 void IpcCtx::copy(void* dst, const void* src, int64_t n) const {

@@ -89,6 +89,21 @@ __global__ void reduce_kernel(T* dst, Srcs s, int nsrc, int64_t head, int64_t nv
     dst[i] = narrow<T>(reduce_at<T, Op>(s.p, nsrc, 0, i, divisor));
 }
 
+// With float32 partials among the sources or as the result (f16/bf16 only): element by element.
+template <class T, class Op>
+__global__ void reduce_partials_kernel(void* dst, Srcs s, int nsrc, uint32_t partial_srcs,
+                                       bool partial_dst, int64_t n, int divisor, const int* skip) {
+  if (skipped(skip)) return;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const AccT<T> acc = reduce_at<T, Op>(s.p, nsrc, partial_srcs, i, divisor);
+    if (partial_dst)
+      static_cast<AccT<T>*>(dst)[i] = acc;
+    else
+      static_cast<T*>(dst)[i] = narrow<T>(acc);
+  }
+}
+
 template <int B>
 __global__ void copy_kernel(char* dst, size_t dpitch, const char* src, size_t spitch,
                             int64_t per_row, int64_t total, const int* skip) {
@@ -138,11 +153,24 @@ bool launch_vec(T* dst, const Srcs& src, int nsrc, int64_t n, int divisor, const
   }
 }
 
+// Which sources hold partials, and whether dst gets them.
+struct Forms {
+  uint32_t srcs;
+  bool dst;
+};
+
 template <class T, class Op>
 void launch(void* dst, const Srcs& src, int nsrc, size_t count, int divisor, const int* skip,
-            cudaStream_t s) {
+            cudaStream_t s, Forms f = {}) {
   T* d = static_cast<T*>(dst);
   const int64_t n = int64_t(count);
+  if constexpr (sizeof(AccT<T>) != sizeof(T)) {
+    if (f.dst || (f.srcs & ((nsrc < 32 ? 1u << nsrc : 0u) - 1u)) != 0) {
+      reduce_partials_kernel<T, Op>
+          <<<blocks_for(n), kThreads, 0, s>>>(dst, src, nsrc, f.srcs, f.dst, n, divisor, skip);
+      return;
+    }
+  }
   if (launch_vec<T, Op, 16>(d, src, nsrc, n, divisor, skip, s) ||
       launch_vec<T, Op, 8>(d, src, nsrc, n, divisor, skip, s) ||
       launch_vec<T, Op, 4>(d, src, nsrc, n, divisor, skip, s))
@@ -153,17 +181,17 @@ void launch(void* dst, const Srcs& src, int nsrc, size_t count, int divisor, con
 
 template <class T>
 void by_op(RedOp op, void* dst, const Srcs& src, int nsrc, size_t n, int divisor, const int* k,
-           cudaStream_t s) {
+           cudaStream_t s, Forms f) {
   switch (op) {
     case RedOp::sum:
     case RedOp::avg:
-      return launch<T, Sum>(dst, src, nsrc, n, divisor, k, s);
+      return launch<T, Sum>(dst, src, nsrc, n, divisor, k, s, f);
     case RedOp::prod:
-      return launch<T, Prod>(dst, src, nsrc, n, divisor, k, s);
+      return launch<T, Prod>(dst, src, nsrc, n, divisor, k, s, f);
     case RedOp::min:
-      return launch<T, Min>(dst, src, nsrc, n, divisor, k, s);
+      return launch<T, Min>(dst, src, nsrc, n, divisor, k, s, f);
     case RedOp::max:
-      return launch<T, Max>(dst, src, nsrc, n, divisor, k, s);
+      return launch<T, Max>(dst, src, nsrc, n, divisor, k, s, f);
     case RedOp::kCount:
       break;
   }
@@ -173,7 +201,8 @@ void by_op(RedOp op, void* dst, const Srcs& src, int nsrc, size_t n, int divisor
 }  // namespace
 
 void reduce_many_cuda(DType dtype, RedOp op, void* dst, const void* const* srcs, int nsrc,
-                      size_t count, int avg_divisor, const int* skip, cudaStream_t s) {
+                      size_t count, int avg_divisor, const int* skip, cudaStream_t s,
+                      uint32_t partial_srcs, bool partial_dst) {
   if (nsrc < 1 || nsrc > kMaxReduceSrcs)
     throw InvalidArgument(std::string("reduce_cuda: ") + std::to_string(nsrc) + " sources (dtype " +
                           dtype_name(dtype) + ", op " + op_name(op) + ", count " +
@@ -186,30 +215,31 @@ void reduce_many_cuda(DType dtype, RedOp op, void* dst, const void* const* srcs,
   Srcs src{};
   for (int j = 0; j < nsrc; ++j) src.p[j] = srcs[j];
   const int d = op == RedOp::avg && avg_divisor > 0 ? avg_divisor : 0;
+  const Forms f{partial_srcs, partial_dst};
   switch (dtype) {
     case DType::f16:
-      by_op<__half>(op, dst, src, nsrc, count, d, skip, s);
+      by_op<__half>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::bf16:
-      by_op<__nv_bfloat16>(op, dst, src, nsrc, count, d, skip, s);
+      by_op<__nv_bfloat16>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::f32:
-      by_op<float>(op, dst, src, nsrc, count, d, skip, s);
+      by_op<float>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::f64:
-      by_op<double>(op, dst, src, nsrc, count, d, skip, s);
+      by_op<double>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::i8:
-      by_op<int8_t>(op, dst, src, nsrc, count, d, skip, s);
+      by_op<int8_t>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::u8:
-      by_op<uint8_t>(op, dst, src, nsrc, count, d, skip, s);
+      by_op<uint8_t>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::i32:
-      by_op<int32_t>(op, dst, src, nsrc, count, d, skip, s);
+      by_op<int32_t>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::i64:
-      by_op<int64_t>(op, dst, src, nsrc, count, d, skip, s);
+      by_op<int64_t>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::boolean:
       if (op == RedOp::sum || op == RedOp::max)
@@ -224,9 +254,10 @@ void reduce_many_cuda(DType dtype, RedOp op, void* dst, const void* const* srcs,
 }
 
 void reduce_cuda(DType dtype, RedOp op, void* dst, const void* a, const void* b, size_t count,
-                 int avg_divisor, const int* skip, cudaStream_t s) {
+                 int avg_divisor, const int* skip, cudaStream_t s, uint32_t partial_srcs,
+                 bool partial_dst) {
   const void* srcs[2] = {a, b};
-  reduce_many_cuda(dtype, op, dst, srcs, 2, count, avg_divisor, skip, s);
+  reduce_many_cuda(dtype, op, dst, srcs, 2, count, avg_divisor, skip, s, partial_srcs, partial_dst);
 }
 
 void copy_cuda(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t rows,

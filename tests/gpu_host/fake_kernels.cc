@@ -44,20 +44,24 @@ uint64_t now_ns() {
 }  // namespace
 
 void reduce_many_cuda(DType dtype, RedOp op, void* dst, const void* const* srcs, int nsrc,
-                      size_t count, int avg_divisor, const int* skip, cudaStream_t stream) {
+                      size_t count, int avg_divisor, const int* skip, cudaStream_t stream,
+                      uint32_t partial_srcs, bool partial_dst) {
   if (nsrc < 1 || nsrc > kMaxReduceSrcs) throw InvalidArgument("reduce_cuda (fake): bad nsrc");
   const std::vector<const void*> p(srcs, srcs + nsrc);
   fake::launch(stream, [=] {
     fake::jitter();
     if (!skipped(skip) && count)
-      reduce(dtype, op, dst, p.data(), int(p.size()), count, avg_divisor);
+      reduce(dtype, op, dst, p.data(), int(p.size()), count, avg_divisor, partial_srcs,
+             partial_dst);
   });
 }
 
 void reduce_cuda(DType dtype, RedOp op, void* dst, const void* a, const void* b, size_t count,
-                 int avg_divisor, const int* skip, cudaStream_t stream) {
+                 int avg_divisor, const int* skip, cudaStream_t stream, uint32_t partial_srcs,
+                 bool partial_dst) {
   const void* srcs[2] = {a, b};
-  reduce_many_cuda(dtype, op, dst, srcs, 2, count, avg_divisor, skip, stream);
+  reduce_many_cuda(dtype, op, dst, srcs, 2, count, avg_divisor, skip, stream, partial_srcs,
+                   partial_dst);
 }
 
 void copy_cuda(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t rows,
