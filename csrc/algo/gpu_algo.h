@@ -4,6 +4,7 @@
 #pragma once
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -28,9 +29,16 @@ struct GpuCtx {
   char* out_at(int64_t e) const { return static_cast<char*>(a.out) + e * int64_t(esize); }
   char* scratch_at(int slot) const { return scratch + size_t(slot) * size_t(chunk_elems) * esize; }
   size_t bytes(int64_t elems) const { return size_t(elems) * esize; }
+  size_t psize() const { return partial_size(a.dtype); }  // bytes of a partial (reduce.h)
+  // Elements a scratch slot holds as partials (fewer than chunk_elems for f16/bf16).
+  int64_t chunk_partials() const {
+    return std::max<int64_t>(1, chunk_elems * int64_t(esize) / int64_t(psize()));
+  }
   // dst = x op y over n elements; `finish`: this step completes the reduction, so for avg the
   // sum is divided by the rank count here (sum, then divide, as the CPU path; reduce.h).
-  void reduce(void* dst, const void* x, const void* y, int64_t n, bool finish) const;
+  // x_partial: x holds float32 partials (f16/bf16); partial_dst: dst gets them.
+  void reduce(void* dst, const void* x, const void* y, int64_t n, bool finish,
+              bool x_partial = false, bool partial_dst = false) const;
   void copy(void* dst, const void* src, int64_t n) const;
 };
 

@@ -39,8 +39,10 @@ void IpcCtx::reduce_all(void* dst, const std::vector<const char*>& srcs, int64_t
                    stream);
 }
 
-void GpuCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool finish) const {
-  reduce_cuda(a.dtype, a.op, dst, x, y, size_t(n), finish ? size : 0, nullptr, stream);
+void GpuCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool finish, bool x_partial,
+                    bool partial_dst) const {
+  reduce_cuda(a.dtype, a.op, dst, x, y, size_t(n), finish ? size : 0, nullptr, stream,
+              x_partial ? 1u : 0u, partial_dst);
 }
 
 void GpuCtx::copy(void* dst, const void* src, int64_t n) const {

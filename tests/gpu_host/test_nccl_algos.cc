@@ -1,6 +1,8 @@
 // The NCCL-based GPU algorithms (ring, tree, NCCL's own rows), unchanged, over the fake NCCL and
 // runtime: every collective's closed-form result on every rank, for worlds of 1..5, counts that
 // leave blocks empty and chunks that force many rounds (64-byte chunks), in place and out.
+#include <cuda_fp16.h>
+
 #include <cmath>
 
 #include "world.h"
@@ -33,6 +35,36 @@ void check_allreduce(Rank& r, const std::string& algo, RedOp op, DType t, int64_
     EXPECT(o[i] == want, "allreduce", algo, op_name(op), dtype_name(t), "n", n, "rank", r.rank,
            "count", count, "i", i, "got", double(o[i]), "want", double(want));
   }
+}
+
+// fp16 allreduce and reduce_scatter by the ring: partials travel as float32 and the sum rounds
+// once, so it is the CPU's (integer inputs: the float32 sum is exact; its one rounding to fp16 is
+// the closed form); an average of 30000s stays 30000 though a sum of three is past fp16's range.
+void check_half_ring(Rank& r, RedOp op, int64_t count, bool in_place) {
+  const int n = r.size;
+  const auto v = [&](int rank, int64_t j) {
+    return op == RedOp::avg ? 30000.0f : float(1000 + 37 * rank + j % 97);
+  };
+  const auto want = [&](int64_t j) {
+    float sum = 0;
+    for (int k = 0; k < n; ++k) sum += v(k, j);
+    return __half2float(__half(op == RedOp::avg ? sum / float(n) : sum));
+  };
+  std::vector<__half> in(static_cast<size_t>(count)), out(size_t(count), __half(-7.0f));
+  for (int64_t i = 0; i < count; ++i) in[size_t(i)] = __half(v(r.rank, i));
+  __half* o = in_place ? in.data() : out.data();
+  call_and_wait(r, Coll::allreduce, dev(in.data(), size_t(count) * 2, DType::f16, r.stream),
+                dev(o, size_t(count) * 2, DType::f16, r.stream), op, "ring");
+  for (int64_t i = 0; i < count; ++i)
+    EXPECT(__half2float(o[i]) == want(i), "fp16 allreduce ring", op_name(op), "n", n, "rank",
+           r.rank, "i", i, "got", __half2float(o[i]), "want", want(i));
+  std::vector<__half> all(static_cast<size_t>(n * count)), mine(size_t(count), __half(-7.0f));
+  for (int64_t j = 0; j < n * count; ++j) all[size_t(j)] = __half(v(r.rank, j));
+  call_and_wait(r, Coll::reduce_scatter, dev(all.data(), all.size() * 2, DType::f16, r.stream),
+                dev(mine.data(), mine.size() * 2, DType::f16, r.stream), op, "ring");
+  for (int64_t i = 0; i < count; ++i)
+    EXPECT(__half2float(mine[size_t(i)]) == want(r.rank * count + i), "fp16 reduce_scatter ring",
+           op_name(op), "n", n, "rank", r.rank, "i", i);
 }
 
 void check_others(Rank& r, const std::string& algo, int64_t count) {
@@ -91,6 +123,10 @@ void test_nccl_algorithms() {
             check_allreduce<int32_t>(r, algo, RedOp::sum, DType::i32, count, in_place);
             check_allreduce<float>(r, algo, RedOp::avg, DType::f32, count, in_place);
             check_allreduce<int64_t>(r, algo, RedOp::max, DType::i64, count, in_place);
+            if (algo == std::string("ring")) {
+              check_half_ring(r, RedOp::sum, count, in_place);
+              check_half_ring(r, RedOp::avg, count, in_place);
+            }
           }
           check_others(r, algo, count);
         }
