@@ -115,8 +115,8 @@ def exe():
 def test_nccl_algorithms_give_the_closed_forms(exe):
     """ring, tree and NCCL's rows for every collective, worlds of 1..5, counts 0/1/13/301 with
     64-byte chunks (many rounds, empty blocks), in place and out, int32 sum, float32 avg (ring
-    and tree: sum, then one division, as the CPU path), int64 max, fp16 sum and avg by the ring
-    (float32 partials, one rounding); finalize destroys every
+    and tree: sum, then one division, as the CPU path), int64 max, fp16 sum and avg by ring and
+    tree (float32 partials, one rounding); finalize destroys every
     communicator and nothing is aborted."""
     run(exe, "nccl_algorithms")
 

@@ -39,7 +39,12 @@ struct GpuCtx {
   // x_partial: x holds float32 partials (f16/bf16); partial_dst: dst gets them.
   void reduce(void* dst, const void* x, const void* y, int64_t n, bool finish,
               bool x_partial = false, bool partial_dst = false) const;
+  // dst = srcs[0] op srcs[1] op ... in one kernel, partials marked as in reduce.h.
+  void reduce_n(void* dst, const std::vector<const void*>& srcs, int64_t n, bool finish,
+                uint32_t partial_srcs, bool partial_dst) const;
   void copy(void* dst, const void* src, int64_t n) const;
+  // n elements of src into dst as partials (widened for f16/bf16, a copy otherwise).
+  void to_partials(void* dst, const void* src, int64_t n) const;
 };
 
 // The view an algorithm over the CUDA IPC transport works in. Epochs count exchanges over the

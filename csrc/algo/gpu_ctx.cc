@@ -45,6 +45,18 @@ void GpuCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool fin
               x_partial ? 1u : 0u, partial_dst);
 }
 
+void GpuCtx::reduce_n(void* dst, const std::vector<const void*>& srcs, int64_t n, bool finish,
+                      uint32_t partial_srcs, bool partial_dst) const {
+  reduce_many_cuda(a.dtype, a.op, dst, srcs.data(), int(srcs.size()), size_t(n), finish ? size : 0,
+                   nullptr, stream, partial_srcs, partial_dst);
+}
+
+void GpuCtx::to_partials(void* dst, const void* src, int64_t n) const {
+  if (psize() == esize) return copy(dst, src, n);
+  if (n == 0) return;
+  reduce_many_cuda(a.dtype, a.op, dst, &src, 1, size_t(n), 0, nullptr, stream, 0, true);
+}
+
 void GpuCtx::copy(void* dst, const void* src, int64_t n) const {
   if (dst == src || n == 0) return;
   const cudaError_t e = cudaMemcpyAsync(dst, src, bytes(n), cudaMemcpyDeviceToDevice, stream);
