@@ -17,21 +17,23 @@ template <class T>
 void check_allreduce(Rank& r, const std::string& algo, RedOp op, DType t, int64_t count,
                      bool in_place) {
   const int n = r.size;
-  // avg: plait's rows sum, then divide once, as the CPU path (so 1/3 of a sum rounds once);
-  // NCCL's row is NCCL's own arithmetic (a PreMulSum by 1/n), exact only on multiples of n.
+  // avg: plait's rows sum, then divide once, as the CPU path (so 1/3 of a sum rounds once; rank
+  // 0 adds 1 so that the sums are no multiples of 3); NCCL's row is NCCL's own arithmetic (a
+  // PreMulSum by 1/n), exact only on multiples of n.
   const bool nccl_avg = op == RedOp::avg && algo == "nccl";
+  const bool plait_avg = op == RedOp::avg && !nccl_avg;
   std::vector<T> in(static_cast<size_t>(count)), out(size_t(count), T(-7));
   for (int64_t i = 0; i < count; ++i)
     in[size_t(i)] = op == RedOp::max ? T(r.rank == i % n ? 1000 + i : i)
                     : nccl_avg       ? T(n * f(r.rank, i))
-                                     : T(f(r.rank, i));
+                                     : T(f(r.rank, i) + (plait_avg && r.rank == 0));
   T* o = in_place ? in.data() : out.data();
   call_and_wait(r, Coll::allreduce, dev(in.data(), in.size() * sizeof(T), t, r.stream),
                 dev(o, in.size() * sizeof(T), t, r.stream), op, algo);
   for (int64_t i = 0; i < count; ++i) {
-    const T want = op == RedOp::max                ? T(1000 + i)
-                   : op == RedOp::avg && !nccl_avg ? T(T(sum_f(n, i)) / T(n))
-                                                   : T(sum_f(n, i));
+    const T want = op == RedOp::max ? T(1000 + i)
+                   : plait_avg      ? T(T(sum_f(n, i) + 1) / T(n))
+                                    : T(sum_f(n, i));
     EXPECT(o[i] == want, "allreduce", algo, op_name(op), dtype_name(t), "n", n, "rank", r.rank,
            "count", count, "i", i, "got", double(o[i]), "want", double(want));
   }
