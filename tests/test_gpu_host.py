@@ -114,8 +114,10 @@ def exe():
 
 def test_nccl_algorithms_give_the_closed_forms(exe):
     """ring, tree and NCCL's rows for every collective, worlds of 1..5, counts 0/1/13/301 with
-    64-byte chunks (many rounds, empty blocks), in place and out, int32 sum, float32 avg, int64
-    max; finalize destroys every communicator and nothing is aborted."""
+    64-byte chunks (many rounds, empty blocks), in place and out, int32 sum, float32 avg (ring
+    and tree: sum, then one division, as the CPU path), int64 max, fp16 sum and avg by ring and
+    tree (float32 partials, one rounding); finalize destroys every
+    communicator and nothing is aborted."""
     run(exe, "nccl_algorithms")
 
 
@@ -134,15 +136,31 @@ def test_review_finding(exe, case):
 
 def test_reduction_element_functions_match_the_cpu_bitwise(exe):
     """reduce_cuda.cu's arithmetic per element (reduce/reduce_elem.h, __host__ __device__) against
-    the CPU kernels, bitwise: f16/bf16/f32/f64/int8/uint8/int32/int64 x sum/prod/min/max and bool
-    or/and over every pair of edge values (NaN, inf, signed zeros, limits, wrap-around)."""
+    the CPU kernels, bitwise: f16/bf16/f32/f64/int8/uint8/int32/int64 x sum/prod/min/max, avg over
+    1/2/3/7 (sum, then divide, as the CPU) and bool or/and over every pair of edge values (NaN,
+    inf, signed zeros, limits, wrap-around)."""
     run(exe, "element_functions_match_the_cpu")
 
 
+def test_reduction_element_functions_with_float32_partials(exe):
+    """n-source reductions (3, 4, 6 sources) through the element functions against the CPU kernel
+    bit for bit: f16/bf16 accumulate in float32 and round once, sources and results as float32
+    partials in every pattern, every op, avg over 3 and 8; eight fp16 ranks at 1e4 average to 1e4
+    although their sum is past fp16's range."""
+    run(exe, "element_functions_float32_partials")
+
+
 def test_ipc_protocol_over_threads(exe):
-    """Mixed one_shot/two_shot/ring sequences of allreduce, reduce_scatter and allgather, worlds of
-    1..4, random counts over 4 KiB staging, in place and out, random delays in every kernel."""
+    """Mixed one_shot/two_shot/ring sequences of allreduce (int32 sum, float32 avg whose sum is
+    no multiple of 3: divided once, after the sum), reduce_scatter and allgather, worlds of 1..4,
+    random counts over 4 KiB staging, in place and out, random delays in every kernel."""
     run(exe, "ipc_protocol")
+
+
+def test_ipc_half_sums_round_once(exe):
+    """fp16 sum and avg over 3 and 4 ranks by one_shot, two_shot and ring: float32 partials
+    between ranks (the ring's slots), one rounding, the CPU's result; 30000s average to 30000."""
+    run(exe, "ipc_half_partials")
 
 
 def test_ipc_gives_up_on_a_stalled_peer(exe):

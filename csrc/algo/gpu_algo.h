@@ -4,6 +4,7 @@
 #pragma once
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -28,12 +29,22 @@ struct GpuCtx {
   char* out_at(int64_t e) const { return static_cast<char*>(a.out) + e * int64_t(esize); }
   char* scratch_at(int slot) const { return scratch + size_t(slot) * size_t(chunk_elems) * esize; }
   size_t bytes(int64_t elems) const { return size_t(elems) * esize; }
-  // dst = x op y over n elements; for avg, raw_x / raw_y: that operand is a rank's own input,
-  // divided by the rank count as it enters the sum (NCCL's pre-scaled avg), not a partial.
-  void reduce(void* dst, const void* x, const void* y, int64_t n, bool raw_x, bool raw_y) const;
+  size_t psize() const { return partial_size(a.dtype); }  // bytes of a partial (reduce.h)
+  // Elements a scratch slot holds as partials (fewer than chunk_elems for f16/bf16).
+  int64_t chunk_partials() const {
+    return std::max<int64_t>(1, chunk_elems * int64_t(esize) / int64_t(psize()));
+  }
+  // dst = x op y over n elements; `finish`: this step completes the reduction, so for avg the
+  // sum is divided by the rank count here (sum, then divide, as the CPU path; reduce.h).
+  // x_partial: x holds float32 partials (f16/bf16); partial_dst: dst gets them.
+  void reduce(void* dst, const void* x, const void* y, int64_t n, bool finish,
+              bool x_partial = false, bool partial_dst = false) const;
+  // dst = srcs[0] op srcs[1] op ... in one kernel, partials marked as in reduce.h.
+  void reduce_n(void* dst, const std::vector<const void*>& srcs, int64_t n, bool finish,
+                uint32_t partial_srcs, bool partial_dst) const;
   void copy(void* dst, const void* src, int64_t n) const;
-  // copy(), divided by the rank count for avg: a rank's input entering a sum on its own.
-  void load(void* dst, const void* src, int64_t n) const;
+  // n elements of src into dst as partials (widened for f16/bf16, a copy otherwise).
+  void to_partials(void* dst, const void* src, int64_t n) const;
 };
 
 // The view an algorithm over the CUDA IPC transport works in. Epochs count exchanges over the
@@ -62,16 +73,21 @@ struct IpcCtx {
   const char* in_at(int64_t e) const { return static_cast<const char*>(a.in) + e * int64_t(esize); }
   char* out_at(int64_t e) const { return static_cast<char*>(a.out) + e * int64_t(esize); }
   size_t bytes(int64_t elems) const { return size_t(elems) * esize; }
+  size_t psize() const { return partial_size(a.dtype); }  // bytes of a partial (reduce.h)
   // As GpuCtx's; every kernel is guarded by the transport's skip word, so once a wait of this
-  // call gave up, the rest of it moves nothing.
-  void reduce(void* dst, const void* x, const void* y, int64_t n, bool raw_x, bool raw_y) const;
+  // call gave up, the rest of it moves nothing. x_partial: x holds float32 partials (f16/bf16),
+  // partial_dst: dst gets them (reduce.h), so sums that travel between ranks round only once.
+  void reduce(void* dst, const void* x, const void* y, int64_t n, bool finish,
+              bool x_partial = false, bool partial_dst = false) const;
   void copy(void* dst, const void* src, int64_t n) const;
-  void load(void* dst, const void* src, int64_t n) const;
+  // n elements of src into dst as partials (widened for f16/bf16, a copy otherwise).
+  void to_partials(void* dst, const void* src, int64_t n) const;
   // `rows` rows of n elements, rows spitch/dpitch elements apart.
   void copy_rows(void* dst, int64_t dpitch, const void* src, int64_t spitch, int64_t n,
                  int64_t rows) const;
-  // dst = srcs[0] op srcs[1] op ... in rank order (bitwise the same on every rank) over raw
-  // inputs (avg divides each).
+  // dst = srcs[0] op srcs[1] op ... in rank order, one kernel (the halves accumulate in float32
+  // and round once; avg divides the finished sum): bitwise the same on every rank and as the CPU
+  // kernels' n-source reduce().
   void reduce_all(void* dst, const std::vector<const char*>& srcs, int64_t n) const;
 };
 

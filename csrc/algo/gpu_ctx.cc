@@ -10,10 +10,16 @@
 
 namespace plait {
 
-void IpcCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool raw_x,
-                    bool raw_y) const {
-  reduce_cuda(a.dtype, a.op, dst, x, y, size_t(n), AvgScale{size, raw_x, raw_y}, tp.skip_word(),
-              stream);
+void IpcCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool finish, bool x_partial,
+                    bool partial_dst) const {
+  reduce_cuda(a.dtype, a.op, dst, x, y, size_t(n), finish ? size : 0, tp.skip_word(), stream,
+              x_partial ? 1u : 0u, partial_dst);
+}
+
+void IpcCtx::to_partials(void* dst, const void* src, int64_t n) const {
+  if (psize() == esize) return copy(dst, src, n);
+  if (n == 0) return;
+  reduce_many_cuda(a.dtype, a.op, dst, &src, 1, size_t(n), 0, tp.skip_word(), stream, 0, true);
 }
 
 void IpcCtx::copy(void* dst, const void* src, int64_t n) const {
@@ -26,20 +32,29 @@ void IpcCtx::copy_rows(void* dst, int64_t dpitch, const void* src, int64_t spitc
   copy_cuda(dst, bytes(dpitch), src, bytes(spitch), bytes(n), size_t(rows), tp.skip_word(), stream);
 }
 
-void IpcCtx::load(void* dst, const void* src, int64_t n) const {
-  if (a.op != RedOp::avg || size == 1) return copy(dst, src, n);
-  divide_cuda(a.dtype, dst, src, size_t(n), size, tp.skip_word(), stream);
-}
-
 void IpcCtx::reduce_all(void* dst, const std::vector<const char*>& srcs, int64_t n) const {
   if (srcs.size() == 1) return copy(dst, srcs[0], n);  // avg over one rank divides by 1
-  for (size_t k = 1; k < srcs.size(); ++k)
-    reduce(dst, k == 1 ? srcs[0] : dst, srcs[k], n, k == 1, true);
+  const std::vector<const void*> p(srcs.begin(), srcs.end());
+  reduce_many_cuda(a.dtype, a.op, dst, p.data(), int(p.size()), size_t(n), size, tp.skip_word(),
+                   stream);
 }
 
-void GpuCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool raw_x,
-                    bool raw_y) const {
-  reduce_cuda(a.dtype, a.op, dst, x, y, size_t(n), AvgScale{size, raw_x, raw_y}, nullptr, stream);
+void GpuCtx::reduce(void* dst, const void* x, const void* y, int64_t n, bool finish, bool x_partial,
+                    bool partial_dst) const {
+  reduce_cuda(a.dtype, a.op, dst, x, y, size_t(n), finish ? size : 0, nullptr, stream,
+              x_partial ? 1u : 0u, partial_dst);
+}
+
+void GpuCtx::reduce_n(void* dst, const std::vector<const void*>& srcs, int64_t n, bool finish,
+                      uint32_t partial_srcs, bool partial_dst) const {
+  reduce_many_cuda(a.dtype, a.op, dst, srcs.data(), int(srcs.size()), size_t(n), finish ? size : 0,
+                   nullptr, stream, partial_srcs, partial_dst);
+}
+
+void GpuCtx::to_partials(void* dst, const void* src, int64_t n) const {
+  if (psize() == esize) return copy(dst, src, n);
+  if (n == 0) return;
+  reduce_many_cuda(a.dtype, a.op, dst, &src, 1, size_t(n), 0, nullptr, stream, 0, true);
 }
 
 void GpuCtx::copy(void* dst, const void* src, int64_t n) const {
@@ -49,11 +64,6 @@ void GpuCtx::copy(void* dst, const void* src, int64_t n) const {
     throw PlaitError(std::string("rank ") + std::to_string(rank) + ": " + coll_name(a.coll) +
                      ": cudaMemcpyAsync of " + std::to_string(bytes(n)) +
                      " bytes failed: " + cudaGetErrorString(e));
-}
-
-void GpuCtx::load(void* dst, const void* src, int64_t n) const {
-  if (a.op != RedOp::avg || size == 1) return copy(dst, src, n);
-  divide_cuda(a.dtype, dst, src, size_t(n), size, nullptr, stream);
 }
 
 }  // namespace plait

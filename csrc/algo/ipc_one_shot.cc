@@ -1,8 +1,8 @@
 // One-shot collectives over the CUDA IPC transport, per window of the staging size:
 // copy this rank's input into its staging, publish (post + wait for every peer: one
 // synchronisation), then read every peer's staging straight from its device memory, and say so
-// (finish). allreduce: each rank reduces all n stagings in rank order (bitwise-equal results; avg
-// divides each raw staging as it enters the sum, as NCCL does),
+// (finish). allreduce: each rank reduces all n stagings in rank order in one kernel (bitwise-equal
+// results, and equal to the CPU kernels': halves accumulate in float32; avg divides the sum),
 // reading (n - 1) copies of the vector from peers. reduce_scatter: each rank reduces block r of
 // every staging. allgather: each rank copies every staging into its block of the output.
 // Small and latency-bound by design: one exchange per window, no pipelining.

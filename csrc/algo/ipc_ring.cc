@@ -19,7 +19,10 @@ namespace {
 
 void run_ring(IpcCtx& c) {
   const int n = c.size;
-  const int64_t slot_elems = std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / c.esize / 2));
+  // While a block is being reduced its slot holds partials (float32 for f16/bf16: a sum crossing
+  // n - 1 hops rounds once, at the finish, as on the CPU); gathered blocks are elements.
+  const size_t unit = c.a.coll == Coll::allgather ? c.esize : c.psize();
+  const int64_t slot_elems = std::max<int64_t>(1, int64_t(c.tp.staging_bytes() / unit / 2));
   const std::vector<IpcRingStep> plan = ipc_ring_plan(c.a.coll, c.rank, n, c.a.count, slot_elems);
   if (plan.empty())
     return c.copy(c.a.out, c.a.in, c.a.count);  // one rank (avg divides by 1), or nothing
@@ -28,7 +31,7 @@ void run_ring(IpcCtx& c) {
   // begin(): every peer is done with this rank's staging of earlier calls, whatever they read.
   const uint64_t base = c.begin() - 1;
   const auto slot = [&](int p, uint64_t e) {
-    return c.tp.staging(p) + size_t(e % 2) * c.bytes(slot_elems);
+    return c.tp.staging(p) + size_t(e % 2) * size_t(slot_elems) * unit;
   };
   for (const IpcRingStep& s : plan) {
     const uint64_t read = base + uint64_t(s.read), post = base + uint64_t(s.post);
@@ -38,15 +41,14 @@ void run_ring(IpcCtx& c) {
     // The slot last held epoch post - 2; those of earlier calls are covered by begin().
     if (s.post > 2) c.tp.wait(IpcMapping::kDone, post - 2, c.timeout_ns, c.stream, right);
     switch (s.kind) {
-      case IpcRingStep::load:  // avg: every input is divided as it enters (NCCL's pre-scaled avg)
-        c.load(to, c.in_at(s.in_offset), s.count);
+      case IpcRingStep::load:
+        c.to_partials(to, c.in_at(s.in_offset), s.count);
         break;
       case IpcRingStep::reduce:
-        c.reduce(to, from, c.in_at(s.in_offset), s.count, false, true);
+        c.reduce(to, from, c.in_at(s.in_offset), s.count, false, true, true);
         break;
-      case IpcRingStep::finish:
-        c.reduce(to ? to : c.out_at(s.out_offset), from, c.in_at(s.in_offset), s.count, false,
-                 true);
+      case IpcRingStep::finish:  // avg: the sum is divided by n here, once; rounded once
+        c.reduce(to ? to : c.out_at(s.out_offset), from, c.in_at(s.in_offset), s.count, true, true);
         if (to) c.copy(c.out_at(s.out_offset), to, s.count);
         break;
       case IpcRingStep::gather:

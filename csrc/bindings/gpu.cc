@@ -384,7 +384,7 @@ void bind_gpu(py::module_& m) {
     DeviceGuard g(at.device);  // launch on the GPU that holds the data, as torch/cupy chose it
     reduce_cuda(dtype_named(dtype), op_named(op), reinterpret_cast<void*>(dst),
                 reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b), count,
-                AvgScale{avg_divisor, true, true}, nullptr, reinterpret_cast<cudaStream_t>(stream));
+                avg_divisor, nullptr, reinterpret_cast<cudaStream_t>(stream));
   });
 
   py::class_<GpuEvent, std::shared_ptr<GpuEvent>>(m, "GpuEvent")

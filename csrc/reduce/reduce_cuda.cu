@@ -1,6 +1,8 @@
-// CUDA reduction kernels. One grid-stride kernel per (element type, operator, vector width): a
-// scalar head up to alignment, vectors of 16 bytes (8 halves, 4 floats, ...; 8 or 4 bytes when the
-// three pointers are misaligned against each other) and a scalar tail. Launch bounds were not
+// CUDA reduction kernels. One grid-stride kernel per (element type, operator, vector width) over
+// up to kMaxReduceSrcs sources: a scalar head up to alignment, vectors of 16 bytes (8 halves, 4
+// floats, ...; 8 or 4 bytes when the pointers are misaligned against each other) and a scalar
+// tail. Each thread reads every source of its elements into accumulators (float32 for the halves)
+// before it stores, so the result is rounded once and dst may be any source. Launch bounds were not
 // tuned on a GPU yet (none was available): 256 threads, at most 4 waves of 132 SMs' blocks.
 #include "reduce/reduce_cuda.h"
 
@@ -47,40 +49,59 @@ struct Word<1> {
   using type = uint8_t;
 };
 
-// Elements [0, head) one by one (dst is B-aligned after them, and so are a and b), then nvec
-// vectors of B bytes, then the tail one by one. dst is not __restrict__: in place (dst == a) is
-// used on purpose, and the non-coherent load path that a false promise allows is not wanted.
+// The sources travel by value in the kernel's parameters: no device copy to allocate or order.
+struct Srcs {
+  const void* p[kMaxReduceSrcs];
+};
+
+// Elements [0, head) one by one (dst is B-aligned after them, and so is every source), then nvec
+// vectors of B bytes, then the tail one by one. dst is not __restrict__: in place (dst == a
+// source) is used on purpose, and the non-coherent load path that a false promise allows is not
+// wanted.
 template <class T, class Op, int B>
-__global__ void reduce_kernel(T* dst, const T* a, const T* b, int64_t head, int64_t nvec, int64_t n,
-                              AvgScale s, const int* skip) {
+__global__ void reduce_kernel(T* dst, Srcs s, int nsrc, int64_t head, int64_t nvec, int64_t n,
+                              int divisor, const int* skip) {
   if (skipped(skip)) return;
   constexpr int V = B / int(sizeof(T));
   using W = typename Word<B>::type;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t i = first; i < head; i += stride) dst[i] = apply<T, Op>(a[i], b[i], s);
-  const W* av = reinterpret_cast<const W*>(a + head);
-  const W* bv = reinterpret_cast<const W*>(b + head);
+  for (int64_t i = first; i < head; i += stride)
+    dst[i] = narrow<T>(reduce_at<T, Op>(s.p, nsrc, 0, i, divisor));
   W* dv = reinterpret_cast<W*>(dst + head);
   for (int64_t v = first; v < nvec; v += stride) {
-    alignas(B) T x[V], y[V], z[V];
-    *reinterpret_cast<W*>(x) = av[v];
-    *reinterpret_cast<W*>(y) = bv[v];
+    alignas(B) T x[V];
+    AccT<T> acc[V];
+    *reinterpret_cast<W*>(x) = reinterpret_cast<const W*>(static_cast<const T*>(s.p[0]) + head)[v];
 #pragma unroll
-    for (int k = 0; k < V; ++k) z[k] = apply<T, Op>(x[k], y[k], s);
-    dv[v] = *reinterpret_cast<const W*>(z);
+    for (int k = 0; k < V; ++k) acc[k] = widen(x[k]);
+    for (int j = 1; j < nsrc; ++j) {
+      *reinterpret_cast<W*>(x) =
+          reinterpret_cast<const W*>(static_cast<const T*>(s.p[j]) + head)[v];
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[k] = Op::f(acc[k], widen(x[k]));
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k) x[k] = narrow<T>(divide<T>(acc[k], divisor));
+    dv[v] = *reinterpret_cast<const W*>(x);
   }
   for (int64_t i = head + nvec * V + first; i < n; i += stride)
-    dst[i] = apply<T, Op>(a[i], b[i], s);
+    dst[i] = narrow<T>(reduce_at<T, Op>(s.p, nsrc, 0, i, divisor));
 }
 
-template <class T>
-__global__ void divide_kernel(T* dst, const T* src, int64_t n, int divisor, const int* skip) {
-  using A = typename Acc<T>::type;
+// With float32 partials among the sources or as the result (f16/bf16 only): element by element.
+template <class T, class Op>
+__global__ void reduce_partials_kernel(void* dst, Srcs s, int nsrc, uint32_t partial_srcs,
+                                       bool partial_dst, int64_t n, int divisor, const int* skip) {
   if (skipped(skip)) return;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    dst[i] = narrow<T>(widen(src[i]) / A(divisor));
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const AccT<T> acc = reduce_at<T, Op>(s.p, nsrc, partial_srcs, i, divisor);
+    if (partial_dst)
+      static_cast<AccT<T>*>(dst)[i] = acc;
+    else
+      static_cast<T*>(dst)[i] = narrow<T>(acc);
+  }
 }
 
 template <int B>
@@ -111,53 +132,66 @@ void check_launch(const char* what, DType dtype, size_t count) {
                      ", count " + std::to_string(count) + "): " + cudaGetErrorString(e));
 }
 
-// Vectors of B bytes when dst, a and b are equally misaligned modulo B (a scalar head brings all
-// three to alignment at once); false when they are not.
+// Vectors of B bytes when dst and every source are equally misaligned modulo B (a scalar head
+// brings all of them to alignment at once); false when they are not.
 template <class T, class Op, int B>
-bool launch_vec(T* dst, const T* a, const T* b, int64_t n, AvgScale sc, const int* skip,
+bool launch_vec(T* dst, const Srcs& src, int nsrc, int64_t n, int divisor, const int* skip,
                 cudaStream_t s) {
   if constexpr (B <= int(sizeof(T))) {
     return false;
   } else {
     const uintptr_t d = uintptr_t(dst);
-    if (d % sizeof(T) != 0 || (d - uintptr_t(a)) % B != 0 || (d - uintptr_t(b)) % B != 0)
-      return false;
+    if (d % sizeof(T) != 0) return false;
+    for (int j = 0; j < nsrc; ++j)
+      if ((d - uintptr_t(src.p[j])) % B != 0) return false;
     constexpr int V = B / int(sizeof(T));
     const int64_t head = std::min<int64_t>(n, int64_t((B - d % B) % B / sizeof(T)));
     const int64_t nvec = (n - head) / V;
-    reduce_kernel<T, Op, B>
-        <<<blocks_for(nvec + (n - nvec * V)), kThreads, 0, s>>>(dst, a, b, head, nvec, n, sc, skip);
+    reduce_kernel<T, Op, B><<<blocks_for(nvec + (n - nvec * V)), kThreads, 0, s>>>(
+        dst, src, nsrc, head, nvec, n, divisor, skip);
     return true;
   }
 }
 
+// Which sources hold partials, and whether dst gets them.
+struct Forms {
+  uint32_t srcs;
+  bool dst;
+};
+
 template <class T, class Op>
-void launch(void* dst, const void* a, const void* b, size_t count, AvgScale sc, const int* skip,
-            cudaStream_t s) {
+void launch(void* dst, const Srcs& src, int nsrc, size_t count, int divisor, const int* skip,
+            cudaStream_t s, Forms f = {}) {
   T* d = static_cast<T*>(dst);
-  const T *x = static_cast<const T*>(a), *y = static_cast<const T*>(b);
   const int64_t n = int64_t(count);
-  if (launch_vec<T, Op, 16>(d, x, y, n, sc, skip, s) ||
-      launch_vec<T, Op, 8>(d, x, y, n, sc, skip, s) ||
-      launch_vec<T, Op, 4>(d, x, y, n, sc, skip, s))
+  if constexpr (sizeof(AccT<T>) != sizeof(T)) {
+    if (f.dst || (f.srcs & ((nsrc < 32 ? 1u << nsrc : 0u) - 1u)) != 0) {
+      reduce_partials_kernel<T, Op>
+          <<<blocks_for(n), kThreads, 0, s>>>(dst, src, nsrc, f.srcs, f.dst, n, divisor, skip);
+      return;
+    }
+  }
+  if (launch_vec<T, Op, 16>(d, src, nsrc, n, divisor, skip, s) ||
+      launch_vec<T, Op, 8>(d, src, nsrc, n, divisor, skip, s) ||
+      launch_vec<T, Op, 4>(d, src, nsrc, n, divisor, skip, s))
     return;
   // Misaligned against each other by less than 4 bytes: element by element (all of it "head").
-  reduce_kernel<T, Op, 16><<<blocks_for(n), kThreads, 0, s>>>(d, x, y, n, 0, n, sc, skip);
+  reduce_kernel<T, Op, 16><<<blocks_for(n), kThreads, 0, s>>>(d, src, nsrc, n, 0, n, divisor, skip);
 }
 
 template <class T>
-void by_op(RedOp op, void* dst, const void* a, const void* b, size_t n, AvgScale d, const int* k,
-           cudaStream_t s) {
+void by_op(RedOp op, void* dst, const Srcs& src, int nsrc, size_t n, int divisor, const int* k,
+           cudaStream_t s, Forms f) {
   switch (op) {
     case RedOp::sum:
     case RedOp::avg:
-      return launch<T, Sum>(dst, a, b, n, d, k, s);
+      return launch<T, Sum>(dst, src, nsrc, n, divisor, k, s, f);
     case RedOp::prod:
-      return launch<T, Prod>(dst, a, b, n, d, k, s);
+      return launch<T, Prod>(dst, src, nsrc, n, divisor, k, s, f);
     case RedOp::min:
-      return launch<T, Min>(dst, a, b, n, d, k, s);
+      return launch<T, Min>(dst, src, nsrc, n, divisor, k, s, f);
     case RedOp::max:
-      return launch<T, Max>(dst, a, b, n, d, k, s);
+      return launch<T, Max>(dst, src, nsrc, n, divisor, k, s, f);
     case RedOp::kCount:
       break;
   }
@@ -166,43 +200,52 @@ void by_op(RedOp op, void* dst, const void* a, const void* b, size_t n, AvgScale
 
 }  // namespace
 
-void reduce_cuda(DType dtype, RedOp op, void* dst, const void* a, const void* b, size_t count,
-                 AvgScale scale, const int* skip, cudaStream_t s) {
-  if (count == 0) return;
+void reduce_many_cuda(DType dtype, RedOp op, void* dst, const void* const* srcs, int nsrc,
+                      size_t count, int avg_divisor, const int* skip, cudaStream_t s,
+                      uint32_t partial_srcs, bool partial_dst) {
+  if (nsrc < 1 || nsrc > kMaxReduceSrcs)
+    throw InvalidArgument(std::string("reduce_cuda: ") + std::to_string(nsrc) + " sources (dtype " +
+                          dtype_name(dtype) + ", op " + op_name(op) + ", count " +
+                          std::to_string(count) + "); one kernel takes 1 to " +
+                          std::to_string(kMaxReduceSrcs));
   if (op == RedOp::avg && !is_float(dtype))
     throw InvalidArgument(std::string("reduce_cuda: avg needs a floating-point dtype, got ") +
                           dtype_name(dtype));
-  const AvgScale d = op == RedOp::avg && scale.divisor > 0 ? scale : AvgScale{};
+  if (count == 0) return;
+  Srcs src{};
+  for (int j = 0; j < nsrc; ++j) src.p[j] = srcs[j];
+  const int d = op == RedOp::avg && avg_divisor > 0 ? avg_divisor : 0;
+  const Forms f{partial_srcs, partial_dst};
   switch (dtype) {
     case DType::f16:
-      by_op<__half>(op, dst, a, b, count, d, skip, s);
+      by_op<__half>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::bf16:
-      by_op<__nv_bfloat16>(op, dst, a, b, count, d, skip, s);
+      by_op<__nv_bfloat16>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::f32:
-      by_op<float>(op, dst, a, b, count, d, skip, s);
+      by_op<float>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::f64:
-      by_op<double>(op, dst, a, b, count, d, skip, s);
+      by_op<double>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::i8:
-      by_op<int8_t>(op, dst, a, b, count, d, skip, s);
+      by_op<int8_t>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::u8:
-      by_op<uint8_t>(op, dst, a, b, count, d, skip, s);
+      by_op<uint8_t>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::i32:
-      by_op<int32_t>(op, dst, a, b, count, d, skip, s);
+      by_op<int32_t>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::i64:
-      by_op<int64_t>(op, dst, a, b, count, d, skip, s);
+      by_op<int64_t>(op, dst, src, nsrc, count, d, skip, s, f);
       break;
     case DType::boolean:
       if (op == RedOp::sum || op == RedOp::max)
-        launch<uint8_t, Or>(dst, a, b, count, AvgScale{}, skip, s);
+        launch<uint8_t, Or>(dst, src, nsrc, count, 0, skip, s);
       else
-        launch<uint8_t, And>(dst, a, b, count, AvgScale{}, skip, s);
+        launch<uint8_t, And>(dst, src, nsrc, count, 0, skip, s);
       break;
     case DType::kCount:
       throw InvalidArgument("reduce_cuda: bad dtype code");
@@ -210,34 +253,11 @@ void reduce_cuda(DType dtype, RedOp op, void* dst, const void* a, const void* b,
   check_launch("reduce", dtype, count);
 }
 
-void divide_cuda(DType dtype, void* dst, const void* src, size_t count, int divisor,
-                 const int* skip, cudaStream_t s) {
-  if (count == 0) return;
-  const int64_t n = int64_t(count);
-  const unsigned g = blocks_for(n);
-  switch (dtype) {
-    case DType::f16:
-      divide_kernel<__half><<<g, kThreads, 0, s>>>(
-          static_cast<__half*>(dst), static_cast<const __half*>(src), n, divisor, skip);
-      break;
-    case DType::bf16:
-      divide_kernel<__nv_bfloat16><<<g, kThreads, 0, s>>>(static_cast<__nv_bfloat16*>(dst),
-                                                          static_cast<const __nv_bfloat16*>(src), n,
-                                                          divisor, skip);
-      break;
-    case DType::f32:
-      divide_kernel<float><<<g, kThreads, 0, s>>>(static_cast<float*>(dst),
-                                                  static_cast<const float*>(src), n, divisor, skip);
-      break;
-    case DType::f64:
-      divide_kernel<double><<<g, kThreads, 0, s>>>(
-          static_cast<double*>(dst), static_cast<const double*>(src), n, divisor, skip);
-      break;
-    default:
-      throw InvalidArgument(std::string("divide_cuda: needs a floating-point dtype, got ") +
-                            dtype_name(dtype));
-  }
-  check_launch("divide", dtype, count);
+void reduce_cuda(DType dtype, RedOp op, void* dst, const void* a, const void* b, size_t count,
+                 int avg_divisor, const int* skip, cudaStream_t s, uint32_t partial_srcs,
+                 bool partial_dst) {
+  const void* srcs[2] = {a, b};
+  reduce_many_cuda(dtype, op, dst, srcs, 2, count, avg_divisor, skip, s, partial_srcs, partial_dst);
 }
 
 void copy_cuda(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t rows,

@@ -1,16 +1,18 @@
 // The reduction kernels' arithmetic per element (reduce_cuda.cu), as __host__ __device__ code so
 // that host tests compile it with g++ and compare it bitwise with the CPU kernels
-// (tests/gpu_host/test_elem.cc): f16/bf16 widen to float32 and round once per step, integers wrap
-// through their unsigned type, NaN propagates through min/max, bool is or/and, and avg divides the
-// raw operands in the wide type (NCCL's pre-scaled avg). Needs cuda_fp16.h/cuda_bf16.h, whose
-// conversions are host-callable too.
+// (tests/gpu_host/test_elem.cc). The semantics are reduce.h's, step for step: every source is
+// widened to the accumulator type (float32 for f16/bf16: the partials of an n-input reduction stay
+// float32 and are rounded once, at the store), combined strictly left to right, integers wrap
+// through their unsigned type, NaN propagates through min/max, bool is or/and, and avg sums, then
+// divides the finished sum by the rank count (a true division in the accumulator type) before the
+// one rounding. Needs cuda_fp16.h/cuda_bf16.h, whose conversions are host-callable too.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <type_traits>
 
-#include "reduce/reduce_cuda.h"  // AvgScale
+#include <cstdint>
 
 #if defined(__CUDACC__)
 #define PLAIT_HD __host__ __device__ __forceinline__
@@ -33,6 +35,9 @@ template <>
 struct Acc<__nv_bfloat16> {
   using type = float;
 };
+
+template <class T>
+using AccT = typename Acc<T>::type;
 
 template <class T>
 PLAIT_HD typename Acc<T>::type widen(T x) {
@@ -103,15 +108,38 @@ struct And {
   }
 };
 
-template <class T, class Op>
-PLAIT_HD T apply(T x, T y, AvgScale s) {
-  using A = typename Acc<T>::type;
-  A u = widen(x), v = widen(y);
-  if constexpr (std::is_floating_point<A>::value) {
-    if (s.a) u = u / A(s.divisor);  // true divisions: each rounds once, in the wide type
-    if (s.b) v = v / A(s.divisor);
+// A source is read as elements (T) or, where bit j of `partial_srcs` is set, as partials: the
+// accumulator values a previous step stored unrounded (reduce.h's partial_srcs; for types whose
+// accumulator is the element itself the two forms are the same).
+template <class T>
+PLAIT_HD AccT<T> load(const void* src, bool partial, int64_t i) {
+  return partial ? static_cast<const AccT<T>*>(src)[i] : widen(static_cast<const T*>(src)[i]);
+}
+
+// The step that finishes an average: the sum divided by `divisor` (> 0; 0 leaves it alone) in the
+// accumulator type. A true division, not a multiply by 1/divisor, which would round twice.
+template <class T>
+PLAIT_HD AccT<T> divide(AccT<T> acc, int divisor) {
+  if constexpr (std::is_floating_point<AccT<T>>::value) {
+    if (divisor > 0) acc = acc / AccT<T>(divisor);
   }
-  return narrow<T>(Op::f(u, v));
+  return acc;
+}
+
+// dst[i] = srcs[0][i] op ... op srcs[nsrc - 1][i] at one index, as reduce() computes it.
+template <class T, class Op>
+PLAIT_HD AccT<T> reduce_at(const void* const* srcs, int nsrc, uint32_t partial_srcs, int64_t i,
+                           int divisor) {
+  AccT<T> acc = load<T>(srcs[0], (partial_srcs & 1u) != 0, i);
+  for (int j = 1; j < nsrc; ++j)
+    acc = Op::f(acc, load<T>(srcs[j], j < 32 && ((partial_srcs >> j) & 1u) != 0, i));
+  return divide<T>(acc, divisor);
+}
+
+// Two elements: x op y, divided by `divisor` when it finishes an average, rounded once.
+template <class T, class Op>
+PLAIT_HD T apply(T x, T y, int divisor) {
+  return narrow<T>(divide<T>(Op::f(widen(x), widen(y)), divisor));
 }
 
 }  // namespace elem

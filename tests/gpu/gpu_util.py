@@ -70,7 +70,7 @@ def data(dtype, op, rank, n, count):
     elif op in ("min", "max"):
         v = (3 * i + 5 * rank) % 11
     elif op == "avg":
-        v = n * (i % 5 + rank)  # every input divides by n exactly (avg is pre-scaled, as NCCL's)
+        v = n * (i % 5 + rank)  # multiples of n: exact in plait's avg (sum, divide) and NCCL's (x / n, sum)
     else:
         v = i % 13 + rank
     return v.astype(_np_dtype(dtype))

@@ -1,7 +1,7 @@
 """plait's CUDA reduction kernels alone (no NCCL): every dtype x op with exact values, aligned
 (16-byte vectors), equally misaligned (a scalar head, then vectors), misaligned against each
-other (8- or 4-byte vectors, or element by element), in place (dst == a) and not, avg
-(pre-scaled: a / 2 + b / 2, so fp16 values whose sum overflows still average)."""
+other (8- or 4-byte vectors, or element by element), in place (dst == a) and not, avg (the sum
+in float32 for fp16, divided once: fp16 values whose fp16 sum would overflow still average)."""
 
 import pytest
 
@@ -76,7 +76,7 @@ def _kernels(rank, n, store):
     _C._reduce_cuda("float16", "avg", ptr(a), ptr(a), ptr(b), 1027, 2, stream)
     got = dev.get(a, "float16")
     if not np.array_equal(got, big):
-        bad.append(f"float16 avg of 60000 and 60000: got {got[:4]} (pre-scaling must keep it finite)")
+        bad.append(f"float16 avg of 60000 and 60000: got {got[:4]} (the float32 sum must keep it finite)")
     return bad
 
 

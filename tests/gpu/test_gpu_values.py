@@ -1,7 +1,7 @@
 """GPU collectives on data that catches ordering and arithmetic bugs the small-integer sweeps
 cannot: values distinct per rank and element (a block read from the wrong rank, offset or
-epoch shows), NaN/inf, integer wrap-around, fp16 avg whose plain sum would overflow (plait
-pre-scales as NCCL does), views at odd byte offsets, large counts through the default staging.
+epoch shows), NaN/inf, integer wrap-around, fp16 avg whose fp16 sum would overflow (plait sums
+in float32 and divides once), views at odd byte offsets, large counts through the default staging.
 Several processes on one GPU go through the CUDA IPC transport; what needs a GPU per rank says
 so when it skips."""
 

@@ -1,5 +1,6 @@
-// plait's device code as the fake runtime runs it: the reduction and copy kernels (arithmetic by
-// the CPU kernels, reduce/reduce.h, so results compare with the host path's closed forms) and the
+// plait's device code as the fake runtime runs it: the reduction kernels (their arithmetic per
+// element, reduce/reduce_elem.h, element by element: the code the GPU runs, which test_elem.cc
+// compares with the CPU kernels bitwise), the copy kernel and the
 // CUDA IPC mapping's post and wait kernels (cuda_ipc.cu's protocol step for step: release stores
 // of epochs, acquire loads, the abort word, the deadline, poison and the skip word) over host
 // memory that the ranks (threads of one process) share. Each runs on its stream's executor.
@@ -15,6 +16,7 @@
 #include "fake_cuda.h"
 #include "reduce/reduce.h"
 #include "reduce/reduce_cuda.h"
+#include "reduce/reduce_elem.h"
 #include "transport/cuda_ipc_mapping.h"
 
 namespace fake {
@@ -41,39 +43,92 @@ uint64_t now_ns() {
   return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
 }
 
+// reduce_cuda.cu's kernels element by element: reduce_at over the sources, then the store.
+template <class T, class Op>
+void run_elems(void* dst, const std::vector<const void*>& p, uint32_t partial_srcs,
+               bool partial_dst, size_t count, int divisor) {
+  for (size_t i = 0; i < count; ++i) {
+    const auto acc =
+        elem::reduce_at<T, Op>(p.data(), int(p.size()), partial_srcs, int64_t(i), divisor);
+    if (partial_dst && sizeof(acc) != sizeof(T))
+      static_cast<elem::AccT<T>*>(dst)[i] = acc;
+    else
+      static_cast<T*>(dst)[i] = elem::narrow<T>(acc);
+  }
+}
+
+template <class T>
+void by_op(RedOp op, void* dst, const std::vector<const void*>& p, uint32_t ps, bool pd, size_t n,
+           int d) {
+  switch (op) {
+    case RedOp::sum:
+    case RedOp::avg:
+      return run_elems<T, elem::Sum>(dst, p, ps, pd, n, d);
+    case RedOp::prod:
+      return run_elems<T, elem::Prod>(dst, p, ps, pd, n, d);
+    case RedOp::min:
+      return run_elems<T, elem::Min>(dst, p, ps, pd, n, d);
+    case RedOp::max:
+      return run_elems<T, elem::Max>(dst, p, ps, pd, n, d);
+    case RedOp::kCount:
+      break;
+  }
+}
+
+void run_reduce(DType t, RedOp op, void* dst, const std::vector<const void*>& p, uint32_t ps,
+                bool pd, size_t n, int avg_divisor) {
+  const int d = op == RedOp::avg && avg_divisor > 0 ? avg_divisor : 0;
+  // For types whose partial is an element the flags change nothing (reduce.h).
+  const bool half = t == DType::f16 || t == DType::bf16;
+  if (!half) ps = 0, pd = false;
+  switch (t) {
+    case DType::f16:
+      return by_op<__half>(op, dst, p, ps, pd, n, d);
+    case DType::bf16:
+      return by_op<__nv_bfloat16>(op, dst, p, ps, pd, n, d);
+    case DType::f32:
+      return by_op<float>(op, dst, p, ps, pd, n, d);
+    case DType::f64:
+      return by_op<double>(op, dst, p, ps, pd, n, d);
+    case DType::i8:
+      return by_op<int8_t>(op, dst, p, ps, pd, n, d);
+    case DType::u8:
+      return by_op<uint8_t>(op, dst, p, ps, pd, n, d);
+    case DType::i32:
+      return by_op<int32_t>(op, dst, p, ps, pd, n, d);
+    case DType::i64:
+      return by_op<int64_t>(op, dst, p, ps, pd, n, d);
+    case DType::boolean:
+      if (op == RedOp::sum || op == RedOp::max)
+        return run_elems<uint8_t, elem::Or>(dst, p, 0, false, n, 0);
+      return run_elems<uint8_t, elem::And>(dst, p, 0, false, n, 0);
+    case DType::kCount:
+      return;
+  }
+}
+
 }  // namespace
 
-void reduce_cuda(DType dtype, RedOp op, void* dst, const void* a, const void* b, size_t count,
-                 AvgScale scale, const int* skip, cudaStream_t stream) {
+void reduce_many_cuda(DType dtype, RedOp op, void* dst, const void* const* srcs, int nsrc,
+                      size_t count, int avg_divisor, const int* skip, cudaStream_t stream,
+                      uint32_t partial_srcs, bool partial_dst) {
+  if (nsrc < 1 || nsrc > kMaxReduceSrcs) throw InvalidArgument("reduce_cuda (fake): bad nsrc");
+  if (op == RedOp::avg && !is_float(dtype))
+    throw InvalidArgument("reduce_cuda (fake): avg needs a floating-point dtype");
+  const std::vector<const void*> p(srcs, srcs + nsrc);
   fake::launch(stream, [=] {
     fake::jitter();
-    if (skipped(skip) || count == 0) return;
-    const void* x = a;
-    const void* y = b;
-    std::vector<char> xa, yb;
-    if (op == RedOp::avg) {  // raw operands enter the sum divided, as NCCL's pre-scaled avg
-      const size_t bytes = count * dtype_size(dtype);
-      if (scale.a) {
-        xa.resize(bytes);
-        reduce(dtype, RedOp::avg, xa.data(), &a, 1, count, scale.divisor);
-        x = xa.data();
-      }
-      if (scale.b) {
-        yb.resize(bytes);
-        reduce(dtype, RedOp::avg, yb.data(), &b, 1, count, scale.divisor);
-        y = yb.data();
-      }
-    }
-    const void* srcs[2] = {x, y};
-    reduce(dtype, op == RedOp::avg ? RedOp::sum : op, dst, srcs, 2, count, 0);
+    if (!skipped(skip) && count)
+      run_reduce(dtype, op, dst, p, partial_srcs, partial_dst, count, avg_divisor);
   });
 }
 
-void divide_cuda(DType dtype, void* dst, const void* src, size_t count, int divisor,
-                 const int* skip, cudaStream_t stream) {
-  fake::launch(stream, [=] {
-    if (!skipped(skip) && count) reduce(dtype, RedOp::avg, dst, &src, 1, count, divisor);
-  });
+void reduce_cuda(DType dtype, RedOp op, void* dst, const void* a, const void* b, size_t count,
+                 int avg_divisor, const int* skip, cudaStream_t stream, uint32_t partial_srcs,
+                 bool partial_dst) {
+  const void* srcs[2] = {a, b};
+  reduce_many_cuda(dtype, op, dst, srcs, 2, count, avg_divisor, skip, stream, partial_srcs,
+                   partial_dst);
 }
 
 void copy_cuda(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t rows,

@@ -13,7 +13,9 @@ void test_per_thread_stream_is_relayed();
 void test_abort_meeting_the_call_lock_is_not_lost();
 void test_ipc_protocol();
 void test_ipc_peer_stops();
+void test_ipc_half_partials();
 void test_element_functions_match_the_cpu();
+void test_element_functions_float32_partials();
 }  // namespace host
 
 int main(int argc, char** argv) {
@@ -31,7 +33,9 @@ int main(int argc, char** argv) {
        host::test_abort_meeting_the_call_lock_is_not_lost},
       {"ipc_protocol", host::test_ipc_protocol},
       {"ipc_peer_stops", host::test_ipc_peer_stops},
+      {"ipc_half_partials", host::test_ipc_half_partials},
       {"element_functions_match_the_cpu", host::test_element_functions_match_the_cpu},
+      {"element_functions_float32_partials", host::test_element_functions_float32_partials},
   };
   int ran = 0;
   for (const Test& t : tests) {

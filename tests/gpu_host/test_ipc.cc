@@ -3,6 +3,8 @@
 // sequences of one_shot, two_shot and ring with random counts (staging of 4 KiB, so large calls
 // take many rounds), random delays in every kernel, then faults: a rank that stops must make every
 // other rank give up within the deadline, and teardown must hold.
+#include <cuda_fp16.h>
+
 #include <chrono>
 #include <random>
 
@@ -19,6 +21,7 @@ struct Step {
   const char* algo;
   int64_t count;
   bool in_place;
+  bool avg;  // float32 avg (sum, then divide once) instead of int32 sum
 };
 
 std::vector<Step> plan(uint32_t seed, int calls) {
@@ -32,7 +35,8 @@ std::vector<Step> plan(uint32_t seed, int calls) {
   for (int k = 0; k < calls; ++k) {
     const auto& row = rows[rng() % 7];
     const int64_t count = std::vector<int64_t>{0, 1, 5, 63, 700, 2500}[rng() % 6];
-    v.push_back({row.first, row.second, count, row.first == Coll::allreduce && rng() % 2});
+    const bool ar = row.first == Coll::allreduce;
+    v.push_back({row.first, row.second, count, ar && rng() % 2, ar && k % 2 == 0});
   }
   return v;
 }
@@ -42,6 +46,21 @@ void run_step(Rank& r, const Step& s, double timeout_s) {
   const int64_t m = s.count;
   const int64_t ins = s.coll == Coll::reduce_scatter ? n * m : m;
   const int64_t outs = s.coll == Coll::allgather ? n * m : m;
+  if (s.avg) {
+    // The sum of integers is exact in float32 and one division rounds it, as on the CPU. Rank 0
+    // adds 1 so that the sum is no multiple of 3: dividing each input first would round 3 times.
+    std::vector<float> in(static_cast<size_t>(ins)), out(size_t(outs), -7);
+    for (int64_t i = 0; i < ins; ++i) in[size_t(i)] = float(f(r.rank, i) + (r.rank == 0));
+    float* o = s.in_place ? in.data() : out.data();
+    call_and_wait(r, s.coll, dev(in.data(), size_t(ins) * 4, DType::f32, r.stream),
+                  dev(o, size_t(outs) * 4, DType::f32, r.stream), RedOp::avg, s.algo, 0, timeout_s);
+    for (int64_t i = 0; i < outs; ++i) {
+      const float want = float(sum_f(n, i) + 1) / float(n);
+      EXPECT(o[i] == want, "allreduce avg", s.algo, "n", n, "rank", r.rank, "count", m, "i", i,
+             "got", o[i], "want", want);
+    }
+    return;
+  }
   std::vector<int32_t> in(static_cast<size_t>(ins)), out(size_t(outs), -7);
   for (int64_t i = 0; i < ins; ++i) in[size_t(i)] = int32_t(f(r.rank, i));
   int32_t* o = s.in_place ? in.data() : out.data();
@@ -72,6 +91,41 @@ void test_ipc_protocol() {
   }
   fake::set_jitter_us(0);
   EXPECT(fake::hangs() == 0, "no fake wait hit its hang limit");
+}
+
+// fp16 allreduce over 3 and 4 ranks by every IPC algorithm: the sum travels in float32 and is
+// rounded once, so it equals the CPU's (integer inputs: the float32 sum is exact, and its one
+// rounding to fp16 is the closed form), and an average of 30000s stays 30000 although a sum of
+// three of them is past fp16's range. Staging of 4 KiB: the ring takes many rounds.
+void test_ipc_half_partials() {
+  for (int n : {3, 4}) {
+    const auto errors = run_world(n, Tp::ipc, [](Rank& r) {
+      const int64_t m = 1500;
+      for (const char* algo : {"one_shot", "two_shot", "ring"}) {
+        for (RedOp op : {RedOp::sum, RedOp::avg}) {
+          const auto v = [&](int rank, int64_t i) {
+            return op == RedOp::avg ? 30000 : int(1000 + 37 * rank + i % 97);
+          };
+          std::vector<__half> in(static_cast<size_t>(m)), out(size_t(m), __half(-7.0f));
+          for (int64_t i = 0; i < m; ++i) in[size_t(i)] = __half(float(v(r.rank, i)));
+          call_and_wait(r, Coll::allreduce, dev(in.data(), size_t(m) * 2, DType::f16, r.stream),
+                        dev(out.data(), size_t(m) * 2, DType::f16, r.stream), op, algo, 0, 20);
+          for (int64_t i = 0; i < m; ++i) {
+            float sum = 0;
+            for (int k = 0; k < r.size; ++k) sum += float(v(k, i));
+            const float want = __half2float(__half(op == RedOp::avg ? sum / float(r.size) : sum));
+            const float got = __half2float(out[size_t(i)]);
+            EXPECT(got == want, "fp16 allreduce", algo, op_name(op), "n", r.size, "rank", r.rank,
+                   "i", i, "got", got, "want", want);
+          }
+        }
+      }
+      r.q->finalize();
+      r.barrier->wait();
+    });
+    for (int rank = 0; rank < n; ++rank)
+      EXPECT(errors[size_t(rank)].empty(), "n", n, "rank", rank, errors[size_t(rank)]);
+  }
 }
 
 // A rank that stops after two calls: the others' waits give up on their deadline (0.5 s), their

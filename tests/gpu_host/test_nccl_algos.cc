@@ -1,6 +1,8 @@
 // The NCCL-based GPU algorithms (ring, tree, NCCL's own rows), unchanged, over the fake NCCL and
 // runtime: every collective's closed-form result on every rank, for worlds of 1..5, counts that
 // leave blocks empty and chunks that force many rounds (64-byte chunks), in place and out.
+#include <cuda_fp16.h>
+
 #include <cmath>
 
 #include "world.h"
@@ -15,19 +17,58 @@ template <class T>
 void check_allreduce(Rank& r, const std::string& algo, RedOp op, DType t, int64_t count,
                      bool in_place) {
   const int n = r.size;
+  // avg: plait's rows sum, then divide once, as the CPU path (so 1/3 of a sum rounds once; rank
+  // 0 adds 1 so that the sums are no multiples of 3); NCCL's row is NCCL's own arithmetic (a
+  // PreMulSum by 1/n), exact only on multiples of n.
+  const bool nccl_avg = op == RedOp::avg && algo == "nccl";
+  const bool plait_avg = op == RedOp::avg && !nccl_avg;
   std::vector<T> in(static_cast<size_t>(count)), out(size_t(count), T(-7));
   for (int64_t i = 0; i < count; ++i)
-    in[size_t(i)] = op == RedOp::max   ? T(r.rank == i % n ? 1000 + i : i)
-                    : op == RedOp::avg ? T(n * f(r.rank, i))
-                                       : T(f(r.rank, i));
+    in[size_t(i)] = op == RedOp::max ? T(r.rank == i % n ? 1000 + i : i)
+                    : nccl_avg       ? T(n * f(r.rank, i))
+                                     : T(f(r.rank, i) + (plait_avg && r.rank == 0));
   T* o = in_place ? in.data() : out.data();
   call_and_wait(r, Coll::allreduce, dev(in.data(), in.size() * sizeof(T), t, r.stream),
                 dev(o, in.size() * sizeof(T), t, r.stream), op, algo);
   for (int64_t i = 0; i < count; ++i) {
-    const T want = op == RedOp::max ? T(1000 + i) : T(sum_f(n, i));
+    const T want = op == RedOp::max ? T(1000 + i)
+                   : plait_avg      ? T(T(sum_f(n, i) + 1) / T(n))
+                                    : T(sum_f(n, i));
     EXPECT(o[i] == want, "allreduce", algo, op_name(op), dtype_name(t), "n", n, "rank", r.rank,
            "count", count, "i", i, "got", double(o[i]), "want", double(want));
   }
+}
+
+// fp16 allreduce (ring, tree) and reduce_scatter (ring): partials travel as float32 and the sum
+// rounds once, so it is the CPU's (integer inputs: the float32 sum is exact; its one rounding to
+// fp16 is the closed form); an average of 30000s stays 30000 though a sum of three is past fp16's
+// range.
+void check_half(Rank& r, const std::string& algo, RedOp op, int64_t count, bool in_place) {
+  const int n = r.size;
+  const auto v = [&](int rank, int64_t j) {
+    return op == RedOp::avg ? 30000.0f : float(1000 + 37 * rank + j % 97);
+  };
+  const auto want = [&](int64_t j) {
+    float sum = 0;
+    for (int k = 0; k < n; ++k) sum += v(k, j);
+    return __half2float(__half(op == RedOp::avg ? sum / float(n) : sum));
+  };
+  std::vector<__half> in(static_cast<size_t>(count)), out(size_t(count), __half(-7.0f));
+  for (int64_t i = 0; i < count; ++i) in[size_t(i)] = __half(v(r.rank, i));
+  __half* o = in_place ? in.data() : out.data();
+  call_and_wait(r, Coll::allreduce, dev(in.data(), size_t(count) * 2, DType::f16, r.stream),
+                dev(o, size_t(count) * 2, DType::f16, r.stream), op, algo);
+  for (int64_t i = 0; i < count; ++i)
+    EXPECT(__half2float(o[i]) == want(i), "fp16 allreduce", algo, op_name(op), "n", n, "rank",
+           r.rank, "i", i, "got", __half2float(o[i]), "want", want(i));
+  if (algo != "ring") return;
+  std::vector<__half> all(static_cast<size_t>(n * count)), mine(size_t(count), __half(-7.0f));
+  for (int64_t j = 0; j < n * count; ++j) all[size_t(j)] = __half(v(r.rank, j));
+  call_and_wait(r, Coll::reduce_scatter, dev(all.data(), all.size() * 2, DType::f16, r.stream),
+                dev(mine.data(), mine.size() * 2, DType::f16, r.stream), op, "ring");
+  for (int64_t i = 0; i < count; ++i)
+    EXPECT(__half2float(mine[size_t(i)]) == want(r.rank * count + i), "fp16 reduce_scatter ring",
+           op_name(op), "n", n, "rank", r.rank, "i", i);
 }
 
 void check_others(Rank& r, const std::string& algo, int64_t count) {
@@ -86,6 +127,10 @@ void test_nccl_algorithms() {
             check_allreduce<int32_t>(r, algo, RedOp::sum, DType::i32, count, in_place);
             check_allreduce<float>(r, algo, RedOp::avg, DType::f32, count, in_place);
             check_allreduce<int64_t>(r, algo, RedOp::max, DType::i64, count, in_place);
+            if (algo != std::string("nccl")) {  // NCCL's own fp16 arithmetic is its own
+              check_half(r, algo, RedOp::sum, count, in_place);
+              check_half(r, algo, RedOp::avg, count, in_place);
+            }
           }
           check_others(r, algo, count);
         }
