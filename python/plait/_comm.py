@@ -100,16 +100,22 @@ def open_segment(info):
     )
 
 
+def _leader_died(pid, wait_s=2.0):
+    """Whether pid is dead, or dies within wait_s (a killed process is torn down gradually)."""
+    deadline = time.monotonic() + wait_s
+    while not _shm._dead(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def _sweep_after(pid, wait_s=2.0):
     """Removes what a dead split leader (pid) left in /dev/shm: it is noticed gone as soon as its
     thread dies, while the kernel may still be tearing the process down (it is not yet "dead" to
     the sweep); a live leader unlinks its own segment."""
-    deadline = time.monotonic() + wait_s
-    while not _shm._dead(pid):
-        if time.monotonic() > deadline:
-            return
-        time.sleep(0.005)
-    _shm.sweep_stale()
+    if _leader_died(pid, wait_s):
+        _shm.sweep_stale()
 
 
 def close_all(things):
@@ -509,7 +515,18 @@ class Communicator(VCollectives):
                     f"rank {self.rank}: split: rank {leader} could not create the new communicator: "
                     + info["error"]
                 )
-            seg = open_segment(info)
+            try:
+                seg = open_segment(info)
+            except _errors.PlaitError as e:
+                # Gone already: a leader killed after handing out its record had its segment swept
+                # by a member that saw it die. That is the leader's loss, not a bad segment.
+                pid = int(table[leader][3])
+                if not _leader_died(pid):
+                    raise
+                raise _errors.PeerLostError(
+                    f"rank {self.rank}: split: rank {leader} (pid {pid}), the leader of the new "
+                    "communicator, died before this rank could open its segment"
+                ) from e
         new_rank = [r for _, r in members].index(self.rank)
         pids = {int(r): int(pid) for _, _, r, pid in table}
         native = _C.Communicator(
