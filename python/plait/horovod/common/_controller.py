@@ -44,7 +44,7 @@ def env_float(name, default):
 class Op:
     """One submission of this rank: the request it sends and what runs it here."""
 
-    __slots__ = ("req", "tensor", "output", "done", "error", "result", "finish", "t_submit")
+    __slots__ = ("req", "tensor", "output", "done", "error", "result", "finish", "t_submit", "layout")
 
     def __init__(self, req, tensor, output=None, finish=None):
         self.req = req  # [kind, name, ps, dtype, shape, op, root, pre, post, splits]
@@ -53,6 +53,7 @@ class Op:
         self.error = None
         self.result = None
         self.t_submit = time.monotonic()
+        self.layout = None  # a grouped allreduce's fusion layout (common/_fusion.py)
 
 
 class Controller:

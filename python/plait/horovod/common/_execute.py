@@ -173,7 +173,9 @@ class Executor:
             piece = fused[at : at + n]
             if o is None:
                 piece.fill_(_identity(torch, dtype, op))
-            elif o.req[SPLITS] is not None:  # a group: its tensors in one call
+            elif o.layout is not None:  # a group of contiguous tensors: one gather
+                o.layout.gather(piece)
+            elif o.req[SPLITS] is not None:  # a group with strided tensors
                 if n:
                     piece.copy_(_flatten(o.tensor))
             else:
@@ -198,6 +200,9 @@ class Executor:
                 continue
             if o.output is None:  # out of place: views of one fresh tensor
                 ctrl.complete(k, result=list(_unflatten(fused[a : a + n].clone(), o.tensor)))
+            elif o.layout is not None:
+                o.layout.scatter(self._fusion, a, fused[a : a + n])
+                ctrl.complete(k, result=o.output)
             else:
                 _copy_all(o.output, list(_unflatten(fused[a : a + n], o.output)))
                 ctrl.complete(k, result=o.output)

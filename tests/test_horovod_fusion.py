@@ -1,0 +1,98 @@
+"""plait.horovod's grouped allreduce layout kept across calls (common/_fusion.py): repeated groups
+stay exact, a tensor whose storage or shape changed is seen, strided tensors and dtypes numpy lacks
+take the slow path, autograd sees the in-place write, and group shape mismatches still fail."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _hvd():
+    import plait.horovod.torch as hvd
+
+    hvd.init()
+    return hvd
+
+
+def _repeat(rank, n, _addr):
+    hvd = _hvd()
+    from plait.horovod.common import _fusion
+
+    tri = n * (n - 1) // 2
+    f32 = [torch.zeros(4) for _ in range(20)] + [torch.zeros(2, 3)]
+    i64 = [torch.zeros(3, dtype=torch.int64) for _ in range(5)]
+    bf = [torch.zeros(2, dtype=torch.bfloat16) for _ in range(3)]  # numpy has no bfloat16
+    group = f32 + i64 + bf
+    for step in range(4):
+        for i, t in enumerate(group):
+            t.fill_(i % 4 * 2 + step + rank)  # small: bfloat16 is exact to 256
+        out = hvd.grouped_allreduce_(group, op=hvd.Sum, name="rep")
+        assert out is not None
+        for i, t in enumerate(group):
+            assert t.flatten().tolist() == [n * (i % 4 * 2 + step) + tri] * t.numel(), (step, i)
+    assert len(_fusion._cache) == 1  # one layout, reused by steps 1-3
+    # out of place, same tensors: fresh results, inputs untouched, the layout reused
+    outs = hvd.grouped_allreduce(group, op=hvd.Sum, name="oop")
+    for i, (t, o) in enumerate(zip(group, outs)):
+        assert o.shape == t.shape and o.dtype == t.dtype
+        assert o.flatten().tolist() == [n * n * (i % 4 * 2 + 3) + n * tri] * t.numel()
+        assert t.flatten().tolist() == [n * (i % 4 * 2 + 3) + tri] * t.numel()
+        assert o.data_ptr() != t.data_ptr()
+    assert len(_fusion._cache) == 1
+    # integer Average truncates, through the cached layout too
+    ints = [torch.full((2,), 2 * rank + 1, dtype=torch.int32) for _ in range(3)]
+    for _ in range(2):
+        for t in ints:
+            t.fill_(2 * rank + 1)
+        hvd.grouped_allreduce_(ints, op=hvd.Average, name="avg")
+        assert [t.tolist() for t in ints] == [[(n * n) // n] * 2] * 3
+    hvd.shutdown()
+    assert not _fusion._cache  # shutdown drops the layouts (they hold fusion buffer views)
+
+
+def test_repeated_group_is_exact(ranks):
+    ranks(_repeat, 2, timeout=90)
+    ranks(_repeat, 3, timeout=120)
+
+
+def _changed(rank, n, _addr):
+    hvd = _hvd()
+    a, b, c = torch.ones(3), torch.ones(4), torch.ones(2)
+    group = [a, b, c]
+    hvd.grouped_allreduce_(group, op=hvd.Sum, name="g")
+    assert [t.tolist() for t in group] == [[n] * 3, [n] * 4, [n] * 2]
+    # new storage behind the same tensor object
+    b.data = torch.full((4,), float(rank))
+    hvd.grouped_allreduce_(group, op=hvd.Sum, name="g")
+    assert b.tolist() == [n * (n - 1) / 2] * 4 and a.tolist() == [n * n] * 3
+    # same storage, new shape
+    a.resize_(2)
+    a.fill_(1)
+    hvd.grouped_allreduce_(group, op=hvd.Sum, name="g")
+    assert a.tolist() == [n] * 2 and c.tolist() == [n**3] * 2
+    # a strided member: contiguous copies travel and are copied back
+    m = torch.arange(6, dtype=torch.float32).view(2, 3) + rank
+    t = m.t()
+    hvd.grouped_allreduce_([t, c], op=hvd.Sum, name="s")
+    tri = n * (n - 1) // 2
+    assert m.tolist() == [[n * v + tri for v in range(3)], [n * v + tri for v in range(3, 6)]]
+    # autograd sees the in-place write (version bump): backward through a saved tensor fails
+    w = torch.ones(3, requires_grad=True)
+    x = torch.ones(3)
+    y = (w * x).sum()
+    v0 = x._version
+    hvd.grouped_allreduce_([x, c], op=hvd.Sum, name="v")
+    hvd.grouped_allreduce_([x, c], op=hvd.Sum, name="v")  # the second one through the layout
+    assert x._version >= v0 + 2
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    # ranks that disagree on a group's shapes fail on every rank, and the next op works
+    bad = [torch.ones(2 if rank == 0 else 3), torch.ones(3 if rank == 0 else 2)]  # equal totals
+    with pytest.raises(hvd.HorovodInternalError, match=r"group tensor shapes.*\[\[2\],\[3\]\]"):
+        hvd.grouped_allreduce_(bad, op=hvd.Sum, name="bad")
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).tolist() == [n]
+    hvd.shutdown()
+
+
+def test_changed_tensors_are_seen(ranks):
+    ranks(_changed, 2, timeout=90)
