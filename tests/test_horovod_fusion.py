@@ -14,6 +14,15 @@ def _hvd():
     return hvd
 
 
+def _settle(cond, within=5.0):
+    import time
+
+    end = time.monotonic() + within
+    while not cond():
+        assert time.monotonic() < end, "layouts of freed tensors were not dropped"
+        time.sleep(0.01)
+
+
 def _repeat(rank, n, _addr):
     hvd = _hvd()
     from plait.horovod.common import _fusion
@@ -46,6 +55,17 @@ def _repeat(rank, n, _addr):
             t.fill_(2 * rank + 1)
         hvd.grouped_allreduce_(ints, op=hvd.Average, name="avg")
         assert [t.tolist() for t in ints] == [[(n * n) // n] * 2] * 3
+    # new tensors every step (gradients set to None): the freed ones' layouts go with them
+    before = len(_fusion._cache)
+    for step in range(5):
+        fresh = [torch.full((3,), float(step + rank)) for _ in range(4)]
+        hvd.grouped_allreduce_(fresh, op=hvd.Sum, name="fresh")
+        assert [t.tolist() for t in fresh] == [[n * step + tri] * 3] * 4
+    # only the last step's tensors are alive (the coordinator's thread may hold the last op a
+    # moment longer, while it finishes the cycle that completed it)
+    _settle(lambda: len(_fusion._cache) == before + 1)
+    del fresh
+    _settle(lambda: len(_fusion._cache) == before)
     hvd.shutdown()
     assert not _fusion._cache  # shutdown drops the layouts (they hold fusion buffer views)
 

@@ -7,11 +7,14 @@ layout is built once and reused while the same tensor objects keep the same stor
 copy-in is one torch.cat into the fusion buffer, copy-out one pass of numpy slice assignments over
 views made once (a foreach copy for dtypes numpy lacks), then one version bump for autograd.
 
-A layout holds references to its tensors and to fusion buffer views: layouts() is bounded and
-clear() (at hvd.shutdown) drops them all.
+A layout holds views of its tensors (their storage) but only weak references to the tensor
+objects: when one of them is freed (a gradient set to None, a list dropped) its layout goes too,
+so a loop that makes new tensors every step keeps nothing alive. At most _MAX layouts are kept,
+and clear() (at hvd.shutdown) drops them all, with their views of the fusion buffer.
 """
 
 import json
+import weakref
 
 import torch
 
@@ -32,11 +35,10 @@ def _meta(tensors):
 class Part:
     """One dtype's tensors of a group (one request): flat views to gather from, in order."""
 
-    __slots__ = ("idx", "dtype", "tensors", "flat", "shapes", "sizes", "total", "_dst", "_src_at", "_src")
+    __slots__ = ("idx", "dtype", "flat", "shapes", "sizes", "total", "_dst", "_src_at", "_src")
 
     def __init__(self, idx, tensors):
         self.idx = idx  # positions in the group
-        self.tensors = tensors
         self.dtype = tensors[0].dtype
         self.flat = [t.detach().view(-1) for t in tensors]
         self.shapes = shapes_text(t.shape for t in tensors)
@@ -67,16 +69,21 @@ class Part:
             self._src_at, self._src = (buffer, offset), src
         for d, s in zip(self._dst, self._src):
             d[...] = s
-        torch.autograd.graph.increment_version(self.tensors)
+        torch.autograd.graph.increment_version(self.flat)  # views share their base's counter
 
 
 class GroupLayout:
-    __slots__ = ("tensors", "ptrs", "sizes", "parts")
+    __slots__ = ("refs", "ptrs", "sizes", "parts")
 
-    def __init__(self, tensors, by_dtype):
-        self.tensors = list(tensors)
+    def __init__(self, key, tensors, by_dtype):
         self.ptrs, self.sizes = _meta(tensors)
         self.parts = [Part(idx, [tensors[i] for i in idx]) for idx in by_dtype]
+
+        def forget(_ref, key=key):
+            _cache.pop(key, None)
+
+        # While every tensor lives, the ids in the key are theirs alone.
+        self.refs = [weakref.ref(t, forget) for t in tensors]
 
 
 def lookup(tensors):
@@ -92,10 +99,11 @@ def lookup(tensors):
 
 def remember(tensors, by_dtype):
     """A new layout for a group of contiguous tensors (by_dtype: the positions of each dtype)."""
-    lay = GroupLayout(tensors, by_dtype)
+    key = tuple(map(id, tensors))
+    lay = GroupLayout(key, tensors, by_dtype)
     if len(_cache) >= _MAX:
-        _cache.pop(next(iter(_cache)))
-    _cache[tuple(map(id, tensors))] = lay
+        _cache.pop(next(iter(_cache)), None)
+    _cache[key] = lay
     return lay
 
 

@@ -208,7 +208,8 @@ def _group_ops(tensors, inplace, name, op, pre, post, process_set):
         n = name if name is None or len(lay.parts) == 1 else f"{name}.{d}"
         req = ["allreduce", _basics.next_name("allreduce", n), ps_id, d, [part.total], int(op), -1]
         req += [float(pre), float(post), part.shapes]
-        o = Op(req, part.tensors, part.tensors if inplace else None)
+        sub = tensors if len(lay.parts) == 1 else [tensors[i] for i in part.idx]
+        o = Op(req, sub, sub if inplace else None)
         o.layout = part
         ops.append(o)
         order.append(part.idx)
