@@ -75,6 +75,7 @@ class Controller:
         self._joined = {}  # rank -> cycle it joined
         self._join_op = None
         self._cycle_no = 0
+        self._frame = self._frames = None  # the first allgather's send and receive buffers
         self._last_cycle = 0.0
         self._lock = threading.Lock()  # one cycle at a time
         self._cv = threading.Condition()  # the queue; wakes the background thread
@@ -247,12 +248,15 @@ class Controller:
     def _exchange(self, blob):
         if self.size == 1:
             return [json.loads(blob)]
-        frame = np.zeros(_FRAME, dtype=np.uint8)
-        frame[:8] = np.frombuffer(np.int64(len(blob)).tobytes(), dtype=np.uint8)
-        head = blob[: _FRAME - 8]
-        frame[8 : 8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
-        frames = self.comm.allgather(frame)
-        lengths = [int(np.frombuffer(f[:8].tobytes(), dtype=np.int64)[0]) for f in frames]
+        if self._frame is None:  # kept: this runs under the cycle lock, one cycle at a time
+            self._frame = np.zeros(_FRAME, dtype=np.uint8)
+            self._frames = np.zeros((self.size, _FRAME), dtype=np.uint8)
+        frame, frames = self._frame, self._frames
+        head = min(len(blob), _FRAME - 8)
+        frame[:8].view(np.int64)[0] = len(blob)
+        frame[8 : 8 + head] = np.frombuffer(blob, dtype=np.uint8, count=head)
+        self.comm.allgather(frame, frames)
+        lengths = frames[:, :8].copy().view(np.int64)[:, 0].tolist()
         longest = max(lengths)
         tails = None
         if longest > _FRAME - 8:

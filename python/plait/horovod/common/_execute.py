@@ -388,11 +388,19 @@ def _identity(torch, dtype, op):
     return 0
 
 
+_NUMPY_SCALE = set()  # torch.float32 and torch.float64, filled on first use (torch imports late)
+
+
 def _scale(t, f):
     """Horovod's ScaleBuffer: integers are multiplied in double precision and truncated."""
     if f == 1.0 or t.numel() == 0:
         return
-    if t.dtype.is_floating_point:
+    if not _NUMPY_SCALE:
+        _NUMPY_SCALE.update((_torch().float32, _torch().float64))
+    if t.dtype in _NUMPY_SCALE and t.is_contiguous():  # numpy: a third of torch's call cost
+        a = t.numpy()
+        np.multiply(a, f, out=a)  # float32 data times a Python float stays float32, as in torch
+    elif t.dtype.is_floating_point:
         t.mul_(f)
     else:
         t.copy_(t.to(_torch().float64).mul_(f).trunc())
