@@ -116,3 +116,24 @@ def _changed(rank, n, _addr):
 
 def test_changed_tensors_are_seen(ranks):
     ranks(_changed, 2, timeout=90)
+
+
+def _large(rank, n, _addr):
+    hvd = _hvd()
+    base = torch.arange(16, dtype=torch.float32).repeat(1 << 14)  # 1 MiB: via the fusion buffer
+    x = base + rank
+    tri = n * (n - 1) / 2
+    y = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
+    assert torch.equal(y, (n * base + tri) / 2) and torch.equal(x, base + rank)
+    z = (base * 2 + 2 * rank).to(torch.float16)  # 512 KiB of halves, exact integers
+    hvd.allreduce_(z, op=hvd.Average)
+    assert torch.equal(z, (base * 2 + (n - 1)).to(torch.float16))
+    w = (base + rank).to(torch.float64)[::2]  # strided: a contiguous copy travels
+    got = hvd.allreduce(w, op=hvd.Max)
+    assert torch.equal(got, (base + n - 1).to(torch.float64)[::2])
+    hvd.shutdown()
+
+
+def test_large_tensor_via_fusion_buffer(ranks):
+    ranks(_large, 2, timeout=90)
+    ranks(_large, 3, timeout=120)
