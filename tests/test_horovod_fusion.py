@@ -137,3 +137,22 @@ def _large(rank, n, _addr):
 def test_large_tensor_via_fusion_buffer(ranks):
     ranks(_large, 2, timeout=90)
     ranks(_large, 3, timeout=120)
+
+
+def _large_over_threshold(rank, n, _addr):
+    hvd = _hvd()
+    from plait.horovod.common import basics
+
+    x = torch.arange(1 << 17, dtype=torch.float32) + rank  # 512 KiB, over the 300 KiB threshold
+    hvd.allreduce_(x, op=hvd.Average)
+    assert torch.equal(x, torch.arange(1 << 17, dtype=torch.float32) + (n - 1) / 2)
+    fusion = basics.controller().executor._fusion
+    size = 0 if fusion is None else fusion.numel()
+    hvd.shutdown()
+    return size
+
+
+def test_large_tensor_over_threshold_skips_fusion_buffer(ranks):
+    # the fusion buffer never grows past HOROVOD_FUSION_THRESHOLD for one tensor
+    sizes = ranks(_large_over_threshold, 2, env={"HOROVOD_FUSION_THRESHOLD": str(300 << 10)}, timeout=90)
+    assert all(s < 300 << 10 for s in sizes), sizes

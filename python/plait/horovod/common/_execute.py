@@ -158,7 +158,7 @@ class Executor:
                 tl.op_start(k[1], "ALLREDUCE")
         if len(group) == 1 and ops[0] is not None and ops[0].req[SPLITS] is None:
             buf = ops[0].output
-            if nbytes >= _VIA_FUSION and dtype.is_floating_point:
+            if _VIA_FUSION <= nbytes <= self.threshold and dtype.is_floating_point:
                 self._one_via_fusion(ctrl, group[0][0], comm, buf, nbytes, op, pre, post)
                 return
             _scale(buf, pre)
