@@ -91,8 +91,10 @@ class Controller:
     def submit(self, ops, notify=True):
         """Queues ops (a group is submitted at once, so it reaches every rank in one cycle)."""
         with self._cv:
-            if self.broken is not None:
-                raise HorovodInternalError(str(self.broken))
+            if self.broken is not None:  # e.g. an idle cycle already met a dead peer
+                err = HorovodInternalError(str(self.broken))
+                err.flight = getattr(self._cause, "flight", None)
+                raise err from self._cause
             keys = {(o.req[2], o.req[1]) for o in ops}
             if len(keys) != len(ops):
                 raise ValueError(f"rank {self.rank}: a group submits the same tensor name twice")
