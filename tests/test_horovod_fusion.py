@@ -118,7 +118,15 @@ def test_changed_tensors_are_seen(ranks):
     ranks(_changed, 2, timeout=90)
 
 
+def _one_thread():
+    # A rank forked from a pytest process whose torch already ran parallel kernels would hang in
+    # its first parallel kernel (OpenMP's pool does not survive fork); plait-run's ranks get
+    # OMP_NUM_THREADS=1 anyway. The large tensors here are the first to reach that grain size.
+    torch.set_num_threads(1)
+
+
 def _large(rank, n, _addr):
+    _one_thread()
     hvd = _hvd()
     base = torch.arange(16, dtype=torch.float32).repeat(1 << 14)  # 1 MiB: via the fusion buffer
     x = base + rank
@@ -140,6 +148,7 @@ def test_large_tensor_via_fusion_buffer(ranks):
 
 
 def _large_over_threshold(rank, n, _addr):
+    _one_thread()
     hvd = _hvd()
     from plait.horovod.common import basics
 
