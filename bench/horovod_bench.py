@@ -2,21 +2,29 @@
 4 MiB, a fused grouped allreduce of 100 small tensors against one plait allreduce of their total
 size, and (with --synthetic) the synthetic benchmark's images/sec.
 
-    plait-run -n 2 bench/horovod_bench.py [--rounds 7] [--synthetic] [--json out.json]
+    plait-run -n 2 bench/horovod_bench.py [--rounds 5] [--synthetic] [--peer horovod] [--json out.json]
 
-With real Horovod importable (`import horovod.torch`; building it: bench/RESULTS-horovod.md) pass
---peer horovod: every measurement then also runs on Horovod, interleaved with plait's, and the
-table shows their ratio. Results: bench/RESULTS-horovod.md.
+--peer horovod also runs every case on real Horovod (it must be importable as horovod.torch;
+building it: bench/RESULTS-horovod.md). The bench then starts Horovod's gloo rendezvous server on
+rank 0, as horovodrun would. Each round gives each implementation a turn, in alternating order:
+init, every case, shutdown, so that the other one's background thread is not running meanwhile.
+The table shows the ratio of the two medians. Results: bench/RESULTS-horovod.md.
 """
 
 import argparse
 import json
+import os
+import socket
 import statistics
+import sys
 import time
 
 import torch
 
 import plait
+
+PLAIT, HOROVOD = "plait.horovod", "horovod"
+SYNTHETIC = "synthetic step, resnet18 batch 8 64x64"
 
 
 def _timed(fn, calls):
@@ -37,78 +45,141 @@ def _cases(hvd, direct):
         "grouped_allreduce_ 100 x 1 KiB": (lambda: hvd.grouped_allreduce_(group, name="g100"), 200),
         "allreduce_ 100 KiB (one tensor)": (lambda: hvd.allreduce_(flat, name="b100k"), 200),
     }
-    if direct is not None:
-        out = torch.empty_like(flat)
+    if direct is not None:  # plait only: the group's layout rebuilt every call (a cache miss)
+        from plait.horovod.common import _fusion
+
+        def regroup():
+            _fusion.clear()
+            hvd.grouped_allreduce_(group, name="g100")
+
+        cases["grouped_allreduce_ 100 x 1 KiB, layout not kept"] = (regroup, 200)
+        out, big_out = torch.empty_like(flat), torch.empty_like(big)
         cases["plait allreduce 100 KiB (direct)"] = (lambda: direct.allreduce(flat, out), 200)
+        cases["plait allreduce 4 MiB (direct)"] = (lambda: direct.allreduce(big, big_out), 40)
         cases["plait allreduce 8 B (direct)"] = (lambda: direct.allreduce(small, small), 2000)
     return cases
 
 
+class _HorovodRendezvous:
+    """Horovod's gloo rendezvous server on rank 0 and the environment horovodrun gives each rank."""
+
+    def __init__(self, direct, rank, size):
+        self.direct, self.rank, self.server = direct, rank, None
+        host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        port = torch.zeros(1, dtype=torch.int64)
+        if rank == 0:
+            from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+            from horovod.runner.http.http_server import RendezvousServer
+
+            self.plan = get_host_assignments(parse_hosts(f"{host}:{size}"), size)
+            self.server = RendezvousServer()
+            port[0] = self.server.start()
+        direct.broadcast(port, 0)
+        os.environ.update(
+            HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1",
+            HOROVOD_GLOO_RENDEZVOUS_PORT=str(int(port[0])),
+            HOROVOD_CONTROLLER="gloo",
+            HOROVOD_CPU_OPERATIONS="gloo",
+            HOROVOD_GLOO_IFACE="lo",
+            HOROVOD_HOSTNAME=host,
+        )
+
+    def reset(self):
+        """A clean store for the next hvd.init() (the server keeps some keys of the last one)."""
+        if self.server is not None:
+            self.server.init(self.plan)
+        self.direct.barrier()
+
+    def stop(self):
+        if self.server is not None:
+            self.server.stop()
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--peer", choices=["horovod"], default=None)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--peer", choices=[HOROVOD], default=None)
     p.add_argument("--synthetic", action="store_true")
+    p.add_argument("--synthetic-steps", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     direct = plait.init(set_default=False)  # the baseline: plait without the coordinator
     import plait.horovod.torch as phvd
 
-    impls = {"plait.horovod": phvd}
-    if args.peer == "horovod":
+    impls = {PLAIT: phvd}
+    rdv = None
+    if args.peer == HOROVOD:
         import horovod.torch as real
 
-        impls["horovod"] = real
-    for h in impls.values():
-        h.init()
-    rank = phvd.rank()
-    cases = {name: _cases(h, direct if name == "plait.horovod" else None) for name, h in impls.items()}
-    times = {(i, c): [] for i in cases for c in cases[i]}
+        impls[HOROVOD] = real
+        rdv = _HorovodRendezvous(direct, direct.rank, direct.size)
+    rank, size = direct.rank, direct.size
+    times = {}
     for r in range(args.rounds):
-        for impl in sorted(cases, reverse=bool(r % 2)):
-            for case, (fn, calls) in cases[impl].items():
-                calls = calls if impl == "plait.horovod" else max(2, calls // 20)
+        for impl in sorted(impls, reverse=bool(r % 2)):
+            hvd = impls[impl]
+            if rdv is not None and impl == HOROVOD:
+                rdv.reset()
+            hvd.init()
+            assert hvd.size() == size, f"{impl} started a world of {hvd.size()}, not {size}"
+            for case, (fn, calls) in _cases(hvd, direct if impl == PLAIT else None).items():
+                calls = calls if impl == PLAIT else max(2, calls // 20)
                 direct.barrier()
                 fn()
-                times[(impl, case)].append(_timed(fn, calls))
+                times.setdefault((impl, case), []).append(_timed(fn, calls))
+            if args.synthetic:
+                direct.barrier()
+                step = _synthetic_step(hvd, _model())  # a fresh model: hooks of one optimizer
+                step()
+                t = _timed(step, args.synthetic_steps)
+                times.setdefault((impl, SYNTHETIC), []).append(t)
+            direct.barrier()
+            hvd.shutdown()
+    if rdv is not None:
+        rdv.stop()
     med = {k: statistics.median(v) for k, v in times.items()}
-    res = {"ranks": phvd.size(), "median_s": {f"{i}: {c}": v for (i, c), v in med.items()}}
-    if args.synthetic:
-        res["synthetic_img_per_s"] = _synthetic(phvd)
+    res = {
+        "ranks": size,
+        "rounds": args.rounds,
+        "load_avg_1min": os.getloadavg()[0],
+        "median_s": {f"{i}: {c}": v for (i, c), v in med.items()},
+    }
     if rank == 0:
-        print(f"# {phvd.size()} ranks, median of {args.rounds} rounds, interleaved")
+        print(f"# {size} ranks, median of {args.rounds} rounds, interleaved, load {os.getloadavg()}")
         for (impl, case), v in med.items():
-            line = f"{impl:>14}  {case:<34} {v * 1e6:12.1f} us"
-            if impl == "horovod":
-                line += f"   plait.horovod/horovod = {med[('plait.horovod', case)] / v:.3f}"
+            line = f"{impl:>14}  {case:<38} {v * 1e6:12.1f} us"
+            if impl == HOROVOD:
+                line += f"   plait.horovod/horovod = {med[(PLAIT, case)] / v:.4f}"
             print(line)
         ratio = (
-            med[("plait.horovod", "grouped_allreduce_ 100 x 1 KiB")]
-            / med[("plait.horovod", "plait allreduce 100 KiB (direct)")]
+            med[(PLAIT, "grouped_allreduce_ 100 x 1 KiB")] / med[(PLAIT, "plait allreduce 100 KiB (direct)")]
         )
         print(f"grouped 100 x 1 KiB (fused) / one direct plait allreduce of 100 KiB = {ratio:.2f}")
         res["grouped_over_direct"] = ratio
-        if "synthetic_img_per_s" in res:
-            print(
-                f"synthetic resnet18 (batch 8, 64x64, CPU): {res['synthetic_img_per_s']:.2f} img/s per rank"
-            )
+        one = med[(PLAIT, "grouped_allreduce_ 100 x 1 KiB")] / med[(PLAIT, "allreduce_ 100 KiB (one tensor)")]
+        print(f"grouped 100 x 1 KiB (fused) / one plait.horovod allreduce_ of 100 KiB = {one:.2f}")
+        res["grouped_over_one_tensor"] = one
+        for impl in impls:
+            if (impl, SYNTHETIC) in med:
+                ips = 8 / med[(impl, SYNTHETIC)]
+                res[f"{impl}: synthetic_img_per_s_per_rank"] = ips
+                print(f"{impl:>14}  synthetic resnet18 (batch 8, 64x64, CPU): {ips:.2f} img/s per rank")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)
-    for h in impls.values():
-        h.shutdown()
     direct.finalize()
 
 
-def _synthetic(hvd):
-    import os
-    import sys
-
+def _model():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "horovod"))
     import _models
 
     torch.manual_seed(0)
-    model = _models.resnet18()
+    return _models.resnet18()
+
+
+def _synthetic_step(hvd, model):
+    """The synthetic benchmark's training step (SGD through hvd.DistributedOptimizer)."""
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
     )
@@ -120,8 +191,7 @@ def _synthetic(hvd):
         torch.nn.functional.cross_entropy(model(data), target).backward()
         opt.step()
 
-    step()
-    return 8 * 5 / (_timed(step, 5) * 5)
+    return step
 
 
 if __name__ == "__main__":

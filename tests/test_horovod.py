@@ -568,3 +568,22 @@ def _killed_peer(rank, n, _addr):
 def test_killed_peer_is_an_error_not_a_hang(ranks):
     took = ranks(_killed_peer, 2, may_die=(1,), timeout=60)[0]
     assert took < 30, took
+
+
+def _killed_peer_seen_idle(rank, n, _addr):
+    import signal
+
+    hvd = _hvd()
+    hvd.allreduce(torch.ones(1))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.0)  # the coordinator's idle cycles meet the dead peer before the next op
+    with pytest.raises(hvd.HorovodInternalError) as e:
+        hvd.allreduce(torch.ones(1), name="after")
+    assert "PeerLostError" in str(e.value) and "rank 1" in str(e.value), str(e.value)
+    assert isinstance(e.value.flight, dict) and e.value.flight, e.value.flight
+    hvd.shutdown()
+
+
+def test_killed_peer_seen_by_an_idle_cycle(ranks):
+    ranks(_killed_peer_seen_idle, 2, may_die=(1,), timeout=60)

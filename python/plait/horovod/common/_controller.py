@@ -44,7 +44,7 @@ def env_float(name, default):
 class Op:
     """One submission of this rank: the request it sends and what runs it here."""
 
-    __slots__ = ("req", "tensor", "output", "done", "error", "result", "finish", "t_submit")
+    __slots__ = ("req", "tensor", "output", "done", "error", "result", "finish", "t_submit", "layout")
 
     def __init__(self, req, tensor, output=None, finish=None):
         self.req = req  # [kind, name, ps, dtype, shape, op, root, pre, post, splits]
@@ -53,6 +53,7 @@ class Op:
         self.error = None
         self.result = None
         self.t_submit = time.monotonic()
+        self.layout = None  # a grouped allreduce's fusion layout (common/_fusion.py)
 
 
 class Controller:
@@ -74,6 +75,7 @@ class Controller:
         self._joined = {}  # rank -> cycle it joined
         self._join_op = None
         self._cycle_no = 0
+        self._frame = self._frames = None  # the first allgather's send and receive buffers
         self._last_cycle = 0.0
         self._lock = threading.Lock()  # one cycle at a time
         self._cv = threading.Condition()  # the queue; wakes the background thread
@@ -89,8 +91,10 @@ class Controller:
     def submit(self, ops, notify=True):
         """Queues ops (a group is submitted at once, so it reaches every rank in one cycle)."""
         with self._cv:
-            if self.broken is not None:
-                raise HorovodInternalError(str(self.broken))
+            if self.broken is not None:  # e.g. an idle cycle already met a dead peer
+                err = HorovodInternalError(str(self.broken))
+                err.flight = getattr(self._cause, "flight", None)
+                raise err from self._cause
             keys = {(o.req[2], o.req[1]) for o in ops}
             if len(keys) != len(ops):
                 raise ValueError(f"rank {self.rank}: a group submits the same tensor name twice")
@@ -246,12 +250,15 @@ class Controller:
     def _exchange(self, blob):
         if self.size == 1:
             return [json.loads(blob)]
-        frame = np.zeros(_FRAME, dtype=np.uint8)
-        frame[:8] = np.frombuffer(np.int64(len(blob)).tobytes(), dtype=np.uint8)
-        head = blob[: _FRAME - 8]
-        frame[8 : 8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
-        frames = self.comm.allgather(frame)
-        lengths = [int(np.frombuffer(f[:8].tobytes(), dtype=np.int64)[0]) for f in frames]
+        if self._frame is None:  # kept: this runs under the cycle lock, one cycle at a time
+            self._frame = np.zeros(_FRAME, dtype=np.uint8)
+            self._frames = np.zeros((self.size, _FRAME), dtype=np.uint8)
+        frame, frames = self._frame, self._frames
+        head = min(len(blob), _FRAME - 8)
+        frame[:8].view(np.int64)[0] = len(blob)
+        frame[8 : 8 + head] = np.frombuffer(blob, dtype=np.uint8, count=head)
+        self.comm.allgather(frame, frames)
+        lengths = frames[:, :8].copy().view(np.int64)[:, 0].tolist()
         longest = max(lengths)
         tails = None
         if longest > _FRAME - 8:

@@ -10,6 +10,7 @@ import threading
 
 import torch
 
+from ..common import _fusion
 from ..common import basics as _basics
 from ..common._controller import Op
 from ..common.exceptions import HorovodInternalError
@@ -182,28 +183,53 @@ def _allreduce_ops(tensors, inplace, name, op, pre, post, process_set, kind="all
 
 def _group_ops(tensors, inplace, name, op, pre, post, process_set):
     """A group is one request per dtype (Horovod fuses a group's tensors together): the executor
-    copies its tensors into the fusion buffer with one torch.cat and out with one foreach copy,
-    so a group of many small tensors costs about one allreduce of their total size."""
+    gathers its tensors into the fusion buffer with one torch.cat and scatters them back in one
+    pass, so a group of many small tensors costs about one allreduce of their total size. The
+    layout (common/_fusion.py) is kept across calls with the same tensors."""
     ps_id = _ps(process_set)
-    by_dtype = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
+    lay = _fusion.lookup(tensors)
+    if lay is None:
+        by_dtype = {}
+        for i, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        for idx in by_dtype.values():
+            t0 = tensors[idx[0]]
+            _dtype(t0, "grouped_allreduce")
+            bad = next((tensors[i] for i in idx if not tensors[i].is_cpu), None)
+            if bad is not None:
+                _dtype(bad, "grouped_allreduce")
+        if all(t.is_contiguous() for t in tensors):
+            lay = _fusion.remember(tensors, list(by_dtype.values()))
+        else:
+            return _group_ops_strided(tensors, inplace, name, op, pre, post, ps_id, by_dtype)
+    ops, order = [], []
+    for part in lay.parts:
+        d = _DTYPES[part.dtype]
+        n = name if name is None or len(lay.parts) == 1 else f"{name}.{d}"
+        req = ["allreduce", _basics.next_name("allreduce", n), ps_id, d, [part.total], int(op), -1]
+        req += [float(pre), float(post), part.shapes]
+        sub = tensors if len(lay.parts) == 1 else [tensors[i] for i in part.idx]
+        o = Op(req, sub, sub if inplace else None)
+        o.layout = part
+        ops.append(o)
+        order.append(part.idx)
+    return ops, order
+
+
+def _group_ops_strided(tensors, inplace, name, op, pre, post, ps_id, by_dtype):
+    """A group with a non-contiguous tensor: contiguous copies travel, and go back after."""
     ops, order = [], []
     for idx in by_dtype.values():
         ts = [tensors[i] for i in idx]
-        d = _dtype(ts[0], "grouped_allreduce")
-        if not all(t.is_cpu for t in ts):
-            _dtype(next(t for t in ts if not t.is_cpu), "grouped_allreduce")
+        d = _DTYPES[ts[0].dtype]
         n = name if name is None or len(by_dtype) == 1 else f"{name}.{d}"
         srcs = [t.detach() for t in ts]
         outs = fin = None
         if inplace:
-            outs = srcs
-            if not all(t.is_contiguous() for t in ts):
-                outs = [t.contiguous() for t in srcs]
-                fin = _copy_back_all(ts)
+            outs = [t.contiguous() for t in srcs]
+            fin = _copy_back_all(ts)
         total = sum(t.numel() for t in ts)
-        shapes = [t.shape for t in ts]  # torch.Size is a tuple: it travels as a JSON list
+        shapes = _fusion.shapes_text(t.shape for t in ts)
         req = ["allreduce", _basics.next_name("allreduce", n), ps_id, d, [total], int(op), -1, float(pre)]
         req += [float(post), shapes]
         ops.append(Op(req, srcs, outs, fin))

@@ -1,0 +1,111 @@
+"""Where a grouped allreduce's tensors sit in the fusion buffer, kept across calls.
+
+A training loop submits the same group every step (DistributedOptimizer's groups, a
+grouped_allreduce_ of a fixed list of tensors). For many small tensors, per-tensor Python and
+torch dispatch (a view, a check, a copy each) cost more than the reduction itself, so a group's
+layout is built once and reused while the same tensor objects keep the same storage and shapes:
+copy-in is one torch.cat into the fusion buffer, copy-out one pass of numpy slice assignments over
+views made once (a foreach copy for dtypes numpy lacks), then one version bump for autograd.
+
+A layout holds views of its tensors (their storage) but only weak references to the tensor
+objects: when one of them is freed (a gradient set to None, a list dropped) its layout goes too,
+so a loop that makes new tensors every step keeps nothing alive. At most _MAX layouts are kept,
+and clear() (at hvd.shutdown) drops them all, with their views of the fusion buffer.
+"""
+
+import json
+import weakref
+
+import torch
+
+_MAX = 32  # groups kept; the oldest is dropped first
+_cache = {}  # tuple of the tensors' ids -> GroupLayout
+
+
+def shapes_text(shapes):
+    """A group's tensor shapes as the one string its request carries (ranks compare it; encoding a
+    string each cycle costs far less than a list of lists)."""
+    return json.dumps([list(s) for s in shapes], separators=(",", ":"))
+
+
+def _meta(tensors):
+    return list(map(torch.Tensor.data_ptr, tensors)), list(map(torch.Tensor.size, tensors))
+
+
+class Part:
+    """One dtype's tensors of a group (one request): flat views to gather from, in order."""
+
+    __slots__ = ("idx", "dtype", "flat", "shapes", "sizes", "total", "_dst", "_src_at", "_src")
+
+    def __init__(self, idx, tensors):
+        self.idx = idx  # positions in the group
+        self.dtype = tensors[0].dtype
+        self.flat = [t.detach().view(-1) for t in tensors]
+        self.shapes = shapes_text(t.shape for t in tensors)
+        self.sizes = [f.numel() for f in self.flat]
+        self.total = sum(self.sizes)
+        try:
+            self._dst = [f.numpy() for f in self.flat]
+        except (TypeError, RuntimeError):  # bfloat16 and friends: torch copies instead
+            self._dst = None
+        self._src_at, self._src = None, None
+
+    def gather(self, piece):
+        """The tensors' elements, in order, into piece (1-D, total elements, contiguous)."""
+        if self.flat:
+            torch.cat(self.flat, out=piece)
+
+    def scatter(self, buffer, offset, piece):
+        """piece (the reduced elements: buffer's view at element offset) back into the tensors."""
+        if self._dst is None:
+            with torch.no_grad():
+                torch._foreach_copy_(self.flat, list(piece.split(self.sizes)))
+            return
+        if self._src_at is None or self._src_at[0] is not buffer or self._src_at[1] != offset:
+            arr, at, src = piece.numpy(), 0, []
+            for n in self.sizes:
+                src.append(arr[at : at + n])
+                at += n
+            self._src_at, self._src = (buffer, offset), src
+        for d, s in zip(self._dst, self._src):
+            d[...] = s
+        torch.autograd.graph.increment_version(self.flat)  # views share their base's counter
+
+
+class GroupLayout:
+    __slots__ = ("refs", "ptrs", "sizes", "parts")
+
+    def __init__(self, key, tensors, by_dtype):
+        self.ptrs, self.sizes = _meta(tensors)
+        self.parts = [Part(idx, [tensors[i] for i in idx]) for idx in by_dtype]
+
+        def forget(_ref, key=key):
+            _cache.pop(key, None)
+
+        # While every tensor lives, the ids in the key are theirs alone.
+        self.refs = [weakref.ref(t, forget) for t in tensors]
+
+
+def lookup(tensors):
+    """The layout of this group if it was seen before and its tensors are unchanged, else None."""
+    lay = _cache.get(tuple(map(id, tensors)))
+    if lay is None:
+        return None
+    ptrs, sizes = _meta(tensors)
+    if ptrs != lay.ptrs or sizes != lay.sizes:
+        return None
+    return lay
+
+
+def remember(tensors, by_dtype):
+    """A new layout for a group of contiguous tensors (by_dtype: the positions of each dtype)."""
+    key = tuple(map(id, tensors))
+    lay = GroupLayout(key, tensors, by_dtype)
+    if len(_cache) >= _MAX:
+        _cache.pop(next(iter(_cache)), None)
+    _cache[key] = lay
+    return lay
+
+
+def clear():
+    _cache.clear()

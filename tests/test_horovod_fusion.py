@@ -1,0 +1,167 @@
+"""plait.horovod's grouped allreduce layout kept across calls (common/_fusion.py): repeated groups
+stay exact, a tensor whose storage or shape changed is seen, strided tensors and dtypes numpy lacks
+take the slow path, autograd sees the in-place write, and group shape mismatches still fail."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _hvd():
+    import plait.horovod.torch as hvd
+
+    hvd.init()
+    return hvd
+
+
+def _settle(cond, within=5.0):
+    import time
+
+    end = time.monotonic() + within
+    while not cond():
+        assert time.monotonic() < end, "layouts of freed tensors were not dropped"
+        time.sleep(0.01)
+
+
+def _repeat(rank, n, _addr):
+    hvd = _hvd()
+    from plait.horovod.common import _fusion
+
+    tri = n * (n - 1) // 2
+    f32 = [torch.zeros(4) for _ in range(20)] + [torch.zeros(2, 3)]
+    i64 = [torch.zeros(3, dtype=torch.int64) for _ in range(5)]
+    bf = [torch.zeros(2, dtype=torch.bfloat16) for _ in range(3)]  # numpy has no bfloat16
+    group = f32 + i64 + bf
+    for step in range(4):
+        for i, t in enumerate(group):
+            t.fill_(i % 4 * 2 + step + rank)  # small: bfloat16 is exact to 256
+        out = hvd.grouped_allreduce_(group, op=hvd.Sum, name="rep")
+        assert out is not None
+        for i, t in enumerate(group):
+            assert t.flatten().tolist() == [n * (i % 4 * 2 + step) + tri] * t.numel(), (step, i)
+    assert len(_fusion._cache) == 1  # one layout, reused by steps 1-3
+    # out of place, same tensors: fresh results, inputs untouched, the layout reused
+    outs = hvd.grouped_allreduce(group, op=hvd.Sum, name="oop")
+    for i, (t, o) in enumerate(zip(group, outs)):
+        assert o.shape == t.shape and o.dtype == t.dtype
+        assert o.flatten().tolist() == [n * n * (i % 4 * 2 + 3) + n * tri] * t.numel()
+        assert t.flatten().tolist() == [n * (i % 4 * 2 + 3) + tri] * t.numel()
+        assert o.data_ptr() != t.data_ptr()
+    assert len(_fusion._cache) == 1
+    # integer Average truncates, through the cached layout too
+    ints = [torch.full((2,), 2 * rank + 1, dtype=torch.int32) for _ in range(3)]
+    for _ in range(2):
+        for t in ints:
+            t.fill_(2 * rank + 1)
+        hvd.grouped_allreduce_(ints, op=hvd.Average, name="avg")
+        assert [t.tolist() for t in ints] == [[(n * n) // n] * 2] * 3
+    # new tensors every step (gradients set to None): the freed ones' layouts go with them
+    before = len(_fusion._cache)
+    for step in range(5):
+        fresh = [torch.full((3,), float(step + rank)) for _ in range(4)]
+        hvd.grouped_allreduce_(fresh, op=hvd.Sum, name="fresh")
+        assert [t.tolist() for t in fresh] == [[n * step + tri] * 3] * 4
+    # only the last step's tensors are alive (the coordinator's thread may hold the last op a
+    # moment longer, while it finishes the cycle that completed it)
+    _settle(lambda: len(_fusion._cache) == before + 1)
+    del fresh
+    _settle(lambda: len(_fusion._cache) == before)
+    hvd.shutdown()
+    assert not _fusion._cache  # shutdown drops the layouts (they hold fusion buffer views)
+
+
+def test_repeated_group_is_exact(ranks):
+    ranks(_repeat, 2, timeout=90)
+    ranks(_repeat, 3, timeout=120)
+
+
+def _changed(rank, n, _addr):
+    hvd = _hvd()
+    a, b, c = torch.ones(3), torch.ones(4), torch.ones(2)
+    group = [a, b, c]
+    hvd.grouped_allreduce_(group, op=hvd.Sum, name="g")
+    assert [t.tolist() for t in group] == [[n] * 3, [n] * 4, [n] * 2]
+    # new storage behind the same tensor object
+    b.data = torch.full((4,), float(rank))
+    hvd.grouped_allreduce_(group, op=hvd.Sum, name="g")
+    assert b.tolist() == [n * (n - 1) / 2] * 4 and a.tolist() == [n * n] * 3
+    # same storage, new shape
+    a.resize_(2)
+    a.fill_(1)
+    hvd.grouped_allreduce_(group, op=hvd.Sum, name="g")
+    assert a.tolist() == [n] * 2 and c.tolist() == [n**3] * 2
+    # a strided member: contiguous copies travel and are copied back
+    m = torch.arange(6, dtype=torch.float32).view(2, 3) + rank
+    t = m.t()
+    hvd.grouped_allreduce_([t, c], op=hvd.Sum, name="s")
+    tri = n * (n - 1) // 2
+    assert m.tolist() == [[n * v + tri for v in range(3)], [n * v + tri for v in range(3, 6)]]
+    # autograd sees the in-place write (version bump): backward through a saved tensor fails
+    w = torch.ones(3, requires_grad=True)
+    x = torch.ones(3)
+    y = (w * x).sum()
+    v0 = x._version
+    hvd.grouped_allreduce_([x, c], op=hvd.Sum, name="v")
+    hvd.grouped_allreduce_([x, c], op=hvd.Sum, name="v")  # the second one through the layout
+    assert x._version >= v0 + 2
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    # ranks that disagree on a group's shapes fail on every rank, and the next op works
+    bad = [torch.ones(2 if rank == 0 else 3), torch.ones(3 if rank == 0 else 2)]  # equal totals
+    with pytest.raises(hvd.HorovodInternalError, match=r"group tensor shapes.*\[\[2\],\[3\]\]"):
+        hvd.grouped_allreduce_(bad, op=hvd.Sum, name="bad")
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).tolist() == [n]
+    hvd.shutdown()
+
+
+def test_changed_tensors_are_seen(ranks):
+    ranks(_changed, 2, timeout=90)
+
+
+def _one_thread():
+    # A rank forked from a pytest process whose torch already ran parallel kernels would hang in
+    # its first parallel kernel (OpenMP's pool does not survive fork); plait-run's ranks get
+    # OMP_NUM_THREADS=1 anyway. The large tensors here are the first to reach that grain size.
+    torch.set_num_threads(1)
+
+
+def _large(rank, n, _addr):
+    _one_thread()
+    hvd = _hvd()
+    base = torch.arange(16, dtype=torch.float32).repeat(1 << 14)  # 1 MiB: via the fusion buffer
+    x = base + rank
+    tri = n * (n - 1) / 2
+    y = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
+    assert torch.equal(y, (n * base + tri) / 2) and torch.equal(x, base + rank)
+    z = (base * 2 + 2 * rank).to(torch.float16)  # 512 KiB of halves, exact integers
+    hvd.allreduce_(z, op=hvd.Average)
+    assert torch.equal(z, (base * 2 + (n - 1)).to(torch.float16))
+    w = (base + rank).to(torch.float64)[::2]  # strided: a contiguous copy travels
+    got = hvd.allreduce(w, op=hvd.Max)
+    assert torch.equal(got, (base + n - 1).to(torch.float64)[::2])
+    hvd.shutdown()
+
+
+def test_large_tensor_via_fusion_buffer(ranks):
+    ranks(_large, 2, timeout=90)
+    ranks(_large, 3, timeout=120)
+
+
+def _large_over_threshold(rank, n, _addr):
+    _one_thread()
+    hvd = _hvd()
+    from plait.horovod.common import basics
+
+    x = torch.arange(1 << 17, dtype=torch.float32) + rank  # 512 KiB, over the 300 KiB threshold
+    hvd.allreduce_(x, op=hvd.Average)
+    assert torch.equal(x, torch.arange(1 << 17, dtype=torch.float32) + (n - 1) / 2)
+    fusion = basics.controller().executor._fusion
+    size = 0 if fusion is None else fusion.numel()
+    hvd.shutdown()
+    return size
+
+
+def test_large_tensor_over_threshold_skips_fusion_buffer(ranks):
+    # the fusion buffer never grows past HOROVOD_FUSION_THRESHOLD for one tensor
+    sizes = ranks(_large_over_threshold, 2, env={"HOROVOD_FUSION_THRESHOLD": str(300 << 10)}, timeout=90)
+    assert all(s < 300 << 10 for s in sizes), sizes
