@@ -69,6 +69,11 @@ def _result(out):
     return json.loads(lines[0][7:])
 
 
+# The synthetic benchmarks at their smallest: resnet18 on 2 images of 32x32, two timed batches.
+_TINY_SYNTHETIC = ["--model", "resnet18", "--batch-size", "2", "--image-size", "32"]
+_TINY_SYNTHETIC += ["--num-warmup-batches", "1", "--num-batches-per-iter", "1", "--num-iters", "2"]
+
+
 @pytest.mark.slow  # three ranks importing torch: 20 s on a quiet machine, 90 s on a loaded one
 def test_elastic_killed_rank_shrinks_world():
     """Worker 1 of 3 SIGKILLs itself at batch 10: the survivors restore the last commit and go on
@@ -109,18 +114,7 @@ def test_example_synthetic_benchmark():
             "-np",
             "2",
             os.path.join(EXAMPLES, "pytorch_synthetic_benchmark.py"),
-            "--model",
-            "resnet18",
-            "--batch-size",
-            "2",
-            "--image-size",
-            "32",
-            "--num-warmup-batches",
-            "1",
-            "--num-batches-per-iter",
-            "1",
-            "--num-iters",
-            "2",
+            *_TINY_SYNTHETIC,
         ]
     )
     assert p.returncode == 0, p.stdout + p.stderr
@@ -160,18 +154,7 @@ def test_example_elastic_synthetic_benchmark():
             "--max-np",
             "2",
             os.path.join(EXAMPLES, "pytorch_synthetic_benchmark_elastic.py"),
-            "--model",
-            "resnet18",
-            "--batch-size",
-            "2",
-            "--image-size",
-            "32",
-            "--num-warmup-batches",
-            "1",
-            "--num-batches-per-iter",
-            "1",
-            "--num-iters",
-            "2",
+            *_TINY_SYNTHETIC,
         ]
     )
     assert p.returncode == 0, p.stdout + p.stderr
