@@ -1,0 +1,84 @@
+/* The engine between hosts, as plait's multi-host communicator (hier/hier_comm.h) drives it: a
+ * table of plain C functions over one engine group (a set of processes, one or a few per host),
+ * handed across modules as a PyCapsule named PLAIT_ENGINE_CAPSULE holding a plait_engine*.
+ *
+ * Two engines implement it, each a real, proven transport (plait owns no network data path):
+ *   gloo  torch's own ProcessGroupGloo, driven through the generic c10d::Backend interface by the
+ *         native torch module (csrc/torch/gloo_engine.cc); its job-wide abort flag is a key in the
+ *         group's c10d store.
+ *   mpi   MPI's C API over a communicator mpi4py created (csrc/hier/mpi_engine.cc, built when CMake
+ *         finds MPI); its abort flag is a message on a private duplicate of that communicator.
+ *
+ * Rules every engine keeps:
+ * - Every function is called with the GIL released, from any one thread at a time per group
+ *   (the multi-host communicator serialises its calls), except fail(), which any thread may call
+ *   at any time, also while another thread is inside a call of the same group.
+ * - Buffers are host memory, contiguous, and stay valid until the call (or wait) returns.
+ * - A call returns PLAIT_OK (0) or an error kind of capi.h's plait_error, with a message in err
+ *   (NUL-terminated, at most errlen bytes) that names the operation, the group and the peer.
+ *   PLAIT_E_TIMEOUT when timeout_s (seconds left of the plait call's deadline, >= 0; inf: none)
+ *   passes; PLAIT_E_PEER_LOST when a member is gone or the job-wide flag is set (then the message
+ *   is the flag's: "rank R failed: ...").
+ * - While it waits, a call looks at the job-wide flag at least every 50 ms, so a failure on any
+ *   host ends every waiting call everywhere within about that.
+ * - Element types: allreduce takes the (dtype, op) pairs for which supports() says 1; for the
+ *   others the communicator allgathers and reduces on plait's kernels. Bytes calls carry any type.
+ */
+#ifndef PLAIT_ENGINE_H
+#define PLAIT_ENGINE_H
+#include <stddef.h>
+#include <stdint.h>
+
+#define PLAIT_ENGINE_VERSION 1
+#define PLAIT_ENGINE_CAPSULE "plait.engine"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct plait_engine {
+  uint32_t version;     /* PLAIT_ENGINE_VERSION */
+  uint32_t struct_size; /* sizeof(plait_engine) of the engine's build: later versions only append */
+  const char* name;     /* "gloo", "mpi": for messages */
+  int rank;             /* this process's rank in the group */
+  int size;             /* the group's size */
+  void* ctx;            /* the engine's state, the first argument of every function */
+
+  /* 1 when allreduce takes this (plait_dtype, plait_op) natively (PLAIT_AVG is never asked). */
+  int (*supports)(void* ctx, uint8_t dtype, uint8_t op);
+  /* In place: buf (count elements of dtype) = the op over the members' buf. */
+  uint32_t (*allreduce)(void* ctx, void* buf, size_t count, uint8_t dtype, uint8_t op,
+                        double timeout_s, char* err, size_t errlen);
+  /* out (size * bytes) = every member's in (bytes), in group-rank order. in may not overlap out. */
+  uint32_t (*allgather)(void* ctx, const void* in, void* out, size_t bytes, double timeout_s,
+                        char* err, size_t errlen);
+  /* allgather in two halves: start returns a request (in and out untouched by the caller until
+   * wait returns); wait finishes it (or fails) and frees it. Every started request is waited. */
+  uint32_t (*allgather_start)(void* ctx, const void* in, void* out, size_t bytes, void** req,
+                              char* err, size_t errlen);
+  uint32_t (*wait)(void* ctx, void* req, double timeout_s, char* err, size_t errlen);
+  /* buf (bytes) of member root to every member. */
+  uint32_t (*broadcast)(void* ctx, void* buf, size_t bytes, int root, double timeout_s, char* err,
+                        size_t errlen);
+  /* out block j (bytes each) = member j's in block (this rank's index). in may not overlap out. */
+  uint32_t (*alltoall)(void* ctx, const void* in, void* out, size_t bytes, double timeout_s,
+                       char* err, size_t errlen);
+  /* Point to point between two members; tag in [0, 2^31). Messages of one (peer, tag) pair
+   * arrive in order. */
+  uint32_t (*send)(void* ctx, const void* buf, size_t bytes, int peer, int tag, double timeout_s,
+                   char* err, size_t errlen);
+  uint32_t (*recv)(void* ctx, void* buf, size_t bytes, int peer, int tag, double timeout_s,
+                   char* err, size_t errlen);
+  /* Sets the job-wide flag (kind, msg: the first failure; later ones keep the first) and makes
+   * this group's current and later calls fail soon. Any thread, any time; never blocks long. */
+  void (*fail)(void* ctx, uint32_t kind, const char* msg);
+  /* Frees the group, after its last call returned. The capsule has no destructor of its own: the
+   * communicator the capsule is handed to owns the engine and calls this once (hand a capsule to
+   * one communicator only). */
+  void (*release)(void* ctx);
+} plait_engine;
+
+#ifdef __cplusplus
+}
+#endif
+#endif
