@@ -26,8 +26,15 @@ import time
 import weakref
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SOURCES = ("torch/backend.cc", "torch/work.cc", "torch/collectives.cc", "torch/ops.cc")
-_HEADERS = ("torch/backend.h", "bindings/capi.h")
+_SOURCES = (
+    "torch/backend.cc",
+    "torch/work.cc",
+    "torch/collectives.cc",
+    "torch/ops.cc",
+    "torch/gloo_engine.cc",
+    "torch/engine_calls.cc",
+)
+_HEADERS = ("torch/backend.h", "torch/engines.h", "bindings/capi.h", "hier/engine.h")
 _module = None
 _tried = False
 _error = None  # the NativeBuildError the build raised, raised again on each later use
