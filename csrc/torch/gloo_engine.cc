@@ -149,6 +149,8 @@ class Gloo {
       : pg_(std::move(pg)), store_(std::move(store)), label_(std::move(label)) {
     rank_ = pg_->getRank();
     size_ = pg_->getSize();
+    // 100 us: bench/gloo_engine.py at 8 B, 0 / 100 / 1000 us of spin took 1.01 / 0.44 / 0.52x
+    // the time of torch's own wait on the same gloo (bench/RESULTS-hier.md, 2026-12-05).
     const char* spin = std::getenv("PLAIT_ENGINE_SPIN_US");
     spin_s_ = (spin != nullptr && *spin != '\0') ? std::atof(spin) * 1e-6 : 100e-6;
     p2p_ = std::make_shared<P2pQueue>();
@@ -179,7 +181,8 @@ class Gloo {
   uint32_t dead(const std::string& what, char* err, size_t errlen);
   // Records the group's first death; true if this one was it.
   bool die(uint32_t kind, const std::string& msg);
-  bool flag_set(std::string* msg);
+  // The job-wide flag: 0 not set, 1 set (msg: its message), 2 the store is unreachable (msg: so).
+  int flag(std::string* msg);
   void write_flag(uint32_t kind, const std::string& msg);
   static std::chrono::milliseconds gloo_timeout(double timeout_s) {
     if (std::isinf(timeout_s)) return c10d::kUnsetTimeout;
@@ -246,17 +249,18 @@ uint32_t Gloo::dead(const std::string& what, char* err, size_t errlen) {
   return dead_kind_;
 }
 
-bool Gloo::flag_set(std::string* msg) {
+int Gloo::flag(std::string* msg) {
   try {
-    if (store_->add(kFlagKey, 0) <= 0) return false;
+    if (store_->add(kFlagKey, 0) <= 0) return 0;
     std::vector<uint8_t> v = store_->get(kFlagMsgKey);
     std::string s(v.begin(), v.end());
     *msg = s.substr(s.find('|') + 1);  // "kind|message"
+    return 1;
   } catch (const std::exception& e) {
     *msg = "the store holding the job-wide abort flag is unreachable (" + first_line(e.what()) +
            "); the rank serving it is probably gone";
+    return 2;
   }
-  return true;
 }
 
 void Gloo::write_flag(uint32_t kind, const std::string& msg) {
@@ -352,7 +356,7 @@ uint32_t Gloo::finish(Pending& p, double timeout_s, char* err, size_t errlen) {
     }
     if (t >= next_flag) {
       lk.unlock();
-      bool set = flag_set(&why);
+      bool set = flag(&why) != 0;
       lk.lock();
       if (set) {
         kind = PLAIT_E_PEER_LOST;
@@ -390,6 +394,11 @@ uint32_t Gloo::finish(Pending& p, double timeout_s, char* err, size_t errlen) {
   // closed connection (torch's DistError family, or gloo's IoException, which torch passes on
   // as it is: without gloo's headers its type is known by name only). Anything else is a bug.
   const bool late = now_s() >= deadline;
+  if (flag(&why) == 1) {  // the cause, where a peer that failed first closed its connections
+    die(PLAIT_E_PEER_LOST, why);
+    say(err, errlen, where(p.what) + ": " + why);
+    return PLAIT_E_PEER_LOST;
+  }
   kind = late ? PLAIT_E_TIMEOUT : PLAIT_E_PEER_LOST;
   try {
     std::rethrow_exception(w.error);

@@ -198,8 +198,9 @@ def load():
 
 
 def create(opts, buffer_bytes):
-    """A native Backend for the group c10d describes in opts, or None when plait.init gave a
-    communicator the C API cannot drive (a multi-host one)."""
+    """A native Backend for the group c10d describes in opts, or the communicator plait.init
+    gave when it is no C++ one the C API can drive (the Python HierCommunicator of before
+    _C.HierComm)."""
     import plait
     from plait import _C
 
@@ -220,7 +221,7 @@ def create(opts, buffer_bytes):
     except plait.PlaitError as e:
         raise _errors.to_torch(e, f"plait: creating group {opts.group_id!r}") from None
     native = getattr(comm, "_c", None)
-    if not isinstance(native, _C.Communicator):
+    if not isinstance(native, _C._Comm):  # every C++ communicator (flat, or multi-host: HierComm)
         return comm
     comm.label = f"pg:{opts.group_id}"  # flight reports and PLAIT_TRACE tracks name the group
     backend = _module.create(
