@@ -111,7 +111,7 @@ void HierComm::reduce_scatter(const CallArgs& a, const Fingerprint& fp, double d
   const auto* x = static_cast<const uint8_t*>(a.in);
   auto* out = static_cast<uint8_t*>(a.out);
   if (m == 0) {
-    exchange(inter_.get(), fp, 0, deadline);
+    exchange(inter_.get(), fp, 0, deadline, /*check_only=*/true);
     local_barrier(deadline);
     return;
   }
@@ -159,7 +159,7 @@ void HierComm::allgather(const Fingerprint& fp, const uint8_t* x, uint8_t* out, 
                          double deadline) {
   const int H = lay_.nhosts(), L = local_->size();
   if (n == 0) {
-    exchange(inter_.get(), fp, 0, deadline);
+    exchange(inter_.get(), fp, 0, deadline, /*check_only=*/true);
     local_barrier(deadline);
     return;
   }
@@ -170,7 +170,7 @@ void HierComm::allgather(const Fingerprint& fp, const uint8_t* x, uint8_t* out, 
       const uint8_t* rows = exchange(inter_.get(), fp, n, deadline);
       for (int h = 0; h < H; ++h) std::memcpy(av.data() + size_t(h) * n, rows + h * kFrame, n);
     } else {
-      exchange(inter_.get(), fp, 0, deadline);
+      exchange(inter_.get(), fp, 0, deadline, /*check_only=*/true);
       inter_->allgather(x, av.data(), n, deadline);  // av[h] = x of rank (h, i)
     }
     std::vector<uint8_t> bv;
@@ -223,7 +223,7 @@ void HierComm::inter_broadcast(const Fingerprint& fp, uint8_t* out, size_t k, in
     const uint8_t* rows = exchange(inter_.get(), fp, k, deadline);
     if (lay_.h != hr) std::memcpy(out, rows + size_t(hr) * kFrame, k);
   } else {
-    exchange(inter_.get(), fp, 0, deadline);
+    exchange(inter_.get(), fp, 0, deadline, /*check_only=*/true);
     inter_->broadcast(out, k, hr, deadline);
   }
 }
@@ -267,7 +267,7 @@ void HierComm::alltoall(const Fingerprint& fp, const uint8_t* x, uint8_t* out, s
       std::memcpy(out + size_t(j) * blk, rows + size_t(j) * kFrame + size_t(rank_) * blk, blk);
     return;
   }
-  exchange(world_.get(), fp, 0, deadline);
+  exchange(world_.get(), fp, 0, deadline, /*check_only=*/true);
   std::vector<uint8_t> copy;
   if (x == out) {  // in place (the only overlap validation lets through)
     copy.assign(x, x + total);
@@ -300,7 +300,7 @@ void HierComm::p2p(const CallArgs& a, double deadline) {
 
 void HierComm::barrier(const Fingerprint& fp, double deadline) {
   local_barrier(deadline);
-  if (inter_) exchange(inter_.get(), fp, 0, deadline);  // the frames are the hosts' barrier
+  if (inter_) exchange(inter_.get(), fp, 0, deadline, /*check_only=*/false);  // hosts' barrier
   local_barrier(deadline);
 }
 

@@ -141,7 +141,8 @@ class HierComm final : public Comm {
   [[noreturn]] void raise_aborted() const;
 
   // The frame exchange (hier_frames.cc): post starts the allgather of this rank's frame (header +
-  // the first nbytes of its room; check_only: the header alone) and finish waits and compares
+  // the first nbytes of its room; check_only: the header alone, not sent at all when the check
+  // is off: PLAIT_HIER_CHECK=0) and finish waits and compares
   // every header, returning the members' payloads (kFrame apart). No group: nothing happens.
   struct Posted {
     EngineGroup* g = nullptr;
@@ -151,7 +152,9 @@ class HierComm final : public Comm {
   Posted post(EngineGroup* g, const Fingerprint& fp, size_t nbytes, bool check_only,
               double deadline);
   const uint8_t* finish(Posted& p, double deadline);
-  const uint8_t* exchange(EngineGroup* g, const Fingerprint& fp, size_t nbytes, double deadline);
+  // post + finish; check_only: a header-only frame (skipped under PLAIT_HIER_CHECK=0).
+  const uint8_t* exchange(EngineGroup* g, const Fingerprint& fp, size_t nbytes, double deadline,
+                          bool check_only = false);
   [[noreturn]] void mismatch(EngineGroup& g, const Fingerprint& mine, const uint8_t* theirs, int j);
   // out = the op over the members' payload rows (each kFrame apart, at byte offset off), in
   // group order; avg divides by the world size in the same pass.
@@ -183,6 +186,7 @@ class HierComm final : public Comm {
   double timeout_s_;
   uint64_t seq_ = 0;  // calls issued, in issue order: the fingerprints' call number
   bool closed_ = false;
+  bool check_ = true;      // header-only frames (PLAIT_HIER_CHECK=0 skips them)
   mutable std::mutex mu_;  // first_error_, label_
   std::string first_error_;
   std::string label_;

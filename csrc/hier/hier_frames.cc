@@ -138,7 +138,7 @@ void EngineGroup::fail(ErrorKind kind, const std::string& msg) {
 HierComm::Posted HierComm::post(EngineGroup* g, const Fingerprint& fp, size_t nbytes,
                                 bool check_only, double deadline) {
   Posted p;
-  if (!g) return p;
+  if (!g || (check_only && !check_)) return p;
   FrameHead h{kFrameMagic, fp, check_only ? 0 : int64_t(nbytes)};
   std::memset(g->sent().data(), 0, kFrameHead);
   std::memcpy(g->sent().data(), &h, sizeof h);
@@ -162,8 +162,8 @@ const uint8_t* HierComm::finish(Posted& p, double deadline) {
 }
 
 const uint8_t* HierComm::exchange(EngineGroup* g, const Fingerprint& fp, size_t nbytes,
-                                  double deadline) {
-  Posted p = post(g, fp, nbytes, false, deadline);
+                                  double deadline, bool check_only) {
+  Posted p = post(g, fp, nbytes, check_only, deadline);
   return finish(p, deadline);
 }
 
