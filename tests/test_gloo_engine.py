@@ -176,13 +176,14 @@ def test_recv_timeout(ranks, tmp_path):
 
 
 def _fail(rank, n, _addr, store_dir):
-    """rank 0 fails while ranks 1 and 2 wait in an allreduce; rank 1 fails too, later."""
+    """rank 0 fails (a mismatch) while ranks 1 and 2 wait in an allreduce; rank 1 fails too,
+    later. Every call ends with the first failure's kind and message."""
     mod, eng, store = _setup(rank, n, store_dir)
     try:
         if rank == 0:
             time.sleep(0.5)
-            mod._engine_fail(eng, 4, "first failure")
-            with pytest.raises(plait.PeerLostError, match="rank 0 failed: first failure"):
+            mod._engine_fail(eng, 3, "first failure")  # a mismatch: every rank raises its class
+            with pytest.raises(plait.MismatchError, match="rank 0 failed: first failure"):
                 mod._engine_allreduce(eng, np.ones(2, np.float32), CODES["float32"], 0, 30.0)
             store.add("finished", 1)
             return None
@@ -190,7 +191,7 @@ def _fail(rank, n, _addr, store_dir):
         if rank == 1:
             later.start()
         t0 = time.monotonic()
-        with pytest.raises(plait.PeerLostError) as info:
+        with pytest.raises(plait.MismatchError) as info:
             mod._engine_allreduce(eng, np.ones(2, np.float32), CODES["float32"], 0, 30.0)
         took = time.monotonic() - t0
         if rank == 1:
@@ -209,7 +210,7 @@ def test_fail_ends_calls_everywhere(ranks, tmp_path):
         # The flag ended the waiting calls within ~1 s of rank 0's fail() (0.5 s in).
         assert took < 0.5 + 1.0, (took, msg)
         assert "rank 0 failed: first failure" in msg and "second" not in msg, msg
-        assert flag == "4|rank 0 failed: first failure", flag  # the first failure's kind and text
+        assert flag == "3|rank 0 failed: first failure", flag  # the first failure's kind and text
     assert "gloo allreduce of 2 float32 (sum) on group 't' (rank 2 of 3)" in two[1], two[1]
 
 
@@ -222,7 +223,7 @@ def _fail_own_call(rank, n, _addr, store_dir):
             return None
         threading.Timer(0.3, mod._engine_fail, (eng, 2, "bad argument here")).start()
         t0 = time.monotonic()
-        with pytest.raises(plait.PeerLostError, match="rank 0 failed: bad argument here"):
+        with pytest.raises(plait.InvalidArgument, match="rank 0 failed: bad argument here"):
             mod._engine_allreduce(eng, np.ones(2, np.int64), CODES["int64"], 0, 30.0)
         store.set("done", b"1")
         return time.monotonic() - t0

@@ -14,11 +14,14 @@
 // context): later calls fail at once with the same kind.
 //
 // Failure. fail() records the first failure, wakes the waiting call, aborts a pending send/recv
-// and writes the job-wide flag: the first writer's message (compareSet on an absent key), then a
-// counter that waits poll. gloo cannot cancel a collective in flight (2.13's ProcessGroupGloo
-// has no abort()): a call that gives up on one returns PEER_LOST while gloo may still hold the
-// buffer until its timeout or until the peers exit; the group is dead by then, and release()
-// hands its last references to a thread of their own so that it never blocks on gloo.
+// and writes the job-wide flag: the first writer's kind and message (compareSet on an absent
+// key), then a counter that waits poll. A call that sees the flag fails with the recorded kind,
+// as the Python engines of _inter do (a mismatch on one host is a MismatchError on all; the
+// multi-host communicator raises what the engine returns). gloo cannot cancel a collective in
+// flight (2.13's ProcessGroupGloo has no abort()): a call that gives up on one returns while
+// gloo may still hold the buffer until its timeout or until the peers exit; the group is dead
+// by then, and release() hands its last references to a thread of their own so that it never
+// blocks on gloo.
 #include <ATen/ATen.h>
 #include <torch/python.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -181,8 +184,9 @@ class Gloo {
   uint32_t dead(const std::string& what, char* err, size_t errlen);
   // Records the group's first death; true if this one was it.
   bool die(uint32_t kind, const std::string& msg);
-  // The job-wide flag: 0 not set, 1 set (msg: its message), 2 the store is unreachable (msg: so).
-  int flag(std::string* msg);
+  // The job-wide flag: 0 not set, 1 set (kind and msg: the first failure's), 2 the store is
+  // unreachable (kind PEER_LOST, msg: so).
+  int flag(uint32_t* kind, std::string* msg);
   void write_flag(uint32_t kind, const std::string& msg);
   static std::chrono::milliseconds gloo_timeout(double timeout_s) {
     if (std::isinf(timeout_s)) return c10d::kUnsetTimeout;
@@ -249,12 +253,17 @@ uint32_t Gloo::dead(const std::string& what, char* err, size_t errlen) {
   return dead_kind_;
 }
 
-int Gloo::flag(std::string* msg) {
+int Gloo::flag(uint32_t* kind, std::string* msg) {
+  *kind = PLAIT_E_PEER_LOST;
   try {
     if (store_->add(kFlagKey, 0) <= 0) return 0;
     std::vector<uint8_t> v = store_->get(kFlagMsgKey);
-    std::string s(v.begin(), v.end());
-    *msg = s.substr(s.find('|') + 1);  // "kind|message"
+    std::string s(v.begin(), v.end());  // "kind|message"
+    const size_t bar = s.find('|');
+    const long k =
+        bar == std::string::npos ? 0 : std::strtol(s.substr(0, bar).c_str(), nullptr, 10);
+    if (k >= PLAIT_E_GENERIC && k <= PLAIT_E_PEER_LOST) *kind = uint32_t(k);
+    *msg = bar == std::string::npos ? s : s.substr(bar + 1);
     return 1;
   } catch (const std::exception& e) {
     *msg = "the store holding the job-wide abort flag is unreachable (" + first_line(e.what()) +
@@ -284,7 +293,7 @@ void Gloo::write_flag(uint32_t kind, const std::string& msg) {
 void Gloo::fail(uint32_t kind, const char* msg) {
   std::string text = msg != nullptr ? msg : "";
   if (text.rfind("rank ", 0) != 0) text = "rank " + std::to_string(rank_) + " failed: " + text;
-  die(PLAIT_E_PEER_LOST, text);
+  die(kind == PLAIT_OK ? PLAIT_E_GENERIC : kind, text);
   std::shared_ptr<Waiter> w;
   c10::intrusive_ptr<c10d::Work> p2p;
   {
@@ -336,6 +345,7 @@ uint32_t Gloo::finish(Pending& p, double timeout_s, char* err, size_t errlen) {
     current_ = p.w;
   }
   uint32_t kind = PLAIT_OK;
+  bool expired = false;  // this call's own deadline (not a failure elsewhere)
   std::string why;
   double next_flag = start + kFlagEvery;
   std::unique_lock<std::mutex> lk(w.mu);
@@ -349,6 +359,7 @@ uint32_t Gloo::finish(Pending& p, double timeout_s, char* err, size_t errlen) {
     double t = now_s();
     if (t >= deadline) {
       kind = PLAIT_E_TIMEOUT;
+      expired = true;
       char secs[32];
       std::snprintf(secs, sizeof secs, "%.3g", timeout_s);
       why = std::string("deadline passed (") + secs + " s) waiting for the group's other members";
@@ -356,10 +367,11 @@ uint32_t Gloo::finish(Pending& p, double timeout_s, char* err, size_t errlen) {
     }
     if (t >= next_flag) {
       lk.unlock();
-      bool set = flag(&why) != 0;
+      uint32_t flagged;
+      const bool set = flag(&flagged, &why) != 0;
       lk.lock();
       if (set) {
-        kind = PLAIT_E_PEER_LOST;
+        kind = flagged;
         break;
       }
       next_flag = now_s() + kFlagEvery;
@@ -377,14 +389,14 @@ uint32_t Gloo::finish(Pending& p, double timeout_s, char* err, size_t errlen) {
     // Given up: gloo ends the op itself at its own timeout (just after ours), or at once for an
     // aborted send/recv. Wait for that, so the caller's buffer is free when this returns.
     if (p.p2p) p.work->abort();
-    double grace = kind == PLAIT_E_TIMEOUT ? kMarginMs * 1e-3 + kGraceS : p.p2p ? kGraceS : 0.0;
+    double grace = expired ? kMarginMs * 1e-3 + kGraceS : p.p2p ? kGraceS : 0.0;
     std::unique_lock<std::mutex> g(w.mu);
     if (!w.cv.wait_for(g, Secs(grace), [&] { return w.done; })) stuck_ = true;
-    if (kind == PLAIT_E_TIMEOUT && w.done && !w.error) return PLAIT_OK;  // late, but complete
-    if (kind == PLAIT_E_PEER_LOST) {
-      die(kind, why);  // a flag seen here: later calls fail at once
-    } else {
+    if (expired && w.done && !w.error) return PLAIT_OK;  // late, but complete
+    if (expired) {
       die(kind, "an earlier " + p.what + " timed out: the group is unusable");
+    } else {
+      die(kind, why);  // a failure here or elsewhere: later calls fail at once
     }
     say(err, errlen, where(p.what) + ": " + why);
     return kind;
@@ -394,10 +406,11 @@ uint32_t Gloo::finish(Pending& p, double timeout_s, char* err, size_t errlen) {
   // closed connection (torch's DistError family, or gloo's IoException, which torch passes on
   // as it is: without gloo's headers its type is known by name only). Anything else is a bug.
   const bool late = now_s() >= deadline;
-  if (flag(&why) == 1) {  // the cause, where a peer that failed first closed its connections
-    die(PLAIT_E_PEER_LOST, why);
+  uint32_t flagged;
+  if (flag(&flagged, &why) == 1) {  // the cause, where a peer failed first and closed its pairs
+    die(flagged, why);
     say(err, errlen, where(p.what) + ": " + why);
-    return PLAIT_E_PEER_LOST;
+    return flagged;
   }
   kind = late ? PLAIT_E_TIMEOUT : PLAIT_E_PEER_LOST;
   try {

@@ -11,8 +11,12 @@ cannot be written), `import plait.torch` fails with one NativeBuildError naming 
 piece and how to get it, instead of running something else. While it compiles, stderr gets one
 line saying so (dots follow on a terminal).
 
+Groups across hosts are native too: their communicator is _C.HierComm, which the C API drives
+like a flat one, and the module also hands the multi-host communicator its engine between hosts
+(make_gloo_engine: torch's own ProcessGroupGloo behind hier/engine.h).
+
 PLAIT_TORCH_NATIVE: unset or 1 = native or an error; 0 = the Python backend (kept only until
-multi-host groups and CUDA tensors reach the native one; they take the Python backend meanwhile).
+CUDA tensors reach the native one; they take the Python backend meanwhile).
 """
 
 import fcntl
