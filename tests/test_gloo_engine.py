@@ -82,6 +82,7 @@ def _ops(rank, n, _addr, store_dir):
                 mod._engine_allreduce(eng, a, CODES[name], OPS[op], 30.0)
                 want = _expected(name, op, n, count)
                 assert np.array_equal(a, want), (name, op, a, want)
+                assert a.tobytes() == want.tobytes(), (name, op)  # bools: bytes 0 and 1 only
         assert not mod._engine_supports(eng, CODES["float32"], 4)  # avg is never native
         assert not mod._engine_supports(eng, 9, 0)
         for bytes_ in (1, 13, 1 << 16):

@@ -442,6 +442,10 @@ uint32_t Gloo::allreduce(void* buf, size_t count, uint8_t dtype, uint8_t op, dou
   if (count == 0 || size_ == 1) return dead(what, err, errlen);
   static const c10d::ReduceOp::RedOpType kOps[] = {c10d::ReduceOp::SUM, c10d::ReduceOp::PRODUCT,
                                                    c10d::ReduceOp::MIN, c10d::ReduceOp::MAX};
+  if (t == at::kBool) {  // gloo adds bools as bytes (1 + 1 = a bool byte of 2): or / and instead
+    t = at::kByte;
+    op = (op == PLAIT_SUM || op == PLAIT_MAX) ? PLAIT_MAX : PLAIT_MIN;
+  }
   Pending p;
   std::vector<at::Tensor> ts{view(buf, count, t)};
   c10d::AllreduceOptions o;
