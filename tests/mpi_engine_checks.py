@@ -1,0 +1,229 @@
+"""What one rank runs under mpirun for tests/test_mpi_engine.py: plait._mpi's engine driven
+through EngineForTests on numpy arrays, every result compared exactly with a closed form.
+
+Run as `python mpi_engine_checks.py CASE OUTDIR`; writes OUTDIR/CASE-<rank> with "ok <checks>"
+or the exception, so the test reads every rank's outcome (mpirun interleaves stdout).
+"""
+
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+import plait
+from plait import _mpi
+
+DTYPES = ["float32", "float64", "int8", "uint8", "int32", "int64", "bool"]
+OPS = ["sum", "prod", "min", "max"]
+PEER_LOST = 5  # capi.h's PLAIT_E_PEER_LOST
+
+
+def member_data(dtype, op, count, r):
+    """Rank r's allreduce input: small integers, so even an int8 product over 3 ranks is exact."""
+    i = np.arange(count)
+    if dtype == "bool":
+        return (i + r) % 3 == 0
+    if op == "prod":
+        v = 1 + (i + r) % 2  # 1 or 2
+    elif dtype == "uint8":
+        v = (i * 7 + r * 5) % 40
+    else:
+        v = (i * 7 + r * 5) % 40 - 20  # negatives too
+    return v.astype(dtype)
+
+
+def expected_reduction(dtype, op, count, size):
+    """Closed form of the op over every member's member_data (numpy's own, exact on integers)."""
+    parts = np.stack([member_data(dtype, op, count, r) for r in range(size)])
+    if dtype == "bool":
+        return parts.any(0) if op in ("sum", "max") else parts.all(0)
+    f = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max}[op]
+    return f(parts, axis=0).astype(dtype)
+
+
+def block(dtype, r, j, count):
+    """Member r's block j (alltoall) or its only block (j = 0), distinct per (r, j, element)."""
+    v = (np.arange(count) + 11 * r + 5 * j) % 100
+    return (v % 2 == 1) if dtype == "bool" else v.astype(dtype)
+
+
+def exact(eng):
+    r, n, checks = eng.rank, eng.size, 0
+    for dtype in DTYPES + ["float16", "bfloat16"]:
+        for op in OPS + ["avg"]:
+            assert eng.supports(dtype, op) == (dtype in DTYPES and op != "avg"), (dtype, op)
+            checks += 1
+    for count in (0, 1, 7, 3001):
+        for dtype in DTYPES:
+            for op in OPS:
+                a = member_data(dtype, op, count, r)
+                eng.allreduce(a, op)
+                want = expected_reduction(dtype, op, count, n)
+                assert a.dtype == want.dtype and np.array_equal(a, want), (dtype, op, count, a[:8], want[:8])
+                checks += 1
+            mine = block(dtype, r, 0, count)
+            out = np.zeros(n * count, dtype=mine.dtype)
+            eng.allgather(mine, out)
+            want = np.concatenate([block(dtype, m, 0, count) for m in range(n)])
+            assert np.array_equal(out, want), ("allgather", dtype, count)
+            out2 = np.zeros_like(out)
+            req = eng.allgather_start(mine, out2)
+            eng.wait(req)
+            assert np.array_equal(out2, want), ("allgather_start", dtype, count)
+            for root in range(n):
+                a = block(dtype, r, 0, count) if r == root else np.zeros(count, dtype=mine.dtype)
+                eng.broadcast(a, root)
+                assert np.array_equal(a, block(dtype, root, 0, count)), ("broadcast", root, dtype, count)
+            ins = np.concatenate([block(dtype, r, j, count) for j in range(n)])
+            out = np.zeros_like(ins)
+            eng.alltoall(ins, out)
+            want = np.concatenate([block(dtype, m, r, count) for m in range(n)])
+            assert np.array_equal(out, want), ("alltoall", dtype, count)
+            checks += 3 + n
+        checks += point_to_point(eng, count)
+    return checks + wrong_input(eng)
+
+
+def point_to_point(eng, count):
+    """A ring, even ranks sending first (a large send waits for its receive), then two tags
+    received in the opposite order of their sends."""
+    r, n = eng.rank, eng.size
+    right, left = (r + 1) % n, (r - 1) % n
+    mine, got = block("int64", r, 1, count), np.full(count, -1, dtype=np.int64)
+    if r % 2 == 0:
+        eng.send(mine, right, 3)
+        eng.recv(got, left, 3)
+    else:
+        eng.recv(got, left, 3)
+        eng.send(mine, right, 3)
+    assert np.array_equal(got, block("int64", left, 1, count)), ("ring", count)
+    if count <= 7 and n > 1:  # small: the sends complete before their receives are posted
+        if r == 0:
+            eng.send(np.full(count, 5, dtype=np.int32), 1, 5)
+            eng.send(np.full(count, 6, dtype=np.int32), 1, 6)
+        elif r == 1:
+            six, five = np.zeros(count, dtype=np.int32), np.zeros(count, dtype=np.int32)
+            eng.recv(six, 0, 6)
+            eng.recv(five, 0, 5)
+            assert (six == 6).all() and (five == 5).all(), (six, five)
+    return 2
+
+
+def wrong_input(eng):
+    r, n, checks = eng.rank, eng.size, 0
+    for call in (
+        lambda: eng.allreduce(np.ones(3, dtype=np.float16), "sum"),
+        lambda: eng.send(np.ones(1), r, 0),
+        lambda: eng.recv(np.ones(1), n, 0),
+        lambda: eng.send(np.ones(1), (r + 1) % n, -1),
+        lambda: eng.broadcast(np.ones(1), n),
+    ):
+        try:
+            call()
+        except plait.InvalidArgument as e:
+            assert "mpi engine group test" in str(e) and f"rank {r} of {n}" in str(e), e
+            checks += 1
+        else:
+            raise AssertionError("no InvalidArgument")
+    # A message longer or shorter than the receive: MismatchError naming the peer and the tag.
+    if r == 0:
+        eng.send(np.arange(4, dtype=np.int32), 1, 9)
+        eng.send(np.arange(2, dtype=np.int32), 1, 9)
+    elif r == 1:
+        for want_bytes, what in ((8, "truncated"), (16, "the message had 8 bytes")):
+            try:
+                eng.recv(np.zeros(want_bytes // 4, dtype=np.int32), 0, 9, timeout=30)
+            except plait.MismatchError as e:
+                assert "from peer 0 tag 9" in str(e) and (what in str(e) or "MPI error" in str(e)), e
+                checks += 1
+            else:
+                raise AssertionError("no MismatchError")
+    eng.allreduce(np.zeros(1, dtype=np.int32), "sum")  # still usable afterwards
+    return checks
+
+
+def timeout(eng):
+    """A receive nobody sends and a collective one member joins late: TimeoutError near the
+    deadline; the cancelled receive leaves the group usable, the stranded collective does not."""
+    r, n, last = eng.rank, eng.size, eng.size - 1
+    if r == 0:
+        t0 = time.monotonic()
+        try:
+            eng.recv(np.zeros(4, dtype=np.int32), 1, 7, timeout=0.4)
+        except plait.TimeoutError as e:
+            took = time.monotonic() - t0
+            assert 0.35 < took < 3 and "recv of 16 bytes from peer 1 tag 7" in str(e), (took, e)
+        else:
+            raise AssertionError("no TimeoutError")
+    a = np.full(5, r + 1, dtype=np.int64)
+    eng.allreduce(a, "sum")  # the cancelled recv left nothing behind
+    assert (a == n * (n + 1) // 2).all(), a
+    if r == last:
+        time.sleep(1.5)
+        a = np.ones(3, dtype=np.int32)
+        eng.allreduce(a, "sum", timeout=60)  # completes: the others keep MPI progressing below
+        assert (a == n).all(), a
+    else:
+        t0 = time.monotonic()
+        try:
+            eng.allreduce(np.ones(3, dtype=np.int32), "sum", timeout=0.3)
+        except plait.TimeoutError as e:
+            assert time.monotonic() - t0 < 1.2 and "allreduce of 3 int32 (sum)" in str(e), e
+        else:
+            raise AssertionError("no TimeoutError")
+        try:
+            eng.broadcast(np.ones(1), 0)
+        except plait.PeerLostError as e:
+            assert "out of step" in str(e), e
+        else:
+            raise AssertionError("a group with a stranded collective took another call")
+    MPI.COMM_WORLD.Barrier()  # progresses the stranded allreduce until the late member joins
+    return 4
+
+
+def fail(eng):
+    """One member fails while the others wait in an allreduce: PeerLostError everywhere soon."""
+    r, n, culprit = eng.rank, eng.size, eng.size - 1
+    if r == culprit:
+        time.sleep(0.3)
+        eng.fail(PEER_LOST, "boom (a test)")
+    t0 = time.monotonic()
+    try:
+        eng.allreduce(np.ones(2, dtype=np.float64), "sum", timeout=60)
+    except plait.PeerLostError as e:
+        took = time.monotonic() - t0
+        assert str(e) == f"rank {culprit} failed: boom (a test)", e
+        assert took < (0.1 if r == culprit else 1.5), took
+    else:
+        raise AssertionError("no PeerLostError")
+    try:  # later calls fail at once; a later failure does not replace the first
+        eng.fail(PEER_LOST, "second")
+        eng.send(np.ones(1), (r + 1) % n, 0)
+    except plait.PeerLostError as e:
+        assert "boom" in str(e), e
+    else:
+        raise AssertionError("no PeerLostError")
+    MPI.COMM_WORLD.Barrier()
+    return 2
+
+
+def main():
+    case, outdir = sys.argv[1], sys.argv[2]
+    rank = MPI.COMM_WORLD.Get_rank()
+    try:
+        assert _mpi.mpi_library() == MPI.Get_library_version()
+        eng = _mpi.EngineForTests(_mpi.make_engine(MPI.COMM_WORLD, "test"))
+        assert eng.name == "mpi" and (eng.rank, eng.size) == (rank, MPI.COMM_WORLD.Get_size())
+        got = f"ok {globals()[case](eng)}"
+        eng.close()
+    except BaseException:  # noqa: BLE001 - reported through the file
+        got = traceback.format_exc()
+    with open(os.path.join(outdir, f"{case}-{rank}"), "w") as f:
+        f.write(got)
+
+
+if __name__ == "__main__":
+    main()
