@@ -214,15 +214,17 @@ bool abandon(Engine* e, Pending& p, const std::string& what) {
 }
 
 // Finishes a call's requests (see the top of the file). `what` names the call in messages.
+Clock::time_point deadline_of(double timeout_s) {
+  if (!(timeout_s < 1e9)) return Clock::time_point::max();  // NaN and inf: no deadline
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(std::max(timeout_s, 0.0)));
+}
+
 template <class What>
-uint32_t finish(Engine* e, Pending& p, double timeout_s, const What& what, char* err,
-                size_t errlen) {
+uint32_t finish(Engine* e, Pending& p, Clock::time_point deadline, double timeout_s,
+                const What& what, char* err, size_t errlen) {
   if (p.reqs.empty()) return PLAIT_OK;
   const Clock::time_point start = Clock::now();
-  Clock::time_point deadline = Clock::time_point::max();
-  if (timeout_s < 1e9)  // NaN and inf: no deadline
-    deadline = start + std::chrono::duration_cast<Clock::duration>(
-                           std::chrono::duration<double>(std::max(timeout_s, 0.0)));
   std::vector<MPI_Status> st(p.reqs.size());
   for (;;) {
     int done = 0, rc;
@@ -281,15 +283,9 @@ uint32_t finish(Engine* e, Pending& p, double timeout_s, const What& what, char*
   return PLAIT_OK;
 }
 
-// The call's data pieces: (offset, length) of at most e->chunk bytes each, at least one.
-template <class Fn>
-int pieces(const Engine* e, size_t bytes, size_t unit, Fn&& fn) {
-  const size_t step = std::max<size_t>(1, std::min<size_t>(e->chunk / unit, INT_MAX)) * unit;
-  for (size_t off = 0; off < bytes || off == 0; off += step) {
-    int rc = fn(off, std::min(step, bytes - off));
-    if (rc != MPI_SUCCESS || bytes == 0) return rc;
-  }
-  return MPI_SUCCESS;
+// The most bytes one MPI call moves: a whole number of units, at least one, below 2^31.
+size_t piece(const Engine* e, size_t unit) {
+  return std::max<size_t>(1, std::min<size_t>(e->chunk, INT_MAX) / unit) * unit;
 }
 
 // A block of len bytes whose extent is stride bytes: one piece of each member's block.
@@ -303,26 +299,40 @@ int strided(size_t len, size_t stride, MPI_Datatype* out) {
   return rc;
 }
 
-// Posts a call's pieces with post(off, len, &request) under the MPI lock, then finishes them.
+// Posts a call's pieces with post(off, len, &request) under the MPI lock and finishes them, at
+// most two at a time: Open MPI's Iallreduce allocates a temporary buffer per piece, so a buffer
+// of many GiB costs two pieces' worth, not its own size again; two keep the link busy while one
+// completes.
 template <class What, class Post>
 uint32_t run(Engine* e, Pending& p, size_t bytes, size_t unit, double timeout_s, const What& what,
              Post&& post, char* err, size_t errlen) {
   if (uint32_t k = refused(e, err, errlen)) return k;
-  int rc;
-  {
-    std::lock_guard<std::mutex> g(e->mpi);
-    rc = pieces(e, bytes, unit, [&](size_t off, size_t len) {
-      MPI_Request r = MPI_REQUEST_NULL;
-      int rc = post(off, len, &r);
-      if (rc == MPI_SUCCESS) p.reqs.push_back(r);
-      return rc;
-    });
-  }
-  if (rc != MPI_SUCCESS) {
-    abandon(e, p, what());
-    return mpi_error(e, what(), rc, err, errlen);
-  }
-  return finish(e, p, timeout_s, what, err, errlen);
+  const Clock::time_point deadline = deadline_of(timeout_s);
+  const size_t step = piece(e, unit);
+  size_t off = 0;
+  do {
+    int rc = MPI_SUCCESS;
+    p.reqs.clear();
+    p.bytes = 0;
+    {
+      std::lock_guard<std::mutex> g(e->mpi);
+      do {
+        const size_t len = std::min(step, bytes - off);
+        MPI_Request r = MPI_REQUEST_NULL;
+        rc = post(off, len, &r);
+        if (rc != MPI_SUCCESS) break;
+        p.reqs.push_back(r);
+        off += len;
+        p.bytes += len;
+      } while (off < bytes && p.reqs.size() < 2);
+    }
+    if (rc != MPI_SUCCESS) {
+      abandon(e, p, what());
+      return mpi_error(e, what(), rc, err, errlen);
+    }
+    if (uint32_t k = finish(e, p, deadline, timeout_s, what, err, errlen)) return k;
+  } while (off < bytes);
+  return PLAIT_OK;
 }
 
 std::string nbytes(size_t b) { return std::to_string(b) + " bytes"; }
@@ -373,24 +383,24 @@ uint32_t allgather_start(void* ctx, const void* in, void* out, size_t bytes, voi
   }
   const char* i = static_cast<const char*>(in);
   char* o = static_cast<char*>(out);
-  int rc;
+  int rc = MPI_SUCCESS;
   {
     std::lock_guard<std::mutex> g(e->mpi);
-    rc = pieces(e, bytes, 1, [&](size_t off, size_t len) {
+    const size_t step = piece(e, 1);
+    for (size_t off = 0; off < bytes && rc == MPI_SUCCESS; off += step) {
+      const size_t len = std::min(step, bytes - off);
       MPI_Request r = MPI_REQUEST_NULL;
-      int rc;
       if (len == bytes) {
         rc = MPI_Iallgather(i, int(len), MPI_BYTE, o, int(len), MPI_BYTE, e->data, &r);
-      } else {
+      } else {  // every member's piece lands at its own block's offset off
         MPI_Datatype t;
         rc = strided(len, bytes, &t);
-        if (rc != MPI_SUCCESS) return rc;
+        if (rc != MPI_SUCCESS) break;
         rc = MPI_Iallgather(i + off, int(len), MPI_BYTE, o + off, 1, t, e->data, &r);
         MPI_Type_free(&t);
       }
       if (rc == MPI_SUCCESS) p->reqs.push_back(r);
-      return rc;
-    });
+    }
   }
   if (rc != MPI_SUCCESS) {
     abandon(e, *p, what());
@@ -405,7 +415,7 @@ uint32_t wait(void* ctx, void* req, double timeout_s, char* err, size_t errlen) 
   std::unique_ptr<Pending> p(static_cast<Pending*>(req));
   if (!p) return PLAIT_OK;
   auto what = [&] { return "allgather of " + nbytes(p->bytes); };
-  return finish(e, *p, timeout_s, what, err, errlen);
+  return finish(e, *p, deadline_of(timeout_s), timeout_s, what, err, errlen);
 }
 
 uint32_t allgather(void* ctx, const void* in, void* out, size_t bytes, double timeout_s, char* err,
@@ -476,7 +486,6 @@ uint32_t p2p(Engine* e, bool is_send, void* buf, size_t bytes, int peer, int tag
   Pending p;
   p.p2p = true;
   p.recv = !is_send;
-  p.bytes = bytes;
   char* b = static_cast<char*>(buf);
   return run(
       e, p, bytes, 1, timeout_s, what,
