@@ -7,6 +7,7 @@ or the exception, so the test reads every rank's outcome (mpirun interleaves std
 
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -210,11 +211,67 @@ def fail(eng):
     return 2
 
 
+def fail_from_thread(eng):
+    """fail() from another thread while this rank's own call waits: that call and the others'
+    end soon (the engine contract lets any thread call fail at any time)."""
+    r = eng.rank
+    t0 = time.monotonic()
+    if r == 0:
+        threading.Timer(0.3, eng.fail, (PEER_LOST, "from a thread")).start()
+
+        def call():
+            eng.recv(np.zeros(2, dtype=np.int64), 1, 4, timeout=60)  # rank 1 never sends
+    else:
+
+        def call():
+            z = np.zeros(eng.size, dtype=np.int64)
+            eng.alltoall(z, np.zeros_like(z))  # rank 0 never joins
+
+    try:
+        call()
+    except plait.PeerLostError as e:
+        took = time.monotonic() - t0
+        assert str(e) == "rank 0 failed: from a thread", e
+        assert took < (1.0 if r == 0 else 2.0), took
+    else:
+        raise AssertionError("no PeerLostError")
+    MPI.COMM_WORLD.Barrier()
+    return 1
+
+
+def refusals():
+    """make_engine's refusals, raised before anything collective (every rank makes them)."""
+    checks = 0
+    for comm, why in (
+        (MPI.COMM_NULL, "intracommunicator"),
+        (7, "intracommunicator"),
+    ):
+        try:
+            _mpi.make_engine(comm, "bad")
+        except plait.InvalidArgument as e:
+            assert why in str(e), e
+            checks += 1
+    os.environ["PLAIT_MPI_CHUNK_BYTES"], old = "-3", os.environ.get("PLAIT_MPI_CHUNK_BYTES")
+    try:
+        _mpi.make_engine(MPI.COMM_WORLD, "bad")
+    except plait.InvalidArgument as e:
+        assert "PLAIT_MPI_CHUNK_BYTES=-3" in str(e), e
+        checks += 1
+    finally:
+        if old is None:
+            del os.environ["PLAIT_MPI_CHUNK_BYTES"]
+        else:
+            os.environ["PLAIT_MPI_CHUNK_BYTES"] = old
+    assert checks == 3, checks
+    return checks
+
+
 def main():
     case, outdir = sys.argv[1], sys.argv[2]
     rank = MPI.COMM_WORLD.Get_rank()
     try:
         assert _mpi.mpi_library() == MPI.Get_library_version()
+        refusals()
         eng = _mpi.EngineForTests(_mpi.make_engine(MPI.COMM_WORLD, "test"))
         assert eng.name == "mpi" and (eng.rank, eng.size) == (rank, MPI.COMM_WORLD.Get_size())
         got = f"ok {globals()[case](eng)}"
