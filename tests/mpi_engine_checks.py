@@ -6,6 +6,7 @@ or the exception, so the test reads every rank's outcome (mpirun interleaves std
 """
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -236,6 +237,18 @@ def fail_from_thread(eng):
     else:
         raise AssertionError("no PeerLostError")
     MPI.COMM_WORLD.Barrier()
+    return 1
+
+
+def killed(eng):
+    """Rank 1 is killed with SIGKILL while rank 0 waits in an allreduce: mpirun ends the job (its
+    default on a rank's death), so rank 0 never returns from the call, nor hangs."""
+    a = np.ones(1)
+    eng.allreduce(a, "sum")
+    if eng.rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    eng.allreduce(a, "sum", timeout=120)
     return 1
 
 

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -31,17 +32,21 @@ pytestmark = pytest.mark.skipif(
 CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_engine_checks.py")
 
 
-def _mpirun(tmp_path, case, n, env=()):
+def _start(tmp_path, case, n, env=()):
     cmd = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    r = subprocess.run(
+    return subprocess.run(
         cmd + [sys.executable, CHECKS, case, str(tmp_path)],
         env=dict(_ENV, **dict(env)),
         capture_output=True,
         text=True,
         timeout=180,
     )
+
+
+def _mpirun(tmp_path, case, n, env=()):
+    r = _start(tmp_path, case, n, env)
     got = {}
     for rank in range(n):
         path = tmp_path / f"{case}-{rank}"
@@ -75,3 +80,14 @@ def test_fail_reaches_every_member(tmp_path, n):
 
 def test_fail_from_another_thread_during_a_call(tmp_path):
     assert _mpirun(tmp_path, "fail_from_thread", 3) == [1] * 3
+
+
+def test_killed_rank_ends_the_job(tmp_path):
+    """kill -9 of one rank while the other waits in the engine: mpirun ends the whole job within
+    seconds (Open MPI's default); the waiting rank neither hangs nor returns a result."""
+    t0 = time.monotonic()
+    r = _start(tmp_path, "killed", 2)
+    took = time.monotonic() - t0
+    assert r.returncode != 0 and took < 60, (r.returncode, took, r.stderr[-2000:])
+    assert not (tmp_path / "killed-0").exists(), (tmp_path / "killed-0").read_text()
+    assert not (tmp_path / "killed-1").exists()
