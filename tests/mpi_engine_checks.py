@@ -179,11 +179,34 @@ def timeout(eng):
         try:
             eng.broadcast(np.ones(1), 0)
         except plait.PeerLostError as e:
-            assert "out of step" in str(e), e
+            assert "out of step" in str(e) and "allreduce of 3 int32" in str(e), e
         else:
             raise AssertionError("a group with a stranded collective took another call")
     MPI.COMM_WORLD.Barrier()  # progresses the stranded allreduce until the late member joins
-    return 4
+    return 4 + part_way(r)
+
+
+def part_way(r):
+    """A receive of 4 pieces whose message brought 2: the timeout cancels the rest, and the
+    pair's later messages would be out of step, so the group refuses further calls."""
+    small = _mpi.EngineForTests(_mpi.make_engine(MPI.COMM_WORLD, "pieces", 8))
+    checks = 0
+    if r == 0:
+        small.send(np.arange(4, dtype=np.int32), 1, 2)  # 16 bytes: two 8-byte pieces
+    elif r == 1:
+        got = np.zeros(8, dtype=np.int32)
+        try:
+            small.recv(got, 0, 2, timeout=0.3)
+        except plait.TimeoutError:
+            assert (got[:4] == np.arange(4)).all(), got
+            checks += 1
+        try:
+            small.recv(np.zeros(1, dtype=np.int32), 0, 3)
+        except plait.PeerLostError as e:
+            assert "gave up part way" in str(e) and "recv of 32 bytes from peer 0 tag 2" in str(e), e
+            checks += 1
+    small.close()
+    return checks
 
 
 def fail(eng):

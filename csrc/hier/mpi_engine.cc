@@ -113,11 +113,12 @@ struct Engine {
   plait_engine table{};
 };
 
-// One call's requests; recv (bytes > 0) checks that the message had the bytes it expected.
+// One call's requests (a batch of its pieces); a recv checks that its pieces had the bytes
+// expected. moved: bytes of the call's earlier batches, already delivered.
 struct Pending {
   std::vector<MPI_Request> reqs;
   bool p2p = false, recv = false;
-  size_t bytes = 0;
+  size_t bytes = 0, moved = 0;
 };
 
 uint32_t say(char* err, size_t errlen, uint32_t kind, const std::string& msg) {
@@ -186,31 +187,36 @@ uint32_t refused(Engine* e, char* err, size_t errlen) {
 }
 
 // Gives up on a call's requests. Returns true when all of them had finished normally after all.
+// A point-to-point call whose message went only in part is cancelled but leaves the pair's
+// later messages out of step, so it breaks the group too.
 bool abandon(Engine* e, Pending& p, const std::string& what) {
-  bool all_done = true;
+  bool any_cancelled = false, any_moved = p.moved > 0, stranded = false;
   std::lock_guard<std::mutex> g(e->mpi);
   for (MPI_Request& r : p.reqs) {
-    if (r == MPI_REQUEST_NULL) continue;
+    if (r == MPI_REQUEST_NULL) {
+      any_moved = true;  // Testall freed it: that piece finished
+      continue;
+    }
     if (p.p2p) {
       MPI_Cancel(&r);
       MPI_Status st;
-      int done = 0;
+      int done = 0, cancelled = 0;
       for (int i = 0; i < 1000 && !done; ++i) MPI_Test(&r, &done, &st);
-      int cancelled = 0;
       if (done) MPI_Test_cancelled(&st, &cancelled);
-      if (done && !cancelled) continue;
-      all_done = false;
-      if (done) continue;
+      if (done) {
+        (cancelled ? any_cancelled : any_moved) = true;
+        continue;
+      }
     }
-    all_done = false;
+    stranded = true;
     e->stranded.push_back(r);
     r = MPI_REQUEST_NULL;
-    if (e->broken.empty())
-      e->broken = where(e, what) +
-                  " gave up before finishing and MPI cannot cancel it: the group's members are out "
-                  "of step and it takes no more calls";
   }
-  return all_done;
+  if ((stranded || (any_cancelled && any_moved)) && e->broken.empty())
+    e->broken = where(e, what) +
+                " gave up part way and MPI cannot undo that: the group's members are out of step "
+                "and it takes no more calls";
+  return !stranded && !any_cancelled;
 }
 
 // Finishes a call's requests (see the top of the file). `what` names the call in messages.
@@ -313,6 +319,7 @@ uint32_t run(Engine* e, Pending& p, size_t bytes, size_t unit, double timeout_s,
   do {
     int rc = MPI_SUCCESS;
     p.reqs.clear();
+    p.moved = off;
     p.bytes = 0;
     {
       std::lock_guard<std::mutex> g(e->mpi);
