@@ -338,7 +338,7 @@ void bind_comm(py::module_& m) {
 
   // Every communicator's calls (and the C API's) enter through Comm (core/comm.h); the flat
   // shared-memory one adds its segment's own properties.
-  py::class_<Comm>(m, "_Comm")
+  py::class_<Comm, std::shared_ptr<Comm>>(m, "_Comm")
       .def_property_readonly("rank", &Comm::rank)
       .def_property_readonly("size", &Comm::size)
       .def_property_readonly("closed", &Comm::closed)
@@ -373,7 +373,7 @@ void bind_comm(py::module_& m) {
                throw InvalidArgument("bad collective code");
              return call(c, Coll(coll), x, out, op, root, peer, tag, algo, timeout, async, dtype);
            });
-  py::class_<Communicator, Comm>(m, "Communicator")
+  py::class_<Communicator, Comm, std::shared_ptr<Communicator>>(m, "Communicator")
       .def(py::init([](std::shared_ptr<Segment> seg, int rank, double timeout,
                        const std::string& algo, bool oversubscribed, double init_timeout,
                        std::vector<int32_t> peer_pids) {

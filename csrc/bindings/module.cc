@@ -14,6 +14,8 @@ void bind_comm(py::module_& m);
 void bind_gpu(py::module_& m);
 void bind_capi(py::module_& m);
 void bind_tables(py::module_& m);
+void bind_hier(py::module_& m);
+void bind_py_engine(py::module_& m);
 
 namespace {
 // Memory of one plait.empty() array: a writable buffer that frees its region when the last
@@ -105,4 +107,6 @@ PYBIND11_MODULE(_C, m) {
   bind_gpu(m);
   bind_capi(m);
   bind_tables(m);
+  bind_hier(m);
+  bind_py_engine(m);
 }

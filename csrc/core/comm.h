@@ -40,6 +40,9 @@ class Task {
   using Done = std::function<void(ErrorKind, const std::string&)>;
 
   CallArgs args;
+  // A closure task (Communicator::submit): this body runs in the task's turn instead of args'
+  // collective (args then only describe the call, for batching decisions and reports).
+  std::function<void()> body;
 
  private:
   friend class Communicator;

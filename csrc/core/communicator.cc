@@ -188,6 +188,17 @@ void Communicator::progress_loop() {
     std::shared_ptr<Task> t = next_task(busy);
     if (!t) break;
     busy = true;
+    if (t->body) {
+      ErrorKind kind = ErrorKind::none;
+      std::string msg;
+      {
+        std::lock_guard<std::mutex> ex(exec_mu_);
+        run_body(*t, &kind, &msg);
+      }
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+      t->finish(kind, msg);
+      continue;
+    }
     if (t->args.coll == Coll::send || t->args.coll == Coll::recv) {
       batch.clear();
       batch.push_back(P2P{&t->args, t});
@@ -424,6 +435,19 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
     return nullptr;
   }
   CallArgs a = validate(c, in, out, op, root, peer, tag, algo, timeout_s);
+  if (tl_inside_ == this) {  // a step of a closure task: exec_mu_ is held, the call runs now
+    try {
+      if (c == Coll::send || c == Coll::recv) {
+        std::vector<P2P> one{P2P{&a, nullptr}};
+        run_p2p(one);
+      } else {
+        run(a);
+      }
+    } catch (const PlaitError& e) {
+      rethrow(e);
+    }
+    return nullptr;
+  }
   if (!async) {
     std::unique_lock<std::mutex> ex(exec_mu_, std::try_to_lock);
     if (!ex.owns_lock()) {  // another thread is in a call: this may take long
@@ -460,9 +484,61 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
   return nullptr;
 }
 
+thread_local const Communicator* Communicator::tl_inside_ = nullptr;
+
+void Communicator::run_body(Task& t, ErrorKind* kind, std::string* msg) {
+  const Communicator* prev = tl_inside_;
+  tl_inside_ = this;
+  try {
+    t.body();
+  } catch (const PlaitError& e) {
+    *kind = e.kind();
+    *msg = e.what();
+  } catch (const std::exception& e) {
+    *kind = ErrorKind::generic;
+    *msg = "rank " + std::to_string(rank_) + ": " + e.what();
+  }
+  tl_inside_ = prev;
+}
+
+std::shared_ptr<Task> Communicator::submit(const CallArgs& a, std::function<void()> body,
+                                           bool async, bool deferred, Task::Done on_done) {
+  if (closed_)
+    throw PlaitError("communicator is finalized; " + std::string(coll_name(a.coll)) +
+                     " needs a live one");
+  if (!async) {
+    std::unique_lock<std::mutex> ex(exec_mu_, std::try_to_lock);
+    if (!ex.owns_lock()) {
+      notify_long_wait();
+      ex.lock();
+    }
+    if (pending_.load(std::memory_order_acquire) == 0) {
+      const Communicator* prev = tl_inside_;
+      tl_inside_ = this;
+      try {
+        body();
+      } catch (...) {
+        tl_inside_ = prev;
+        throw;
+      }
+      tl_inside_ = prev;
+      return nullptr;
+    }
+  }
+  auto t = std::make_shared<Task>(a);
+  t->body = std::move(body);
+  t->on_done_ = std::move(on_done);
+  enqueue(t, async && deferred && wake_->grace_ns() > 0);
+  if (async) return t;
+  notify_long_wait();
+  t->wait(std::nullopt);
+  return nullptr;
+}
+
 bool Communicator::run_here(const std::shared_ptr<Task>& t) {
   if (t->done()) return true;
-  if (t->args.coll == Coll::send || t->args.coll == Coll::recv) return false;  // batched
+  // batched, except a closure task's (its body runs in its own turn)
+  if (!t->body && (t->args.coll == Coll::send || t->args.coll == Coll::recv)) return false;
   ErrorKind kind = ErrorKind::none;
   std::string msg;
   {
@@ -482,11 +558,15 @@ bool Communicator::run_here(const std::shared_ptr<Task>& t) {
       wake_->kick();  // the caller waits next: deferred tasks ahead of t must start now
       return false;
     }
-    try {
-      run(t->args);
-    } catch (const PlaitError& e) {
-      kind = e.kind();
-      msg = e.what();
+    if (t->body) {
+      run_body(*t, &kind, &msg);
+    } else {
+      try {
+        run(t->args);
+      } catch (const PlaitError& e) {
+        kind = e.kind();
+        msg = e.what();
+      }
     }
   }
   pending_.fetch_sub(1, std::memory_order_acq_rel);

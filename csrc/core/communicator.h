@@ -74,6 +74,17 @@ class Communicator final : public Comm {
                              std::optional<double> timeout_s, bool async,
                              Task::Done on_done = nullptr) override;
   bool run_here(const std::shared_ptr<Task>& t) override;
+  // Closure tasks: queues body as one task in this communicator's issue order, so a layer above
+  // (the multi-host communicator, hier/hier_comm.h) runs one call as one task on this progress
+  // thread. async: returns the Task (deferred: left to its waiter for the grace period, as a small
+  // async collective is). Sync with nothing queued: runs on the caller's thread; else waits for
+  // it. The body's PlaitError is the task's error (sync: thrown here as it is; this
+  // communicator's own abort state is untouched). Calls this communicator gets from inside a
+  // running body run inline on that thread, never queued behind the body.
+  std::shared_ptr<Task> submit(const CallArgs& a, std::function<void()> body, bool async,
+                               bool deferred, Task::Done on_done = nullptr);
+  // Whether the calling thread runs one of this communicator's closure tasks now.
+  bool inside_body() const { return tl_inside_ == this; }
   // Aborts the communicator on every rank with this error (used for input the Python layer
   // rejects before it reaches call()).
   [[noreturn]] void fail(ErrorKind kind, const std::string& msg) override;
@@ -134,6 +145,10 @@ class Communicator final : public Comm {
   // kept in the flight recorder as enqueued over NCCL (or CUDA IPC when ipc).
   void check_gpu_call(const CallArgs& a, const char* algo, bool ipc, int device);
   void run(CallArgs& a);  // one collective, on whichever thread holds exec_mu_
+  // A closure task's body, marked as running here for calls it makes (exec_mu_ held); its error
+  // as (kind, message).
+  void run_body(Task& t, ErrorKind* kind, std::string* msg);
+  static thread_local const Communicator* tl_inside_;
   void run_local(const CallArgs& a);
   void run_p2p(std::vector<P2P>& ops);
   bool p2p_step(P2P& op);

@@ -211,8 +211,9 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
         if (ops.empty()) break;
       } else {  // absorb send/recv queued behind this batch
         std::lock_guard<std::mutex> lk(q_mu_);
-        while (!queue_.empty() && (queue_.front()->args.coll == Coll::send ||
-                                   queue_.front()->args.coll == Coll::recv)) {
+        while (
+            !queue_.empty() && !queue_.front()->body &&
+            (queue_.front()->args.coll == Coll::send || queue_.front()->args.coll == Coll::recv)) {
           auto t = queue_.front();
           queue_.pop_front();
           ops.push_back(P2P{&t->args, t});

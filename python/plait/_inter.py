@@ -63,12 +63,32 @@ class Abort:
         ), msg
 
     def set(self, err, msg):
+        """Records the job's first failure; later ones keep it (readers see the flag only once its
+        message is there)."""
         kind = type(err).__name__ if isinstance(err, _errors.PlaitError) else "PlaitError"
         try:
-            self._client.set(self._key + "/msg", f"{kind}|{msg}".encode()[:4000])
-            self._client.add(self._key, 1)
+            if self._client.add(self._key + "/claim", 1) == 1:
+                self._client.set(self._key + "/msg", f"{kind}|{msg}".encode()[:4000])
+                self._client.add(self._key, 1)
         except Exception:  # noqa: BLE001 - the store may be gone too; peers then see that
             pass
+
+
+# plait's error kinds (core/errors.h ErrorKind, capi.h plait_error) as plait._errors classes
+_KINDS = {1: "PlaitError", 2: "InvalidArgument", 3: "MismatchError", 4: "TimeoutError", 5: "PeerLostError"}
+
+
+class _Pending:
+    """An allgather started by allgather_begin; wait(deadline) finishes it or raises."""
+
+    __slots__ = ("_g", "_w")
+
+    def __init__(self, group, work):
+        self._g, self._w = group, work
+
+    def wait(self, deadline):
+        if self._w is not None:
+            self._g._wait(self._w, "allgather", deadline)
 
 
 class _Group:
@@ -99,6 +119,12 @@ class _Group:
                 next_check = now + _ABORT_CHECK_S
             waited = now - start
             time.sleep(0 if waited < 0.002 else 0.0001 if waited < 0.05 else 0.001)
+
+    def fail(self, kind, msg):
+        """The engine's fail (csrc/hier/engine.h): sets the job-wide flag, ends this group's calls."""
+        cls = getattr(_errors, _KINDS.get(int(kind), "PlaitError"))
+        self._abort.set(cls(msg), msg)
+        self.close(aborted=True)
 
     # Generic pieces every engine builds from its primitives.
     def allreduce(self, a, op, deadline, bf16=False):
@@ -185,6 +211,12 @@ class GlooGroup(_Group):
             return lambda: None
         work = self._pg._allgather_base(self._t(out), self._t(a))
         return lambda: self._wait(work, "allgather", deadline)
+
+    def allgather_begin(self, a, out):
+        if self.size == 1:
+            out.reshape(-1)[...] = a.reshape(-1)
+            return _Pending(self, None)
+        return _Pending(self, self._pg._allgather_base(self._t(out), self._t(a)))
 
     def broadcast(self, a, root, deadline):
         if a.size == 0 or self.size == 1:
@@ -293,6 +325,9 @@ class MpiGroup(_Group):
         req = self._c.Iallgather(_buf(a), _buf(out))
         return lambda: self._wait(req, "allgather", deadline)
 
+    def allgather_begin(self, a, out):
+        return _Pending(self, self._c.Iallgather(_buf(a), _buf(out)))
+
     def broadcast(self, a, root, deadline):
         if a.size:
             self._wait(self._c.Ibcast(_buf(a), root), "broadcast", deadline)
@@ -329,6 +364,48 @@ def _buf(a):
     if a.dtype == np.bool_:
         return a.view(np.uint8)
     return a
+
+
+# -- creation --------------------------------------------------------------------------------------
+def groups(engine, client, prefix, rank, size, lay, ctx, timeout, init_timeout):
+    """(inter group or None, world group, c10d store or None) of this rank for a layout
+    (plait._hosts.Layout): the shard group of its local rank (uniform layout) or the leaders'."""
+    if lay.uniform:
+        inter_ranks = [m[lay.i] for m in lay.hosts]
+        inter_name, inter_rank = f"shard{lay.i}", lay.h
+    else:
+        inter_ranks = [m[0] for m in lay.hosts]
+        inter_name, inter_rank = "leaders", lay.h if lay.i == 0 else None
+    abort = Abort(client, prefix)
+    if engine == "gloo":
+        store = ctx.get("torch_store")
+        if store is None:
+            store = ctx.get("c10d_store") or c10d_store_for(client, rank, prefix, init_timeout)
+            ctx["c10d_store"] = store
+        from torch._C._distributed_c10d import PrefixStore
+
+        store = PrefixStore(prefix, store)
+        world = GlooGroup(store, "world", rank, size, range(size), abort, timeout)
+        inter = (
+            None
+            if inter_rank is None
+            else GlooGroup(store, inter_name, inter_rank, len(inter_ranks), inter_ranks, abort, timeout)
+        )
+        return inter, world, store
+    from mpi4py import MPI
+
+    wcomm = ctx.get("mpi_world") or MPI.COMM_WORLD
+    if wcomm.Get_size() != size or wcomm.Get_rank() != rank:
+        raise _errors.InvalidArgument(
+            f"rank {rank}: the MPI engine needs plait's ranks to be MPI's (MPI rank "
+            f"{wcomm.Get_rank()} of {wcomm.Get_size()}, plait rank {rank} of {size}); "
+            f"set PLAIT_INTER=gloo or leave RANK/WORLD_SIZE to mpirun"
+        )
+    ctx["mpi_world"] = wcomm
+    world = MpiGroup(wcomm.Dup(), range(size), abort, "world")
+    sub = wcomm.Split(lay.i if lay.uniform else (0 if lay.i == 0 else MPI.UNDEFINED), lay.h)
+    inter = None if sub == MPI.COMM_NULL else MpiGroup(sub, inter_ranks, abort, inter_name)
+    return inter, world, None
 
 
 # -- choice ----------------------------------------------------------------------------------------

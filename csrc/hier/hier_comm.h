@@ -1,0 +1,195 @@
+// The multi-host communicator: plait's shared-memory Communicator inside each host, an engine
+// (hier/engine.h: gloo, MPI) between hosts. One call is one closure task on the local
+// communicator's progress thread (Communicator::submit), so async calls need no thread of their
+// own and nothing waits in Python.
+//
+//   local  the ranks of this host (local rank = order by global rank)
+//   inter  uniform layout (every host has L ranks): the shard group of local rank i, i.e. local
+//          rank i of every host, H members in host order. Else the leaders (local rank 0 of each
+//          host; null on the other ranks).
+//   world  every rank, for alltoall and send/recv between hosts.
+//
+// Hosts are ordered by their lowest global rank; a host's ranks need not be contiguous.
+//
+// The cross-host check: every call's first exchange on an engine group is an allgather of one
+// fixed-size frame per member (kFrame bytes): a header (magic, the core's Fingerprint from
+// transport/shm.h, payload bytes) that every member compares with every other's, and, when the
+// call's engine payload fits (kRoom bytes), the payload itself. Frames never depend on the call's
+// size, so members that make different calls still exchange them, and a mismatch is a
+// MismatchError naming both calls and hosts, never wrong data or a hang. A small call costs one
+// engine message, check included; a larger one a header-only frame (overlapped with its first
+// local step where it can be), then its data.
+//
+// Allreduce, uniform layout (Horovod's and NCCL's pattern), N elements, f = N / L, r = N % L:
+//   small  the frame carries the input; local rank i reduces its shard group's inputs in host
+//          order (the same bytes on every host), then the host's ranks allreduce that in place
+//   1. local reduce_scatter of the first L*f elements (local rank i owns [i*f, (i+1)*f)); the r
+//      left over are reduced to the last local rank, which owns them too
+//   2. inter allreduce of what rank i owns across the H hosts (shard group i)
+//   3. local allgather of the owned blocks in place in the output; broadcast of the r left over
+// Avg sums, then divides once by the world size. Leaders layout: local reduce to the leader,
+// leaders' allreduce, local broadcast. Element types or ops an engine lacks (engine->supports)
+// are allgathered and reduced on plait's kernels in host order, so every rank gets the same bytes.
+//
+// Errors: the first error of a call aborts the local communicator (every rank of this host), sets
+// the engines' job-wide flag (every other host) and is raised here; later calls raise
+// "communicator aborted after an earlier error".
+#pragma once
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/comm.h"
+#include "core/communicator.h"
+#include "hier/engine.h"
+#include "transport/shm.h"
+
+namespace plait {
+
+// Which global ranks share a host, as python/plait/_hosts.Layout derives it from every rank's
+// host identity (here: a number per rank; equal numbers = one host).
+struct HierLayout {
+  HierLayout(const std::vector<int64_t>& host_ids, int rank);
+  std::vector<std::vector<int>> hosts;  // global ranks of host h, ascending
+  std::vector<int> host_of, local_of;   // per global rank
+  int h = 0, i = 0;                     // this rank's host and local rank
+  bool uniform = false;                 // every host has as many ranks
+  bool in_order = false;                // uniform and rank == i * H + h (no reordering needed)
+  std::vector<int> perm;                // uniform: perm[i * H + h] = hosts[h][i]
+  int nhosts() const { return int(hosts.size()); }
+  std::string describe_host(int host) const;  // "host 1: local ranks 0..1 are global ranks [2, 3]"
+};
+
+// The frame every call's first engine message is (see above).
+constexpr size_t kFrame = 2048, kFrameHead = 64, kRoom = kFrame - kFrameHead;
+constexpr uint64_t kFrameMagic = 0x706C616974;  // "plait"
+
+// One engine group as the communicator drives it: owns the plait_engine (releases it once),
+// turns its error returns into typed errors naming the group, and keeps the group's frames.
+class EngineGroup {
+ public:
+  EngineGroup(plait_engine* e, std::string label, std::vector<int> ranks);
+  ~EngineGroup();
+  EngineGroup(const EngineGroup&) = delete;
+  EngineGroup& operator=(const EngineGroup&) = delete;
+
+  int rank() const { return e_->rank; }
+  int size() const { return e_->size; }
+  const char* engine() const { return e_->name; }
+  const std::vector<int>& ranks() const { return ranks_; }  // global rank of each member
+  // "the inter-host gloo group shard0 (global ranks [0, 2])"
+  std::string what() const;
+
+  // In place; falls back to allgather + plait's kernels for (dtype, op) the engine lacks.
+  void allreduce(void* buf, int64_t count, DType dt, RedOp op, double deadline);
+  void allgather(const void* in, void* out, size_t bytes, double deadline);
+  void* allgather_start(const void* in, void* out, size_t bytes);
+  void wait(void* req, double deadline);
+  void broadcast(void* buf, size_t bytes, int root, double deadline);
+  void alltoall(const void* in, void* out, size_t block_bytes, double deadline);
+  void send(const void* buf, size_t bytes, int peer, int tag, double deadline);
+  void recv(void* buf, size_t bytes, int peer, int tag, double deadline);
+  void fail(ErrorKind kind, const std::string& msg);
+
+  // This rank's frame: the payload area (kRoom bytes) to fill before exchange/post.
+  uint8_t* room() { return send_.data() + kFrameHead; }
+  std::vector<uint8_t>& sent() { return send_; }
+  std::vector<uint8_t>& got() { return recv_; }
+
+ private:
+  void check(uint32_t rc, const char* op, const char* err);
+  plait_engine* e_;
+  std::string label_;
+  std::vector<int> ranks_;
+  std::vector<uint8_t> send_, recv_;  // kFrame, size * kFrame
+};
+
+class HierComm final : public Comm {
+ public:
+  // inter may be null (leaders layout, not a leader); world may not. Takes ownership of both
+  // engines (releases them when finalized).
+  HierComm(std::shared_ptr<Communicator> local, int rank, int size,
+           const std::vector<int64_t>& host_ids, plait_engine* inter, plait_engine* world,
+           double timeout_s, const std::string& label);
+  ~HierComm() override;
+  HierComm(const HierComm&) = delete;
+  HierComm& operator=(const HierComm&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  bool closed() const override { return closed_; }
+  std::shared_ptr<Task> call(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root,
+                             int peer, int64_t tag, const std::string& algo,
+                             std::optional<double> timeout_s, bool async,
+                             Task::Done on_done = nullptr) override;
+  bool run_here(const std::shared_ptr<Task>& t) override { return local_->run_here(t); }
+  [[noreturn]] void fail(ErrorKind kind, const std::string& msg) override;
+  void finalize() override;
+  void set_label(const std::string& label) override;
+  std::string label() const override;
+
+  const HierLayout& layout() const { return lay_; }
+  std::string engine() const { return world_->engine(); }
+  const std::shared_ptr<Communicator>& local() const { return local_; }
+
+ private:
+  void run_call(CallArgs& a, const Fingerprint& fp);
+  [[noreturn]] void on_error(const CallArgs& a, const PlaitError& e);
+  void abort_everywhere(ErrorKind kind, const std::string& msg);
+  std::string head(const CallArgs& a) const;
+  [[noreturn]] void raise_aborted() const;
+
+  // The frame exchange (hier_frames.cc): post starts the allgather of this rank's frame (header +
+  // the first nbytes of its room; check_only: the header alone, not sent at all when the check
+  // is off: PLAIT_HIER_CHECK=0) and finish waits and compares
+  // every header, returning the members' payloads (kFrame apart). No group: nothing happens.
+  struct Posted {
+    EngineGroup* g = nullptr;
+    void* req = nullptr;
+    const Fingerprint* fp = nullptr;
+  };
+  Posted post(EngineGroup* g, const Fingerprint& fp, size_t nbytes, bool check_only,
+              double deadline);
+  const uint8_t* finish(Posted& p, double deadline);
+  // post + finish; check_only: a header-only frame (skipped under PLAIT_HIER_CHECK=0).
+  const uint8_t* exchange(EngineGroup* g, const Fingerprint& fp, size_t nbytes, double deadline,
+                          bool check_only = false);
+  [[noreturn]] void mismatch(EngineGroup& g, const Fingerprint& mine, const uint8_t* theirs, int j);
+  // out = the op over the members' payload rows (each kFrame apart, at byte offset off), in
+  // group order; avg divides by the world size in the same pass.
+  void combine(void* out, const uint8_t* rows, int n, size_t off, int64_t count, DType dt,
+               RedOp op);
+
+  // Local steps (inline on this thread: we are inside the closure task); errors name the host.
+  void local(Coll c, const void* in, size_t in_bytes, void* out, size_t out_bytes, DType dt,
+             RedOp op, int root, double deadline, bool has_out = true);
+  void local_barrier(double deadline);
+
+  // The collectives (hier_colls.cc); byte-moving ones take bytes.
+  void allreduce(const CallArgs& a, const Fingerprint& fp, const void* x, void* out,
+                 double deadline);
+  void reduce_scatter(const CallArgs& a, const Fingerprint& fp, double deadline);
+  void allgather(const Fingerprint& fp, const uint8_t* x, uint8_t* out, size_t n, double deadline);
+  void broadcast(const Fingerprint& fp, const uint8_t* x, uint8_t* out, size_t k, int root,
+                 double deadline);
+  void inter_broadcast(const Fingerprint& fp, uint8_t* out, size_t k, int hr, double deadline);
+  void alltoall(const Fingerprint& fp, const uint8_t* x, uint8_t* out, size_t blk, double deadline);
+  void p2p(const CallArgs& a, double deadline);
+  void barrier(const Fingerprint& fp, double deadline);
+  void divide(void* buf, int64_t count, DType dt);
+
+  std::shared_ptr<Communicator> local_;
+  int rank_, size_;
+  HierLayout lay_;
+  std::unique_ptr<EngineGroup> inter_, world_;
+  double timeout_s_;
+  uint64_t seq_ = 0;  // calls issued, in issue order: the fingerprints' call number
+  bool closed_ = false;
+  bool check_ = true;      // header-only frames (PLAIT_HIER_CHECK=0 skips them)
+  mutable std::mutex mu_;  // first_error_, label_
+  std::string first_error_;
+  std::string label_;
+};
+
+}  // namespace plait
