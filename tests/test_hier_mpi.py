@@ -77,6 +77,30 @@ with open(os.path.join(sys.argv[2], f"got-{rank}"), "w") as f:
 """
 
 
+# A wrong argument on one rank under MPI: that rank raises InvalidArgument, and the engines'
+# job-wide flag (a message on the MPI engine's private communicator) ends the call that every
+# other rank is waiting in, on every host, with PeerLostError naming it; then the job ends normally.
+BAD_ARGUMENT = """
+import os, sys, time
+import numpy as np
+hosts = sys.argv[1].split(",")
+rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+os.environ["PLAIT_HOST_ID"] = hosts[rank]
+import plait
+comm = plait.init(timeout=60)
+bad = rank == comm.size - 1
+start = time.monotonic()
+try:
+    comm.allreduce(np.arange(5, dtype=np.int64), op="bogus" if bad else "sum")
+    got = "no error"
+except plait.PlaitError as e:
+    got = f"{type(e).__name__} {time.monotonic() - start:.1f} {e}"
+comm.finalize()
+with open(os.path.join(sys.argv[2], f"got-{rank}"), "w") as f:
+    f.write(got)
+"""
+
+
 def _mpirun(tmp_path, hosts, program=PROGRAM, extra=()):
     prog = tmp_path / "mpi_rank.py"
     prog.write_text(program)
@@ -128,3 +152,18 @@ def test_mpi_engine_mismatch_raises_on_every_rank(tmp_path, hosts, case):
         kind, took, msg = (tmp_path / f"got-{rank}").read_text().split(" ", 2)
         assert kind == "MismatchError" and float(took) < 10, (rank, kind, took, msg)
         assert "mismatched calls across hosts" in msg and "inter-host mpi group" in msg, (rank, msg)
+
+
+@pytest.mark.parametrize("hosts", [["a", "b", "c"], ["a", "a", "b", "b"]], ids=["3x1", "2x2"])
+def test_mpi_engine_bad_argument_raises_on_every_rank(tmp_path, hosts):
+    _mpirun(tmp_path, hosts, BAD_ARGUMENT)
+    bad = len(hosts) - 1
+    for rank in range(len(hosts)):
+        kind, took, msg = (tmp_path / f"got-{rank}").read_text().split(" ", 2)
+        # the bad rank's own host hears of it through the local abort (its kind); other hosts
+        # through the engine's flag
+        want = {"PeerLostError"} if hosts[rank] != hosts[bad] else {"InvalidArgument"}
+        if hosts[rank] == hosts[bad] and rank != bad:
+            want.add("PeerLostError")
+        assert kind in want and float(took) < 10, (rank, kind, took, msg)
+        assert f"rank {bad}" in msg and "bogus" in msg, (rank, msg)
