@@ -275,6 +275,33 @@ def killed(eng):
     return 1
 
 
+def fail_across_groups(eng):
+    """The flag is job-wide: rank 2 fails on its own one-member group, and ranks 0 and 1, waiting
+    in their pair group (rank 2 is not in it), hear of it through the world group's engine."""
+    r = eng.rank
+    sub = MPI.COMM_WORLD.Split(0 if r < 2 else 1, r)
+    pair = _mpi.EngineForTests(_mpi.make_engine(sub, "pair"))
+    sub.Free()
+    calls = [lambda: eng.allreduce(np.ones(1), "sum")]  # then every group refuses at once
+    if r == 2:
+        time.sleep(0.3)
+        pair.fail(PEER_LOST, "on my own group")
+    else:  # waits in the pair group for a message the partner never sends
+        calls.insert(0, lambda: pair.recv(np.zeros(1, dtype=np.int32), 1 - r, 8, timeout=60))
+    t0 = time.monotonic()
+    for call in calls:
+        try:
+            call()
+        except plait.PeerLostError as e:
+            assert str(e) == "rank 2 failed: on my own group", e
+            assert time.monotonic() - t0 < 2.0, time.monotonic() - t0
+        else:
+            raise AssertionError("no PeerLostError")
+    pair.close()
+    MPI.COMM_WORLD.Barrier()
+    return 1
+
+
 def refusals():
     """make_engine's refusals, raised before anything collective (every rank makes them)."""
     checks = 0

@@ -101,7 +101,35 @@ with open(os.path.join(sys.argv[2], f"got-{rank}"), "w") as f:
 """
 
 
-def _mpirun(tmp_path, hosts, program=PROGRAM, extra=()):
+# kill -9 of a rank that shares its host with another: that host's rank notices through the local
+# communicator, and the engines' job-wide flag carries it to every rank of every host, also to
+# those waiting in an engine group the failing rank is not in (shard groups: [0, 2] and [1, 3]).
+# mpirun --enable-recovery keeps the job running after the death (its default ends the job).
+KILLED = """
+import os, signal, sys, time
+import numpy as np
+hosts = sys.argv[1].split(",")
+rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+os.environ["PLAIT_HOST_ID"] = hosts[rank]
+import plait
+comm = plait.init(timeout=60)
+comm.allreduce(np.ones(4))
+if rank == comm.size - 1:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+start = time.monotonic()
+try:
+    comm.allreduce(np.ones(4))
+    got = "no error"
+except plait.PlaitError as e:
+    got = f"{type(e).__name__} {time.monotonic() - start:.1f} {e}"
+comm.finalize()
+with open(os.path.join(sys.argv[2], f"got-{rank}"), "w") as f:
+    f.write(got)
+"""
+
+
+def _mpirun(tmp_path, hosts, program=PROGRAM, extra=(), mpirun_args=()):
     prog = tmp_path / "mpi_rank.py"
     prog.write_text(program)
     env = {
@@ -118,7 +146,7 @@ def _mpirun(tmp_path, hosts, program=PROGRAM, extra=()):
             "PLAIT_HOST_ID",
         )
     }
-    cmd = ["mpirun", "-np", str(len(hosts)), "--oversubscribe", "--bind-to", "none"]
+    cmd = ["mpirun", "-np", str(len(hosts)), "--oversubscribe", "--bind-to", "none", *mpirun_args]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     before = _segment_names()
@@ -167,3 +195,12 @@ def test_mpi_engine_bad_argument_raises_on_every_rank(tmp_path, hosts):
             want.add("PeerLostError")
         assert kind in want and float(took) < 10, (rank, kind, took, msg)
         assert f"rank {bad}" in msg and "bogus" in msg, (rank, msg)
+
+
+def test_mpi_engine_killed_rank_raises_on_every_host(tmp_path):
+    hosts = ["a", "a", "b", "b"]
+    _mpirun(tmp_path, hosts, KILLED, mpirun_args=("--enable-recovery",))
+    for rank in range(len(hosts) - 1):
+        kind, took, msg = (tmp_path / f"got-{rank}").read_text().split(" ", 2)
+        assert kind == "PeerLostError" and float(took) < 10, (rank, kind, took, msg)
+        assert "died" in msg, (rank, msg)

@@ -2,13 +2,18 @@
 // Ialltoall, Isend/Irecv) on a private duplicate of the group's communicator and finishes it with
 // an MPI_Testall loop: spin for 50 us (a small step between hosts takes tens of microseconds and
 // MPI progresses only inside Test), yield up to 20 ms, then sleep in short steps, until the call's
-// deadline. Every 50 ms of that loop also Improbes a second duplicate for the job-wide flag.
+// deadline. Every 50 ms of waiting (over all the process's groups) it also Improbes every
+// group's second duplicate, the flag communicator.
 //
-// The flag: fail() sends (kind, world rank, message) once to every other member on the flag
-// communicator (Isend, never waited); a member that finds it fails its current and later calls
-// with PEER_LOST "rank R failed: ...", R the failing process's MPI_COMM_WORLD rank (plait's rank
-// under mpirun). The first failure a member sees wins; it is not forwarded (every member gets it
-// from the rank that failed).
+// The flag is job-wide: fail() on any group marks every group of this process and sends (kind,
+// world rank, message) once to every other member of every group (Isend, never waited); a rank
+// that finds such a message marks all its groups. Marked groups fail their current and later
+// calls with PEER_LOST "rank R failed: ...", R the failing process's MPI_COMM_WORLD rank
+// (plait's rank under mpirun). The first failure a rank sees wins; it is not forwarded: the
+// world group (every rank) carries it to everyone, and the others to their members.
+//
+// Threads: plait's progress thread makes the calls, fail() comes from any thread, and mpi4py
+// may be used meanwhile: the engine needs MPI_THREAD_MULTIPLE (mpi4py's default).
 //
 // Counts: MPI counts are int, so a call moves at most `chunk` bytes (default 1 GiB) per MPI call
 // and longer buffers take several. For allgather and alltoall a piece of every block travels as
@@ -100,18 +105,32 @@ struct Engine {
   int rank = 0, size = 1, world_rank = -1, tag_ub = INT_MAX;
   std::string label;
   size_t chunk = kDefaultChunk;
-  // One thread in MPI at a time (the caller's, or fail()'s), so MPI_THREAD_SERIALIZED suffices.
-  std::mutex mpi;
   std::atomic<bool> flagged{false};
   std::mutex flag_mu;
   std::string flag_msg;  // set once, under flag_mu, before flagged
-  std::vector<std::unique_ptr<std::vector<char>>> payloads;  // fail()'s messages in flight
-  std::vector<MPI_Request> fail_sends;
+  std::vector<std::unique_ptr<std::vector<char>>> payloads;  // fail()'s messages in flight,
+  std::vector<MPI_Request> fail_sends;                       // both under the registry's lock
   std::vector<MPI_Request> stranded;  // collectives of calls that gave up: MPI cannot cancel them
   std::string broken;                 // why the group refuses calls; empty while it does not
-  Clock::time_point next_probe{};
   plait_engine table{};
 };
+
+// Every engine group of this process. The flag is job-wide: a failure made (fail()) or found
+// (a flag message on any group's flag communicator) ends the calls of every group here, and
+// fail() tells the members of every group, so a rank waiting in a group the failing rank is not
+// in (a shard group of another host pair) hears of it too, through the world group.
+struct Registry {
+  std::mutex mu;
+  std::vector<Engine*> engines;
+  std::atomic<int64_t> next_probe{0};  // steady-clock ns: when a waiting call next probes
+};
+Registry& registry() {
+  static Registry* r = new Registry;  // never destroyed: engines may be released during exit
+  return *r;
+}
+int64_t ns(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
 
 // One call's requests (a batch of its pieces); a recv checks that its pieces had the bytes
 // expected. moved: bytes of the call's earlier batches, already delivered.
@@ -144,36 +163,45 @@ uint32_t mpi_error(const Engine* e, const std::string& what, int rc, char* err, 
   return say(err, errlen, kind, where(e, what) + ": MPI error: " + std::string(text, n));
 }
 
-void set_flag(Engine* e, std::string msg) {
+bool set_flag(Engine* e, const std::string& msg) {
   std::lock_guard<std::mutex> g(e->flag_mu);
-  if (e->flagged.load(std::memory_order_relaxed)) return;  // the first failure wins
-  e->flag_msg = std::move(msg);
+  if (e->flagged.load(std::memory_order_relaxed)) return false;  // the first failure wins
+  e->flag_msg = msg;
   e->flagged.store(true, std::memory_order_release);
+  return true;
 }
 
-// Takes another member's flag message if one arrived.
-void probe(Engine* e) {
-  std::vector<char> buf;
-  int src = -1;
-  {
-    std::lock_guard<std::mutex> g(e->mpi);
-    int found = 0, n = 0;
-    MPI_Message m;
-    MPI_Status st;
-    if (MPI_Improbe(MPI_ANY_SOURCE, kFlagTag, e->flag, &found, &m, &st) != MPI_SUCCESS || !found)
-      return;
-    MPI_Get_count(&st, MPI_BYTE, &n);
-    buf.resize(std::max(n, 0));
-    src = st.MPI_SOURCE;
-    MPI_Mrecv(buf.data(), n, MPI_BYTE, &m, MPI_STATUS_IGNORE);
-  }
-  int32_t who = src;
+// Another member's flag message on e's flag communicator, if one arrived ("" if none).
+std::string take_flag(Engine* e) {
+  int found = 0, n = 0;
+  MPI_Message m;
+  MPI_Status st;
+  if (MPI_Improbe(MPI_ANY_SOURCE, kFlagTag, e->flag, &found, &m, &st) != MPI_SUCCESS || !found)
+    return "";
+  MPI_Get_count(&st, MPI_BYTE, &n);
+  std::vector<char> buf(size_t(std::max(n, 0)));
+  MPI_Mrecv(buf.data(), n, MPI_BYTE, &m, MPI_STATUS_IGNORE);
+  int32_t who = st.MPI_SOURCE;
   std::string text = "(no message)";
   if (buf.size() >= 8) {
     memcpy(&who, buf.data() + 4, 4);
     text.assign(buf.data() + 8, buf.size() - 8);
   }
-  set_flag(e, "rank " + std::to_string(who) + " failed: " + text);
+  return "rank " + std::to_string(who) + " failed: " + text;
+}
+
+// Looks for a flag message on every group's flag communicator, at most every kProbeEvery over
+// all the process's waiting calls; the first found flags every group.
+void probe(Clock::time_point now) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  if (ns(now) < r.next_probe.load(std::memory_order_relaxed)) return;
+  r.next_probe.store(ns(now + kProbeEvery), std::memory_order_relaxed);
+  std::string msg;
+  for (Engine* e : r.engines)
+    if (msg.empty()) msg = take_flag(e);
+  if (!msg.empty())
+    for (Engine* e : r.engines) set_flag(e, msg);
 }
 
 // Returns nonzero with the message when the group takes no calls.
@@ -191,7 +219,6 @@ uint32_t refused(Engine* e, char* err, size_t errlen) {
 // later messages out of step, so it breaks the group too.
 bool abandon(Engine* e, Pending& p, const std::string& what) {
   bool any_cancelled = false, any_moved = p.moved > 0, stranded = false;
-  std::lock_guard<std::mutex> g(e->mpi);
   for (MPI_Request& r : p.reqs) {
     if (r == MPI_REQUEST_NULL) {
       any_moved = true;  // Testall freed it: that piece finished
@@ -234,10 +261,7 @@ uint32_t finish(Engine* e, Pending& p, Clock::time_point deadline, double timeou
   std::vector<MPI_Status> st(p.reqs.size());
   for (;;) {
     int done = 0, rc;
-    {
-      std::lock_guard<std::mutex> g(e->mpi);
-      rc = MPI_Testall(int(p.reqs.size()), p.reqs.data(), &done, st.data());
-    }
+    { rc = MPI_Testall(int(p.reqs.size()), p.reqs.data(), &done, st.data()); }
     if (rc == MPI_ERR_IN_STATUS) {  // the first request that failed says why; those done are gone
       for (size_t i = 0; i < st.size(); ++i) {
         if (st[i].MPI_ERROR == MPI_ERR_PENDING) continue;
@@ -255,9 +279,8 @@ uint32_t finish(Engine* e, Pending& p, Clock::time_point deadline, double timeou
       return refused(e, err, errlen);
     }
     const Clock::time_point now = Clock::now();
-    if (now >= e->next_probe) {
-      e->next_probe = now + kProbeEvery;
-      probe(e);
+    if (ns(now) >= registry().next_probe.load(std::memory_order_relaxed)) {
+      probe(now);
       continue;
     }
     if (now >= deadline) {
@@ -322,7 +345,6 @@ uint32_t run(Engine* e, Pending& p, size_t bytes, size_t unit, double timeout_s,
     p.moved = off;
     p.bytes = 0;
     {
-      std::lock_guard<std::mutex> g(e->mpi);
       do {
         const size_t len = std::min(step, bytes - off);
         MPI_Request r = MPI_REQUEST_NULL;
@@ -392,7 +414,6 @@ uint32_t allgather_start(void* ctx, const void* in, void* out, size_t bytes, voi
   char* o = static_cast<char*>(out);
   int rc = MPI_SUCCESS;
   {
-    std::lock_guard<std::mutex> g(e->mpi);
     const size_t step = piece(e, 1);
     for (size_t off = 0; off < bytes && rc == MPI_SUCCESS; off += step) {
       const size_t len = std::min(step, bytes - off);
@@ -515,45 +536,49 @@ uint32_t recv(void* ctx, void* buf, size_t bytes, int peer, int tag, double time
 }
 
 void fail(void* ctx, uint32_t kind, const char* msg) {
-  Engine* e = static_cast<Engine*>(ctx);
+  Engine* me = static_cast<Engine*>(ctx);
   std::string text = msg ? msg : "";
   if (text.size() > kFlagText) text.resize(kFlagText);
-  {
-    std::lock_guard<std::mutex> g(e->flag_mu);
-    if (e->flagged.load(std::memory_order_relaxed)) return;  // a failure is already known
-    e->flag_msg = "rank " + std::to_string(e->world_rank) + " failed: " + text;
-    e->flagged.store(true, std::memory_order_release);
-  }
+  const std::string flag = "rank " + std::to_string(me->world_rank) + " failed: " + text;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  if (!set_flag(me, flag)) return;  // a failure is already known here: the first one stands
+  for (Engine* e : r.engines) set_flag(e, flag);
   int finalized = 1;
   MPI_Finalized(&finalized);
-  if (finalized || e->size == 1) return;
-  auto payload = std::make_unique<std::vector<char>>(8 + text.size());
-  int32_t who = e->world_rank;
-  memcpy(payload->data(), &kind, 4);
-  memcpy(payload->data() + 4, &who, 4);
-  memcpy(payload->data() + 8, text.data(), text.size());
-  std::lock_guard<std::mutex> g(e->mpi);
-  for (int peer = 0; peer < e->size; ++peer) {
-    if (peer == e->rank) continue;
-    MPI_Request r = MPI_REQUEST_NULL;
-    if (MPI_Isend(payload->data(), int(payload->size()), MPI_BYTE, peer, kFlagTag, e->flag, &r) ==
-        MPI_SUCCESS)
-      e->fail_sends.push_back(r);
+  if (finalized) return;
+  int32_t who = me->world_rank;
+  for (Engine* e : r.engines) {
+    if (e->size == 1) continue;
+    auto payload = std::make_unique<std::vector<char>>(8 + text.size());
+    memcpy(payload->data(), &kind, 4);
+    memcpy(payload->data() + 4, &who, 4);
+    memcpy(payload->data() + 8, text.data(), text.size());
+    for (int peer = 0; peer < e->size; ++peer) {
+      if (peer == e->rank) continue;
+      MPI_Request req = MPI_REQUEST_NULL;
+      if (MPI_Isend(payload->data(), int(payload->size()), MPI_BYTE, peer, kFlagTag, e->flag,
+                    &req) == MPI_SUCCESS)
+        e->fail_sends.push_back(req);
+    }
+    e->payloads.push_back(std::move(payload));
   }
-  e->payloads.push_back(std::move(payload));
 }
 
 void release(void* ctx) {
   std::unique_ptr<Engine> e(static_cast<Engine*>(ctx));
+  Registry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  r.engines.erase(std::remove(r.engines.begin(), r.engines.end(), e.get()), r.engines.end());
   int finalized = 1;
   MPI_Finalized(&finalized);
   if (finalized) return;
   bool sent = true;
-  for (MPI_Request& r : e->fail_sends) {
+  for (MPI_Request& req : e->fail_sends) {
     int done = 0;
-    MPI_Test(&r, &done, MPI_STATUS_IGNORE);
+    MPI_Test(&req, &done, MPI_STATUS_IGNORE);
     if (!done) {
-      MPI_Request_free(&r);  // the send goes on; its bytes must outlive it
+      MPI_Request_free(&req);  // the send goes on; its bytes must outlive it
       sent = false;
     }
   }
@@ -580,10 +605,10 @@ plait_engine* mpi_engine_create(MPI_Comm comm, const char* label, size_t chunk_b
     return nullptr;
   }
   MPI_Query_thread(&level);
-  if (level < MPI_THREAD_SERIALIZED) {
+  if (level < MPI_THREAD_MULTIPLE) {
     say(err, errlen, PLAIT_E_INVALID,
-        "MPI was initialised at a thread level below MPI_THREAD_SERIALIZED; plait calls MPI from "
-        "its progress thread: leave mpi4py.rc.thread_level at 'multiple' (its default)");
+        "MPI was initialised below MPI_THREAD_MULTIPLE; plait calls MPI from its progress thread "
+        "and fail() from any thread: leave mpi4py.rc.thread_level at 'multiple' (its default)");
     return nullptr;
   }
   if (comm == MPI_COMM_NULL || MPI_Comm_test_inter(comm, &inter) != MPI_SUCCESS || inter) {
@@ -610,7 +635,6 @@ plait_engine* mpi_engine_create(MPI_Comm comm, const char* label, size_t chunk_b
   int has = 0;
   MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &has);
   if (has && ub) e->tag_ub = *ub;
-  e->next_probe = Clock::now() + kProbeEvery;
   plait_engine& t = e->table;
   t.version = PLAIT_ENGINE_VERSION;
   t.struct_size = sizeof(plait_engine);
@@ -629,6 +653,11 @@ plait_engine* mpi_engine_create(MPI_Comm comm, const char* label, size_t chunk_b
   t.recv = recv;
   t.fail = fail;
   t.release = release;
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> g(r.mu);
+    r.engines.push_back(e.get());
+  }
   return &e.release()->table;
 }
 

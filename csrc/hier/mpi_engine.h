@@ -18,7 +18,7 @@ namespace plait {
 
 // An engine group over the members of comm: duplicates it twice (data, and the job-wide flag's
 // messages), so it is collective over comm, like MPI_Comm_dup. Returns nullptr and a message in
-// err when MPI cannot serve it (not initialised, thread level below MPI_THREAD_SERIALIZED).
+// err when MPI cannot serve it (not initialised, thread level below MPI_THREAD_MULTIPLE).
 // chunk_bytes: the largest piece one MPI call moves (MPI counts are int); 0: the default.
 plait_engine* mpi_engine_create(MPI_Comm comm, const char* label, size_t chunk_bytes, char* err,
                                 size_t errlen);
