@@ -20,7 +20,7 @@ else()
 endif()
 
 if(PLAIT_WITH_MPI)
-  pybind11_add_module(_mpi MODULE csrc/hier/mpi_engine.cc csrc/bindings/mpi.cc)
+  pybind11_add_module(_mpi MODULE csrc/hier/mpi_engine.cc csrc/hier/mpi_group.cc csrc/bindings/mpi.cc)
   target_include_directories(_mpi PRIVATE csrc)
   target_compile_options(_mpi PRIVATE -Wall -Wextra -Wno-unused-parameter)
   target_link_libraries(_mpi PRIVATE MPI::MPI_CXX)
