@@ -20,7 +20,7 @@ from plait import _mpi
 
 DTYPES = ["float32", "float64", "int8", "uint8", "int32", "int64", "bool"]
 OPS = ["sum", "prod", "min", "max"]
-PEER_LOST = 5  # capi.h's PLAIT_E_PEER_LOST
+INVALID, MISMATCH, PEER_LOST = 2, 3, 5  # capi.h's PLAIT_E_*
 
 
 def member_data(dtype, op, count, r):
@@ -209,30 +209,37 @@ def part_way(r):
     return checks
 
 
-def fail(eng):
-    """One member fails while the others wait in an allreduce: PeerLostError everywhere soon."""
+def fail(eng, kind=None, error=None):
+    """One member fails while the others wait in an allreduce: PeerLostError everywhere soon
+    (a failure of any kind but a mismatch, here INVALID: a wrong argument on one rank only)."""
+    kind, error = kind or INVALID, error or plait.PeerLostError
     r, n, culprit = eng.rank, eng.size, eng.size - 1
     if r == culprit:
         time.sleep(0.3)
-        eng.fail(PEER_LOST, "boom (a test)")
+        eng.fail(kind, "boom (a test)")
     t0 = time.monotonic()
     try:
         eng.allreduce(np.ones(2, dtype=np.float64), "sum", timeout=60)
-    except plait.PeerLostError as e:
+    except error as e:
         took = time.monotonic() - t0
-        assert str(e) == f"rank {culprit} failed: boom (a test)", e
+        assert type(e) is error and str(e) == f"rank {culprit} failed: boom (a test)", e
         assert took < (0.1 if r == culprit else 1.5), took
     else:
-        raise AssertionError("no PeerLostError")
+        raise AssertionError(f"no {error.__name__}")
     try:  # later calls fail at once; a later failure does not replace the first
         eng.fail(PEER_LOST, "second")
         eng.send(np.ones(1), (r + 1) % n, 0)
-    except plait.PeerLostError as e:
+    except error as e:
         assert "boom" in str(e), e
     else:
-        raise AssertionError("no PeerLostError")
+        raise AssertionError(f"no {error.__name__}")
     MPI.COMM_WORLD.Barrier()
     return 2
+
+
+def fail_mismatch(eng):
+    """A mismatch is every rank's error: it arrives as MismatchError."""
+    return fail(eng, MISMATCH, plait.MismatchError)
 
 
 def fail_from_thread(eng):

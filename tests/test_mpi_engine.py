@@ -78,6 +78,10 @@ def test_fail_reaches_every_member(tmp_path, n):
     assert _mpirun(tmp_path, "fail", n) == [2] * n
 
 
+def test_a_mismatch_stays_a_mismatch(tmp_path):
+    assert _mpirun(tmp_path, "fail_mismatch", 3) == [2] * 3
+
+
 def test_fail_reaches_other_groups(tmp_path):
     assert _mpirun(tmp_path, "fail_across_groups", 3) == [1] * 3
 

@@ -9,7 +9,8 @@
 // world rank, message) once to every other member of every group (Isend, never waited); a rank
 // that finds such a message marks all its groups. Marked groups fail their current and later
 // calls with PEER_LOST "rank R failed: ...", R the failing process's MPI_COMM_WORLD rank
-// (plait's rank under mpirun). The first failure a rank sees wins; it is not forwarded: the
+// (plait's rank under mpirun), or MISMATCH when the failure was a mismatch (every rank made one
+// of the mismatched calls). The first failure a rank sees wins; it is not forwarded: the
 // world group (every rank) carries it to everyone, and the others to their members.
 //
 // Threads: plait's progress thread makes the calls, fail() comes from any thread, and mpi4py
@@ -210,8 +211,8 @@ void fail(void* ctx, uint32_t kind, const char* msg) {
   const std::string flag = "rank " + std::to_string(me->world_rank) + " failed: " + text;
   Registry& r = registry();
   std::lock_guard<std::mutex> g(r.mu);
-  if (!set_flag(me, flag)) return;  // a failure is already known here: the first one stands
-  for (Engine* e : r.engines) set_flag(e, flag);
+  if (!set_flag(me, kind, flag)) return;  // a failure is already known here: the first stands
+  for (Engine* e : r.engines) set_flag(e, kind, flag);
   int finalized = 1;
   MPI_Finalized(&finalized);
   if (finalized) return;

@@ -83,16 +83,24 @@ uint32_t mpi_error(const Engine* e, const std::string& what, int rc, char* err, 
   return say(err, errlen, kind, where(e, what) + ": MPI error: " + std::string(text, n));
 }
 
-bool set_flag(Engine* e, const std::string& msg) {
+// A mismatch is every rank's error (each made one of the mismatched calls), so it keeps its
+// kind everywhere; any other failure elsewhere is a lost peer to this rank.
+static uint32_t flag_kind(uint32_t kind) {
+  return kind == PLAIT_E_MISMATCH ? PLAIT_E_MISMATCH : PLAIT_E_PEER_LOST;
+}
+
+bool set_flag(Engine* e, uint32_t kind, const std::string& msg) {
   std::lock_guard<std::mutex> g(e->flag_mu);
   if (e->flagged.load(std::memory_order_relaxed)) return false;  // the first failure wins
+  e->flag_kind = flag_kind(kind);
   e->flag_msg = msg;
   e->flagged.store(true, std::memory_order_release);
   return true;
 }
 
-// Another member's flag message on e's flag communicator, if one arrived ("" if none).
-static std::string take_flag(Engine* e) {
+// Another member's flag message on e's flag communicator, if one arrived: its kind and "rank R
+// failed: ..." ("" if none).
+static std::string take_flag(Engine* e, uint32_t* kind) {
   int found = 0, n = 0;
   MPI_Message m;
   MPI_Status st;
@@ -103,7 +111,9 @@ static std::string take_flag(Engine* e) {
   MPI_Mrecv(buf.data(), n, MPI_BYTE, &m, MPI_STATUS_IGNORE);
   int32_t who = st.MPI_SOURCE;
   std::string text = "(no message)";
+  *kind = PLAIT_E_PEER_LOST;
   if (buf.size() >= 8) {
+    memcpy(kind, buf.data(), 4);
     memcpy(&who, buf.data() + 4, 4);
     text.assign(buf.data() + 8, buf.size() - 8);
   }
@@ -118,17 +128,18 @@ void probe(Clock::time_point now) {
   if (ns(now) < r.next_probe.load(std::memory_order_relaxed)) return;
   r.next_probe.store(ns(now + kProbeEvery), std::memory_order_relaxed);
   std::string msg;
+  uint32_t kind = PLAIT_E_PEER_LOST;
   for (Engine* e : r.engines)
-    if (msg.empty()) msg = take_flag(e);
+    if (msg.empty()) msg = take_flag(e, &kind);
   if (!msg.empty())
-    for (Engine* e : r.engines) set_flag(e, msg);
+    for (Engine* e : r.engines) set_flag(e, kind, msg);
 }
 
 // Returns nonzero with the message when the group takes no calls.
 uint32_t refused(Engine* e, char* err, size_t errlen) {
   if (e->flagged.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> g(e->flag_mu);
-    return say(err, errlen, PLAIT_E_PEER_LOST, e->flag_msg);
+    return say(err, errlen, e->flag_kind, e->flag_msg);
   }
   if (!e->broken.empty()) return say(err, errlen, PLAIT_E_PEER_LOST, e->broken);
   return PLAIT_OK;

@@ -38,7 +38,8 @@ struct Engine {
   size_t chunk = kDefaultChunk;
   std::atomic<bool> flagged{false};
   std::mutex flag_mu;
-  std::string flag_msg;  // set once, under flag_mu, before flagged
+  std::string flag_msg;                    // set once, under flag_mu, before flagged
+  uint32_t flag_kind = PLAIT_E_PEER_LOST;  // what flagged calls fail with (with flag_msg)
   std::vector<std::unique_ptr<std::vector<char>>> payloads;  // fail()'s messages in flight,
   std::vector<MPI_Request> fail_sends;                       // both under the registry's lock
   std::vector<MPI_Request> stranded;  // collectives of calls that gave up: MPI cannot cancel them
@@ -75,8 +76,9 @@ bool mpi_reduction(uint8_t dtype, uint8_t op, MPI_Datatype* type, MPI_Op* mop, s
 uint32_t say(char* err, size_t errlen, uint32_t kind, const std::string& msg);
 std::string where(const Engine* e, const std::string& what);
 uint32_t mpi_error(const Engine* e, const std::string& what, int rc, char* err, size_t errlen);
-// Marks e with a failure; false when it already had one (the first stands).
-bool set_flag(Engine* e, const std::string& msg);
+// Marks e with a failure (of kind, as fail() got it); false when it already had one (the first
+// stands). Flagged calls fail with MISMATCH for a mismatch, else PEER_LOST.
+bool set_flag(Engine* e, uint32_t kind, const std::string& msg);
 // Looks for flag messages on every group (at most every kProbeEvery over the process).
 void probe(Clock::time_point now);
 // Nonzero, with the message, when e takes no calls (flagged, or broken).
