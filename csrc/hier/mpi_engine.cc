@@ -82,22 +82,20 @@ uint32_t allgather_start(void* ctx, const void* in, void* out, size_t bytes, voi
   const char* i = static_cast<const char*>(in);
   char* o = static_cast<char*>(out);
   int rc = MPI_SUCCESS;
-  {
-    const size_t step = piece(e, 1);
-    for (size_t off = 0; off < bytes && rc == MPI_SUCCESS; off += step) {
-      const size_t len = std::min(step, bytes - off);
-      MPI_Request r = MPI_REQUEST_NULL;
-      if (len == bytes) {
-        rc = MPI_Iallgather(i, int(len), MPI_BYTE, o, int(len), MPI_BYTE, e->data, &r);
-      } else {  // every member's piece lands at its own block's offset off
-        MPI_Datatype t;
-        rc = strided(len, bytes, &t);
-        if (rc != MPI_SUCCESS) break;
-        rc = MPI_Iallgather(i + off, int(len), MPI_BYTE, o + off, 1, t, e->data, &r);
-        MPI_Type_free(&t);
-      }
-      if (rc == MPI_SUCCESS) p->reqs.push_back(r);
+  const size_t step = piece(e, 1);
+  for (size_t off = 0; off < bytes && rc == MPI_SUCCESS; off += step) {
+    const size_t len = std::min(step, bytes - off);
+    MPI_Request r = MPI_REQUEST_NULL;
+    if (len == bytes) {
+      rc = MPI_Iallgather(i, int(len), MPI_BYTE, o, int(len), MPI_BYTE, e->data, &r);
+    } else {  // every member's piece lands at its own block's offset off
+      MPI_Datatype t;
+      rc = strided(len, bytes, &t);
+      if (rc != MPI_SUCCESS) break;
+      rc = MPI_Iallgather(i + off, int(len), MPI_BYTE, o + off, 1, t, e->data, &r);
+      MPI_Type_free(&t);
     }
+    if (rc == MPI_SUCCESS) p->reqs.push_back(r);
   }
   if (rc != MPI_SUCCESS) {
     abandon(e, *p, what());

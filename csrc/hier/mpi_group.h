@@ -152,10 +152,9 @@ uint32_t finish(Engine* e, Pending& p, Clock::time_point deadline, double timeou
   return PLAIT_OK;
 }
 
-// Posts a call's pieces with post(off, len, &request) and finishes them, at
-// most two at a time: Open MPI's Iallreduce allocates a temporary buffer per piece, so a buffer
-// of many GiB costs two pieces' worth, not its own size again; two keep the link busy while one
-// completes.
+// Posts a call's pieces with post(off, len, &request) and finishes them, at most two at a time:
+// Open MPI's Iallreduce allocates a temporary buffer per piece, so a buffer of many GiB costs two
+// pieces' worth, not its own size again; two keep the link busy while one completes.
 template <class What, class Post>
 uint32_t run(Engine* e, Pending& p, size_t bytes, size_t unit, double timeout_s, const What& what,
              Post&& post, char* err, size_t errlen) {
@@ -168,17 +167,15 @@ uint32_t run(Engine* e, Pending& p, size_t bytes, size_t unit, double timeout_s,
     p.reqs.clear();
     p.moved = off;
     p.bytes = 0;
-    {
-      do {
-        const size_t len = std::min(step, bytes - off);
-        MPI_Request r = MPI_REQUEST_NULL;
-        rc = post(off, len, &r);
-        if (rc != MPI_SUCCESS) break;
-        p.reqs.push_back(r);
-        off += len;
-        p.bytes += len;
-      } while (off < bytes && p.reqs.size() < 2);
-    }
+    do {
+      const size_t len = std::min(step, bytes - off);
+      MPI_Request r = MPI_REQUEST_NULL;
+      rc = post(off, len, &r);
+      if (rc != MPI_SUCCESS) break;
+      p.reqs.push_back(r);
+      off += len;
+      p.bytes += len;
+    } while (off < bytes && p.reqs.size() < 2);
     if (rc != MPI_SUCCESS) {
       abandon(e, p, what());
       return mpi_error(e, what(), rc, err, errlen);
