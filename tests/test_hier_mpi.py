@@ -191,11 +191,10 @@ def test_mpi_engine_bad_argument_raises_on_every_rank(tmp_path, hosts):
     bad = len(hosts) - 1
     for rank in range(len(hosts)):
         kind, took, msg = (tmp_path / f"got-{rank}").read_text().split(" ", 2)
-        # the bad rank's own host hears of it through the local abort (its kind); other hosts
-        # through the engine's flag
-        want = {"PeerLostError"} if hosts[rank] != hosts[bad] else {"InvalidArgument"}
-        if hosts[rank] == hosts[bad] and rank != bad:
-            want.add("PeerLostError")
+        # the other ranks hear of it through the local abort or the engines' job-wide flag: the
+        # MPI engine reports another rank's failure as PeerLostError (engine.h), the mpi4py
+        # adapter (without plait._mpi) keeps its kind
+        want = {"InvalidArgument"} if rank == bad else {"InvalidArgument", "PeerLostError"}
         assert kind in want and float(took) < 10, (rank, kind, took, msg)
         assert f"rank {bad}" in msg and "bogus" in msg, (rank, msg)
 
