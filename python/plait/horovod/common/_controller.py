@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from . import _device
 from .exceptions import HorovodInternalError
 
 _FRAME = 1024  # bytes per rank in the first allgather of a cycle: the common case fits one call
@@ -44,10 +45,15 @@ def env_float(name, default):
 class Op:
     """One submission of this rank: the request it sends and what runs it here."""
 
-    __slots__ = ("req", "tensor", "output", "done", "error", "result", "finish", "t_submit", "layout")
+    __slots__ = (
+        "req", "tensor", "output", "done", "error", "result", "finish", "t_submit", "layout", "device",
+        "ready", "gpu_done",
+    )  # fmt: skip
 
     def __init__(self, req, tensor, output=None, finish=None):
-        self.req = req  # [kind, name, ps, dtype, shape, op, root, pre, post, splits]
+        self.req = req  # [kind, name, ps, dtype, shape, op, root, pre, post, splits(, device)]
+        self.device = req[10] if len(req) > 10 else _device.CPU  # a CUDA device index, or -1
+        self.ready = self.gpu_done = None  # CUDA events (common/_device.py)
         self.tensor, self.output, self.finish = tensor, output, finish
         self.done = False
         self.error = None
@@ -74,6 +80,7 @@ class Controller:
         self._warned = set()
         self._joined = {}  # rank -> cycle it joined
         self._join_op = None
+        self.join_device = _device.CPU  # where a joined rank makes its zeros of GPU ops (join(device))
         self._cycle_no = 0
         self._frame = self._frames = None  # the first allgather's send and receive buffers
         self._last_cycle = 0.0
@@ -107,6 +114,9 @@ class Controller:
             if self.timeline is not None:
                 for o in ops:
                     self.timeline.negotiate_start(o.req[1], o.req[0])
+            for o in ops:
+                if o.device >= 0:  # the stream that made the tensor: the op runs after it
+                    o.ready = _device.layer.ready(o.device)
             self._queue.extend(ops)
             if notify:
                 self._cv.notify()
@@ -134,6 +144,9 @@ class Controller:
             if end is not None and time.monotonic() > end:
                 raise TimeoutError(f"rank {self.rank}: ops still running after {timeout} s")
         for o in ops:
+            if o.gpu_done is not None:  # the op's GPU work: final on every stream once this returns
+                _device.layer.synchronize(o.gpu_done)
+                o.gpu_done = None
             if o.error is not None:
                 err = HorovodInternalError(o.error)
                 # plait's flight recorder report of the failed collective, when one failed
@@ -310,6 +323,8 @@ class Controller:
                 result = op.finish(op, result)
             except Exception as e:  # noqa: BLE001 - it belongs to the waiter
                 error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        if error is None and op.device >= 0:
+            op.gpu_done = _device.layer.done(op.device)  # after the op's copies out, on its stream
         op.result, op.error = result, error
         op.done = True
         if self.timeline is not None:

@@ -18,6 +18,8 @@ import weakref
 
 import torch
 
+from . import _device
+
 _MAX = 32  # groups kept; the oldest is dropped first
 _cache = {}  # tuple of the tensors' ids -> GroupLayout
 
@@ -35,11 +37,12 @@ def _meta(tensors):
 class Part:
     """One dtype's tensors of a group (one request): flat views to gather from, in order."""
 
-    __slots__ = ("idx", "dtype", "flat", "shapes", "sizes", "total", "_dst", "_src_at", "_src")
+    __slots__ = ("idx", "dtype", "device", "flat", "shapes", "sizes", "total", "_dst", "_src_at", "_src")
 
     def __init__(self, idx, tensors):
         self.idx = idx  # positions in the group
         self.dtype = tensors[0].dtype
+        self.device = _device.layer.index(tensors[0])
         self.flat = [t.detach().view(-1) for t in tensors]
         self.shapes = shapes_text(t.shape for t in tensors)
         self.sizes = [f.numel() for f in self.flat]

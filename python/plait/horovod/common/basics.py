@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from . import _controller, _execute, _fusion, _rendezvous, _subworld, process_sets
+from . import _controller, _device, _execute, _fusion, _rendezvous, _subworld, process_sets
 from .exceptions import HorovodInternalError
 from .process_sets import ProcessSet, Registry, global_process_set
 
@@ -164,6 +164,7 @@ def shutdown():
         st.controller.shutdown()
     finally:
         _fusion.clear()  # layouts hold views of this world's fusion buffer
+        _device.layer.clear()
         if st.controller.timeline is not None:
             st.controller.timeline.close()
         st.registry.close()
