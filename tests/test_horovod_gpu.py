@@ -267,11 +267,15 @@ def _to_gpu_queue(rank, n, store):
         def __getattr__(self, name):
             real = getattr(world, name)
 
-            def call(x, out=None, *a, **kw):
-                cai = lambda t, at: FakeCuda(tuple(t.shape), "<f4", ptr=at)  # noqa: E731
-                if isinstance(x, Gpu):
-                    x, out = cai(x, 1 << 20), (cai(out, 2 << 20) if out is not None else None)
-                return real(x, out, *a, **kw) if out is not None else real(x, *a, **kw)
+            def call(*args, **kw):
+                at = iter(range(1, 64))
+
+                def cai(a):
+                    if not isinstance(a, Gpu):
+                        return a
+                    return FakeCuda(tuple(a.shape), "<f4", ptr=next(at) << 20)
+
+                return real(*map(cai, args), **{k: cai(v) for k, v in kw.items()})
 
             return call
 
@@ -291,4 +295,5 @@ def _to_gpu_queue(rank, n, store):
 def test_gpu_ops_reach_plaits_gpu_queue(ranks):
     got = ranks(_to_gpu_queue, 2, timeout=60)
     assert got[0] == got[1], got
-    assert [r[0] for r in got[0]] == ["allreduce", "allreduce", "broadcast"], got
+    # (collective, transport, count, stream): the group of 7 x 5 is one fused allreduce of 35
+    assert got[0] == [("allreduce", "nccl", 35, 0), ("allreduce", "nccl", 11, 0), ("broadcast", "nccl", 3, 0)]
