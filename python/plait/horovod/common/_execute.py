@@ -121,10 +121,16 @@ class Executor:
         todo = []
         for key, reqs in ready:
             members = ctrl.members(key[0])
-            why = check(key, reqs, members, joined)
-            if why:
-                ctrl.complete(key, error=f"rank {ctrl.rank}: {why}")
-                continue
+            vals = iter(reqs.values())
+            q0 = next(vals)
+            # The same cached request object from every rank: an allreduce that passed this check
+            # before passes it again (a broadcast's root may have joined since: checked each time).
+            if q0[KIND] != "allreduce" or any(v is not q0 for v in vals):
+                why = check(key, reqs, members, joined)
+                if why:
+                    ctrl.complete(key, error=f"rank {ctrl.rank}: {why}")
+                    continue
+            ctrl.remember(key, reqs)
             todo.append((key, reqs))
         i = 0
         while i < len(todo):
