@@ -57,6 +57,14 @@ def _cases(hvd, direct):
         cases["plait allreduce 100 KiB (direct)"] = (lambda: direct.allreduce(flat, out), 200)
         cases["plait allreduce 4 MiB (direct)"] = (lambda: direct.allreduce(big, big_out), 40)
         cases["plait allreduce 8 B (direct)"] = (lambda: direct.allreduce(small, small), 2000)
+        # where a 4 MiB allreduce_ goes: copy into the fusion buffer, the in-place allreduce there,
+        # copy out (the coordinator is the rest)
+        from plait import _shared
+
+        shm = torch.from_numpy(_shared.empty(big.numel() * 4, "uint8")).view(torch.float32)
+        shm.fill_(1.0)
+        cases["copy 4 MiB into plait shared memory"] = (lambda: shm.copy_(big), 40)
+        cases["plait allreduce 4 MiB in shared memory, in place"] = (lambda: direct.allreduce(shm, shm), 40)
     return cases
 
 
@@ -159,6 +167,16 @@ def main():
         one = med[(PLAIT, "grouped_allreduce_ 100 x 1 KiB")] / med[(PLAIT, "allreduce_ 100 KiB (one tensor)")]
         print(f"grouped 100 x 1 KiB (fused) / one plait.horovod allreduce_ of 100 KiB = {one:.2f}")
         res["grouped_over_one_tensor"] = one
+        m4 = med[(PLAIT, "allreduce_ 4 MiB")]
+        d4 = med[(PLAIT, "plait allreduce 4 MiB (direct)")]
+        parts = 2 * med[(PLAIT, "copy 4 MiB into plait shared memory")]
+        parts += med[(PLAIT, "plait allreduce 4 MiB in shared memory, in place")]
+        print(
+            f"allreduce_ 4 MiB / direct plait allreduce 4 MiB = {m4 / d4:.3f}; beyond its copies in and "
+            f"out and the in-place allreduce: {(m4 - parts) * 1e6:.1f} us"
+        )
+        res["allreduce_4MiB_over_direct"] = m4 / d4
+        res["allreduce_4MiB_beyond_parts_s"] = m4 - parts
         for impl in impls:
             if (impl, SYNTHETIC) in med:
                 ips = 8 / med[(impl, SYNTHETIC)]

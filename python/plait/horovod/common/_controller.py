@@ -293,20 +293,22 @@ class Controller:
         if self._frame is None:  # kept: this runs under the cycle lock, one cycle at a time
             self._frame = np.zeros(_FRAME, dtype=np.uint8)
             self._frames = np.zeros((self.size, _FRAME), dtype=np.uint8)
+            self._frame64, self._frame32 = self._frame.view(np.int64), self._frame.view(np.int32)
+            self._frames64, self._frames32 = self._frames.view(np.int64), self._frames.view(np.int32)
         frame, frames = self._frame, self._frames
         slots = msg.get("c", ())
         if not msg["r"] and len(msg) <= 1 + bool(slots) and len(slots) <= _MAX_SLOTS:
             blob = b""
-            frame[:8].view(np.int64)[0] = -1 - len(slots)
+            self._frame64[0] = -1 - len(slots)
             if slots:
-                frame[8 : 8 + 4 * len(slots)].view(np.int32)[:] = slots
+                self._frame32[2 : 2 + len(slots)] = slots
         else:
             blob = json.dumps(msg, separators=(",", ":")).encode()
             head = min(len(blob), _FRAME - 8)
             frame[:8].view(np.int64)[0] = len(blob)
             frame[8 : 8 + head] = np.frombuffer(blob, dtype=np.uint8, count=head)
         self.comm.allgather(frame, frames)
-        lengths = frames[:, :8].copy().view(np.int64)[:, 0].tolist()
+        lengths = self._frames64[:, 0].tolist()
         longest = max(lengths)
         tails = None
         if longest > _FRAME - 8:
@@ -318,7 +320,7 @@ class Controller:
         for r, f in enumerate(frames):
             n = lengths[r]
             if n < 0:
-                out.append({"r": (), "c": f[8 : 8 + 4 * (-1 - n)].view(np.int32).tolist()})
+                out.append({"r": (), "c": self._frames32[r, 2 : 1 - n].tolist()})
                 continue
             data = f[8 : 8 + min(n, _FRAME - 8)].tobytes()
             if n > _FRAME - 8:
