@@ -224,3 +224,24 @@ def test_response_cache(ranks):
     assert ranks(_cached, 2, timeout=90) == [2, 2]
     assert ranks(_cached, 3, timeout=90) == [2, 2, 2]
     assert ranks(_cached, 2, env={"HOROVOD_CACHE_CAPACITY": "0"}, timeout=90) == [0, 0]
+
+
+def _autotune_log(rank, n, _addr, path):
+    hvd = _hvd()
+    hvd.shutdown()
+    with open(path) as f:
+        return f.read().splitlines()
+
+
+def test_autotune_log_says_what_plait_keeps(ranks, tmp_path):
+    head = ",".join(
+        ("hierarchical_allreduce", "hierarchical_allgather", "cache_enabled", "cycle_time_ms")
+        + ("tensor_fusion_threshold", "score")
+    )
+    env = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_CYCLE_TIME": "2.5", "HOROVOD_FUSION_THRESHOLD": str(64 << 20)}
+    log = str(tmp_path / "a.csv")
+    assert ranks(_autotune_log, 1, args=(log,), env=dict(env, HOROVOD_AUTOTUNE_LOG=log)) == [
+        [head, "0,0,1,2.5,64,0"]
+    ]
+    env.update(HOROVOD_AUTOTUNE_LOG=log, HOROVOD_CACHE_CAPACITY="0")
+    assert ranks(_autotune_log, 1, args=(log,), env=env) == [[head, "0,0,0,2.5,64,0"]]

@@ -131,7 +131,8 @@ def _autotune_note(rank):
         return
     log = os.environ.get("HOROVOD_AUTOTUNE_LOG")
     chosen = (
-        f"0,0,0,{_controller.env_float('HOROVOD_CYCLE_TIME', 1.0):g},"
+        f"0,0,{int(_controller.env_float('HOROVOD_CACHE_CAPACITY', 1024) > 0)},"
+        f"{_controller.env_float('HOROVOD_CYCLE_TIME', 1.0):g},"
         f"{_execute.fusion_threshold() / (1 << 20):g},0"
     )
     if log and rank == 0:
