@@ -297,3 +297,24 @@ def test_gpu_ops_reach_plaits_gpu_queue(ranks):
     assert got[0] == got[1], got
     # (collective, transport, count, stream): the group of 7 x 5 is one fused allreduce of 35
     assert got[0] == [("allreduce", "nccl", 35, 0), ("allreduce", "nccl", 11, 0), ("broadcast", "nccl", 3, 0)]
+
+
+def _other_devices(rank, n, _addr):
+    import plait.horovod.torch as hvd
+
+    hvd.init()
+    m = torch.ones(3, device="meta")
+    for call in (
+        lambda: hvd.allreduce(m),
+        lambda: hvd.grouped_allreduce([torch.ones(2), m]),
+        lambda: hvd.broadcast_(m, 0),
+    ):
+        with pytest.raises(TypeError, match=rf"rank {rank}: .*CPU and CUDA tensors, got one on meta"):
+            call()
+    out = hvd.allreduce(torch.ones(2), op=hvd.Sum)  # nothing was submitted: the next op runs
+    hvd.shutdown()
+    return out.tolist()
+
+
+def test_tensors_on_other_devices_are_refused_on_the_calling_rank(ranks):
+    assert ranks(_other_devices, 2, timeout=60) == [[2.0, 2.0]] * 2

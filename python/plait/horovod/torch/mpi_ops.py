@@ -196,7 +196,7 @@ def _group_ops(tensors, inplace, name, op, pre, post, process_set):
     if lay is None:
         by_dtype = {}  # (dtype, device): one request each
         for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor):
+            if not isinstance(t, torch.Tensor) or not t.is_cpu:  # refused with the rank and op
                 _dtype(t, "grouped_allreduce")
             where = _device.layer.index(t)
             by_dtype.setdefault((t.dtype, where), []).append(i)
