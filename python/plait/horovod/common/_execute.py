@@ -25,10 +25,15 @@ _FUSION_DEFAULT = 128 << 20
 _VIA_FUSION = 256 << 10  # a float tensor this large goes through the fusion buffer alone too
 
 
-def _torch():
-    import torch
+_TORCH = []  # the torch module, once imported (torch is imported late: plait.horovod.common has no torch)
 
-    return torch
+
+def _torch():
+    if not _TORCH:
+        import torch
+
+        _TORCH.append(torch)
+    return _TORCH[0]
 
 
 def torch_dtype(name):
@@ -436,20 +441,20 @@ def _copy_all(dsts, srcs):
 
 
 def _nbytes(q):
-    return math.prod(q[SHAPE]) * np.dtype(_NP_SIZES.get(q[DTYPE], "float32")).itemsize
+    return math.prod(q[SHAPE]) * _ITEMSIZE.get(q[DTYPE], 4)
 
 
-_NP_SIZES = {
-    "float16": "float16",
-    "bfloat16": "float16",
-    "float32": "float32",
-    "float64": "float64",
-    "int8": "int8",
-    "uint8": "uint8",
-    "int16": "int16",
-    "int32": "int32",
-    "int64": "int64",
-    "bool": "bool",
+_ITEMSIZE = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
 }
 
 

@@ -129,9 +129,13 @@ _tls = threading.local()
 
 
 def _register(ops, result):
-    # A synchronous call waits (and runs the cycle) on this thread at once: no need to wake the
-    # coordinator's thread for it.
-    _basics.submit(ops, notify=not getattr(_tls, "sync", False))
+    if getattr(_tls, "sync", False):
+        # A synchronous call waits (and runs the cycle) on this thread at once: no need to wake
+        # the coordinator's thread, nor for a handle.
+        _basics.submit(ops, notify=False)
+        _tls.entry = (ops, result)
+        return None
+    _basics.submit(ops)
     h = next(_handles)
     with _map_lock:
         _handle_map[h] = (ops, result)
@@ -139,13 +143,16 @@ def _register(ops, result):
 
 
 def _now(fn, *args, **kwargs):
-    """fn(...)'s handle, synchronized: the synchronous form of an async op."""
+    """fn(...) waited for: the synchronous form of an async op."""
     _tls.sync = True
     try:
-        h = fn(*args, **kwargs)
+        fn(*args, **kwargs)
     finally:
         _tls.sync = False
-    return synchronize(h)
+    ops, result = _tls.entry
+    _tls.entry = None
+    _basics.wait(ops)
+    return result(ops)
 
 
 def poll(handle):
