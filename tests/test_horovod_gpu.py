@@ -262,7 +262,8 @@ def _to_gpu_queue(rank, n, store):
     world._gpu = q
 
     class Handing:
-        """world's collectives, given the executor's GPU tensors as the CUDA arrays they stand for."""
+        """world's collectives, given the executor's tensors (all on the GPU path here) as the CUDA arrays
+        they stand for; the cycle's numpy frames pass as they are."""
 
         def __getattr__(self, name):
             real = getattr(world, name)
@@ -271,7 +272,7 @@ def _to_gpu_queue(rank, n, store):
                 at = iter(range(1, 64))
 
                 def cai(a):
-                    if not isinstance(a, Gpu):
+                    if not isinstance(a, torch.Tensor):  # the cycle's frames: numpy
                         return a
                     return FakeCuda(tuple(a.shape), "<f4", ptr=next(at) << 20)
 
@@ -284,6 +285,8 @@ def _to_gpu_queue(rank, n, store):
     hvd.grouped_allreduce_(g, op=hvd.Sum, name="q")
     hvd.allreduce_(gpu(torch.ones(11)), op=hvd.Max, name="one")
     hvd.broadcast_(gpu(torch.ones(3)), root_rank=1, name="b")
+    hvd.allgather(gpu(torch.ones(2, 3)), name="ag")  # equal rows: one allgather, no padding
+    hvd.reducescatter(gpu(torch.ones(4 * n)), op=hvd.Sum, name="rs")
     basics._st().registry[0].comm = world
     hvd.shutdown()
     return [r[:4] for r in q.records()]
@@ -295,8 +298,14 @@ def _to_gpu_queue(rank, n, store):
 def test_gpu_ops_reach_plaits_gpu_queue(ranks):
     got = ranks(_to_gpu_queue, 2, timeout=60)
     assert got[0] == got[1], got
-    # (collective, transport, count, stream): the group of 7 x 5 is one fused allreduce of 35
-    assert got[0] == [("allreduce", "nccl", 35, 0), ("allreduce", "nccl", 11, 0), ("broadcast", "nccl", 3, 0)]
+    # (collective, transport, count per rank, stream): the group of 7 x 5 is one allreduce of 35
+    assert got[0] == [
+        ("allreduce", "nccl", 35, 0),
+        ("allreduce", "nccl", 11, 0),
+        ("broadcast", "nccl", 3, 0),
+        ("allgather", "nccl", 6, 0),
+        ("reduce_scatter", "nccl", 4, 0),
+    ]
 
 
 def _other_devices(rank, n, _addr):
