@@ -152,6 +152,8 @@ class HierComm final : public Comm {
   Posted post(EngineGroup* g, const Fingerprint& fp, size_t nbytes, bool check_only,
               double deadline);
   const uint8_t* finish(Posted& p, double deadline);
+  void head(EngineGroup& g, const Fingerprint& fp, size_t nbytes);  // this rank's frame header
+  const uint8_t* compare(EngineGroup& g, const Fingerprint& fp);    // every member's header
   // post + finish; check_only: a header-only frame (skipped under PLAIT_HIER_CHECK=0).
   const uint8_t* exchange(EngineGroup* g, const Fingerprint& fp, size_t nbytes, double deadline,
                           bool check_only = false);

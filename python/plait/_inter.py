@@ -205,8 +205,9 @@ class GlooGroup(_Group):
                 work.wait(timedelta(seconds=min(left, _ABORT_CHECK_S)))
                 return
             except RuntimeError:
-                if work.is_completed():
-                    raise  # the work's own failure
+                if work.is_completed():  # it failed, or finished as the slice ended
+                    work.wait()
+                    return
             self._abort.raise_if_set(self._what(coll))
 
     def _allreduce(self, a, op, deadline, bf16):
