@@ -118,3 +118,28 @@ def test_rank_killed_on_one_host_is_peer_lost_everywhere(victim):
         kind, when, msg = got
         # never the 60 s deadline: the local segment or the engine sees the death
         assert kind == "PeerLostError" and when - start < 25, (r, kind, when - start, msg)
+
+
+def _dropped(rank, n, addr):
+    import gc
+    import weakref
+
+    os.environ["PLAIT_HOST_ID"] = HOSTS[rank]
+    comm = plait.init(timeout=30, set_default=False)
+    gone = weakref.ref(comm._c)
+    x = np.full(5000, rank + 1, dtype=np.float32)  # past the frame's room: several engine steps
+    hs = [comm.allreduce(x, out=np.empty_like(x), async_op=True) for _ in range(3)]
+    del hs
+    # dropped with its calls queued and no finalize: the native communicator finishes them first
+    # (their engine steps take the GIL this thread gives up), then its engines and segment go
+    del comm
+    gc.collect()
+    assert gone() is None, "the native communicator outlived its last reference"
+    fresh = _init(rank)
+    total = fresh.allreduce(np.full(3, rank + 1, dtype=np.int64)).tolist()
+    fresh.finalize()
+    return total
+
+
+def test_dropped_without_finalize_finishes_its_calls_and_does_not_hang():
+    assert run_ranks(_dropped, 4, timeout=60) == [[10, 10, 10]] * 4
