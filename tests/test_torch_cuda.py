@@ -1,0 +1,256 @@
+"""CUDA tensors through the native torch backend, on machines without a GPU.
+
+The native module's recording CUDA device (csrc/torch/testing.cc) makes torch believe in CUDA:
+a CUDA device guard whose streams are numbers and whose events are log entries, and tensors
+labelled cuda:0 over CPU memory. dist.* calls on them take torch's real path (c10d's CUDA
+registrations) into the backend's CUDA code (csrc/torch/gpu.cc), which hands plait device buffers
+through the C API. The group's communicator carries plait's recording GPU queue
+(_C._FakeGpuQueue), attached as the first CUDA tensor would attach the real one: the core's GPU
+call path (validate -> select -> check across ranks -> enqueue) runs for real and records what it
+would have enqueued. The queue's records and the fake device's log are numbered by one counter,
+so the tests assert exactly what reached the core (addresses, counts, dtype, op, root, peer,
+stream) and in which order the call was enqueued, its event recorded, waited on and queried.
+
+Nothing moves data here (no kernels run), so calls that need torch kernels on the tensors
+(temporaries, copies back) are not exercised; the GPU machine's suite runs those.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+import plait  # noqa: E402
+import plait.torch  # noqa: E402 - registers the backend (and compiles it)
+from plait import _C, _cuda  # noqa: E402
+from plait.torch import _native  # noqa: E402
+from test_torch_backend import init_pg, run_torch  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(not plait.torch.native(), reason="the native backend serves these groups"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="a real CUDA device: tests/gpu/ runs these"),
+    pytest.mark.skipif(not _cuda.compiled(), reason="the GPU algorithm rows are compiled into CUDA builds"),
+]
+
+RUN_TIMEOUT = 90
+STREAM = 3  # the current stream of cuda:0 while the calls are made
+
+
+def _group(rank, n, store_dir, queue=True):
+    """A "plait" group whose ranks have the recording CUDA device and (queue=True) the recording
+    GPU queue on their communicator. Returns (module, queue or None)."""
+    init_pg("plait", rank, n, store_dir)
+    mod = _native._module
+    mod._fake_cuda_install(_C._fake_gpu_clock)
+    mod._fake_cuda_set_stream(0, STREAM)
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)  # dist.broadcast asks (fp8)
+    comm = plait.torch.communicator()
+    q = None
+    if queue:
+        _cuda.compiled = lambda: True
+        _cuda.device_count = lambda: 1
+        q = _C._FakeGpuQueue(comm._c, 0, "nccl", 30.0, "")
+        _C.gpu_attach(comm._c, q)
+        comm._gpu = q
+    return mod, q
+
+
+def _cuda_like(mod, t, device=0):
+    return mod._fake_cuda_tensor(t, device)
+
+
+def _events(mod, since=0):
+    """The fake device's log after seq `since`, without stream queries of torch's own."""
+    return [e for e in mod._fake_cuda_log() if e[3] > since]
+
+
+# -- one all_reduce, sync and async: buffers, stream, and the order of what happens ------------
+def _all_reduce_order(rank, n, store_dir):
+    mod, q = _group(rank, n, store_dir)
+    h = mod._fake_cuda_stream_handle(STREAM)
+    x = torch.arange(8, dtype=torch.float32) * (rank + 1)
+    t = _cuda_like(mod, x)
+    assert t.is_cuda and t.device == torch.device("cuda", 0) and t.data_ptr() == x.data_ptr()
+    out = {}
+
+    dist.all_reduce(t)  # sync: enqueued, event recorded, the current stream waits on it
+    (call,) = q.log()
+    out["sync_call"] = call
+    out["sync_events"] = _events(mod)
+
+    start = mod._fake_cuda_log()[-1][3]
+    w = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+    call2 = q.log()[1]
+    out["async_call"] = call2
+    out["before_finish"] = w.is_completed()
+    mod._fake_cuda_finish(-1)  # the fake GPU got past every event recorded so far
+    out["after_finish"] = w.is_completed()
+    mod._fake_cuda_set_stream(0, 5)  # the waiter is on another stream now
+    w.wait()
+    out["async_events"] = _events(mod, start)
+    mark = mod._fake_cuda_log()[-1][3]
+    fut = w.get_future()
+    fut.wait()
+    out["future_events"] = _events(mod, mark)
+    out["future_value"] = [v.data_ptr() for v in fut.value()]
+    out["handle"] = h
+    out["ptr"] = x.data_ptr()
+    return out
+
+
+def test_all_reduce_is_enqueued_on_the_current_stream_and_completes_in_stream_order(tmp_path):
+    for rank, o in enumerate(run_torch(_all_reduce_order, 2, tmp_path, timeout=RUN_TIMEOUT)):
+        ptr, h = o["ptr"], o["handle"]
+        call = o["sync_call"]
+        assert {k: v for k, v in call.items() if k not in ("seq", "algo")} == {
+            "coll": "allreduce",
+            "count": 8,
+            "stream": h,
+            "in": ptr,
+            "out": ptr,
+            "dtype": "float32",
+            "op": "sum",
+            "root": 0,
+            "peer": -1,
+        }, (rank, call)
+        # The tensor is recorded on the call's stream before the call; the event is recorded on it
+        # after the call was enqueued; the (sync) caller's current stream waits on that event.
+        ev = o["sync_events"]
+        kinds = [(e[0], e[2]) for e in ev]
+        assert ("record_stream", STREAM) in kinds and kinds[-2:] == [("record", STREAM), ("block", STREAM)], (
+            ev
+        )
+        stream_recs = [e for e in ev if e[0] == "record_stream"]
+        assert {e[1] for e in stream_recs} == {ptr} and all(e[3] < call["seq"] for e in stream_recs), ev
+        record, block = ev[-2], ev[-1]
+        assert call["seq"] < record[3] < block[3] and record[1] == block[1], ev
+
+        a = o["async_call"]
+        assert (a["coll"], a["op"], a["count"], a["stream"], a["in"]) == ("allreduce", "max", 8, h, ptr)
+        assert o["before_finish"] is False and o["after_finish"] is True
+        aev = o["async_events"]
+        recs = [e for e in aev if e[0] == "record"]
+        assert len(recs) == 1 and recs[0][2] == STREAM and recs[0][3] > a["seq"], aev
+        queries = [e for e in aev if e[0] == "query" and e[1] == recs[0][1]]
+        assert [q[2] for q in queries] == [0, 1], aev  # not reached, then reached
+        assert aev[-1][:3] == ("block", recs[0][1], 5), aev  # wait(): the waiter's stream waits
+
+        # The Future is CUDA-aware: its event goes on the call's stream, its waiter's stream waits.
+        fev = o["future_events"]
+        frec = [e for e in fev if e[0] == "record"]
+        assert frec and frec[0][2] == STREAM, fev
+        assert ("block", frec[0][1], 5) in [e[:3] for e in fev], fev
+        assert o["future_value"] == [ptr]
+
+
+# -- every collective: what the core receives ---------------------------------------------------
+def _collectives(rank, n, store_dir):
+    mod, q = _group(rank, n, store_dir)
+    f = torch.arange(8, dtype=torch.float32) + 10 * rank
+    out16 = torch.zeros(16, dtype=torch.float32)
+    out4 = torch.zeros(4, dtype=torch.float32)
+    out8 = torch.zeros(8, dtype=torch.float32)
+    i64 = torch.arange(6, dtype=torch.int64)
+    t, t16, t4, t8, ti = (_cuda_like(mod, x) for x in (f, out16, out4, out8, i64))
+    dist.broadcast(t, src=1)
+    dist.reduce(t, dst=0, op=dist.ReduceOp.MIN)
+    dist.all_gather_into_tensor(t16, t)
+    dist.reduce_scatter_tensor(t4, t, op=dist.ReduceOp.AVG)
+    dist.all_to_all_single(t8, t)
+    dist.all_reduce(ti, op=dist.ReduceOp.PRODUCT)
+    if rank == 0:
+        dist.send(t, dst=1)
+    else:
+        dist.recv(t8, src=0)
+    ptrs = {k: v.data_ptr() for k, v in (("f", f), ("o16", out16), ("o4", out4), ("o8", out8), ("i", i64))}
+    return [{k: v for k, v in r.items() if k not in ("seq", "algo")} for r in q.log()], ptrs
+
+
+def _rec(coll, count, i, o, dtype, op="sum", root=0, peer=-1):
+    """A recording-queue entry as the core receives it on stream STREAM of the fake device."""
+    stream = 0x5EA0000 + STREAM  # the fake device's handle of that stream (testing.cc)
+    return dict(
+        coll=coll, count=count, stream=stream, dtype=dtype, op=op, root=root, peer=peer, **{"in": i, "out": o}
+    )
+
+
+def test_every_collective_reaches_the_core_as_device_buffers(tmp_path):
+    rec = _rec
+    for rank, (log, p) in enumerate(run_torch(_collectives, 2, tmp_path, timeout=RUN_TIMEOUT)):
+        f = p["f"]
+        want = [
+            rec("broadcast", 32, f, f, "uint8", root=1),  # data movement: raw bytes
+            rec("reduce", 8, f, f if rank == 0 else 0, "float32", op="min"),  # no output off the root
+            rec("allgather", 32, f, p["o16"], "uint8"),
+            rec("reduce_scatter", 4, f, p["o4"], "float32", op="avg"),
+            rec("alltoall", 16, f, p["o8"], "uint8"),  # bytes per peer
+            rec("allreduce", 6, p["i"], p["i"], "int64", op="prod"),
+            rec("send", 32, f, 0, "uint8", peer=1)
+            if rank == 0
+            else rec("recv", 32, 0, p["o8"], "uint8", peer=0),
+        ]
+        assert log == want, (rank, log)
+
+
+# -- bad input: raised on every rank, or refused before anything is enqueued ---------------------
+def _bad(rank, n, store_dir, case):
+    mod, q = _group(rank, n, store_dir, queue=case != "no_device")
+    x = torch.arange(8, dtype=torch.float32)
+    t = _cuda_like(mod, x)
+    try:
+        if case == "no_device":  # a CUDA build on a machine without a device: the queue cannot be made
+            _cuda.compiled = lambda: True
+            dist.all_reduce(t)
+        elif case == "mixed_devices":
+            out = torch.zeros(16) if rank == 0 else _cuda_like(mod, torch.zeros(16))
+            dist.all_gather_into_tensor(out, t)
+        elif case == "other_gpu":
+            dist.all_reduce(_cuda_like(mod, x, device=1) if rank == 0 else t)
+        elif case == "tag":
+            dist.send(t, dst=1, tag=3) if rank == 0 else dist.recv(t, src=0, tag=3)
+        dist.barrier()  # a rank whose own call was sound learns of the abort here
+    except dist.DistBackendError as e:
+        return type(e).__name__, str(e), len(q.log()) if q is not None else 0
+    return None, "no error", len(q.log()) if q is not None else 0
+
+
+@pytest.mark.parametrize(
+    "case,pattern",
+    [
+        ("no_device", "no CUDA device is visible"),
+        ("mixed_devices", "input on cuda:0, output on cpu; pass both on one device"),
+        ("other_gpu", "runs on GPU 0; every GPU array of a rank must be on one GPU"),
+        ("tag", "GPU send/recv have no tags"),
+    ],
+)
+def test_bad_cuda_calls_raise_on_every_rank(tmp_path, case, pattern):
+    for rank, (kind, msg, _) in enumerate(run_torch(_bad, 2, tmp_path, timeout=RUN_TIMEOUT, args=(case,))):
+        assert kind is not None, (rank, msg)
+        assert isinstance(msg, str) and pattern in msg, (rank, kind, msg)
+        assert kind == "PlaitInvalidArgument", (rank, kind, msg)
+        # the group and rank that raised, then the rank whose input was refused
+        assert f"(rank {rank} of 2)" in msg or "plait on group" in msg, (rank, msg)
+
+
+def _unsupported(rank, n, store_dir):
+    mod, q = _group(rank, n, store_dir)
+    t = _cuda_like(mod, torch.arange(4, dtype=torch.float32))
+    seen = None
+    if rank == 0:
+        try:
+            dist.recv(t)  # any source: NCCL has no such receive
+        except dist.DistBackendError as e:
+            seen = (type(e).__name__, str(e))
+    dist.all_reduce(t)  # the group is still usable on every rank
+    return seen, [r["coll"] for r in q.log()]
+
+
+def test_any_source_recv_of_a_cuda_tensor_is_refused_on_its_rank_only(tmp_path):
+    (seen, log0), (none, log1) = run_torch(_unsupported, 2, tmp_path, timeout=RUN_TIMEOUT)
+    assert seen[0] == "PlaitUnsupportedError" and "no any-source receive" in seen[1], seen
+    assert "recv from any source" in seen[1] and "rank 0" in seen[1], seen
+    assert none is None and log0 == log1 == ["allreduce"]
+
+
+def test_registered_for_cpu_and_cuda():
+    assert set(dist.Backend.backend_capability["plait"]) == {"cpu", "cuda"}
