@@ -254,3 +254,45 @@ def test_any_source_recv_of_a_cuda_tensor_is_refused_on_its_rank_only(tmp_path):
 
 def test_registered_for_cpu_and_cuda():
     assert set(dist.Backend.backend_capability["plait"]) == {"cpu", "cuda"}
+
+
+def _coalesced(rank, n, store_dir):
+    mod, q = _group(rank, n, store_dir)
+    a, b = torch.arange(4, dtype=torch.float32), torch.arange(6, dtype=torch.int32)
+    ta, tb = _cuda_like(mod, a), _cuda_like(mod, b)
+    with dist._coalescing_manager(device=torch.device("cuda", 0), async_ops=True) as cm:
+        dist.all_reduce(ta, op=dist.ReduceOp.MAX)  # torch coalesces calls of one op
+        dist.all_reduce(tb, op=dist.ReduceOp.MAX)
+    mark = mod._fake_cuda_log()[-1][3]
+    cm.wait()
+    log = [(r["coll"], r["count"], r["dtype"], r["op"], r["in"]) for r in q.log()]
+    return log, (a.data_ptr(), b.data_ptr()), _events(mod, mark)
+
+
+def test_coalesced_cuda_calls_are_each_enqueued_and_waited_on_the_stream(tmp_path):
+    for log, (pa, pb), waited in run_torch(_coalesced, 2, tmp_path, timeout=RUN_TIMEOUT):
+        # not fused on a GPU (that would need a copy kernel): one call each, in order
+        assert log == [("allreduce", 4, "float32", "max", pa), ("allreduce", 6, "int32", "max", pb)], log
+        assert waited and all(e[0] == "block" and e[2] == STREAM for e in waited), waited
+
+
+def _first_send(rank, n, store_dir):
+    mod, _ = _group(rank, n, store_dir, queue=False)
+    _cuda.compiled = lambda: True
+    _cuda.device_count = lambda: 1
+    t = _cuda_like(mod, torch.arange(4, dtype=torch.float32))
+    if rank == 2:
+        return None
+    try:
+        dist.send(t, dst=1) if rank == 0 else dist.recv(t, src=0)
+    except dist.DistBackendError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_first_cuda_call_of_a_larger_group_must_be_a_collective(tmp_path):
+    got = run_torch(_first_send, 3, tmp_path, timeout=RUN_TIMEOUT)
+    for rank, r in enumerate(got[:2]):
+        assert r is not None and r[0] == "PlaitInvalidArgument", (rank, r)
+        assert "the first CUDA call of a group of 3 ranks must be a collective" in r[1], (rank, r)
+    assert got[2] is None

@@ -223,7 +223,8 @@ void Backend::reduce_into(Op& op, at::Tensor x, at::Tensor y, const Red& red, in
   at::Tensor src = x;
   bool fresh = false;
   if (kind == RT::PREMUL_SUM) {
-    src = (red.tfactor.defined() ? at::mul(src, red.tfactor) : at::mul(src, red.factor))
+    src = (red.tfactor.defined() ? at::mul(src, red.tfactor.to(src.device()))
+                                 : at::mul(src, red.factor))
               .to(x.scalar_type());
     fresh = true;
   }
@@ -670,7 +671,7 @@ Backend::WorkPtr Backend::allgather_coalesced(TensorLists& outs_lists, Tensors& 
   std::vector<at::Tensor> parts;
   for (const auto& t : ins) parts.push_back(raw(source(t)));
   at::Tensor src = parts.empty() ? at::empty({0}, at::kByte) : at::cat(parts);
-  at::Tensor stack = at::empty({getSize(), src.numel()}, at::kByte);
+  at::Tensor stack = at::empty({getSize(), src.numel()}, src.options());  // bytes, src's device
   op->keep(src);
   plait_buffer a = bytes(src), b = bytes(stack);
   op->issue(PLAIT_ALLGATHER, &a, &b, PLAIT_SUM, 0, -1, 0);
