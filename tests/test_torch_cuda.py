@@ -95,6 +95,9 @@ def _all_reduce_order(rank, n, store_dir):
     out["future_value"] = [v.data_ptr() for v in fut.value()]
     out["handle"] = h
     out["ptr"] = x.data_ptr()
+    comm = plait.torch.communicator()
+    dist.destroy_process_group()  # finalizes the GPU queue, then the communicator
+    out["queue_after"] = comm._gpu
     return out
 
 
@@ -141,6 +144,7 @@ def test_all_reduce_is_enqueued_on_the_current_stream_and_completes_in_stream_or
         assert frec and frec[0][2] == STREAM, fev
         assert ("block", frec[0][1], 5) in [e[:3] for e in fev], fev
         assert o["future_value"] == [ptr]
+        assert o["queue_after"] is None
 
 
 # -- every collective: what the core receives ---------------------------------------------------

@@ -53,6 +53,7 @@ Backend::~Backend() {
 void Backend::shutdown() {
   if (closed_.exchange(true)) return;
   auto stop = [&] {
+    finalize_gpu();
     api_->finalize(comm_);  // finishes queued calls; their completions reach the queue
     {
       std::lock_guard<std::mutex> lk(q_mu_);

@@ -226,6 +226,8 @@ class Backend : public c10d::Backend {
   // creates it in that call, through plait._gpu, as plait's own first GPU call does), and
   // refuses a later tensor on another GPU on every rank.
   void ensure_gpu(const Op& op, uint8_t coll, int device);
+  // At shutdown: drains and closes the GPU queue first, as plait's Communicator.finalize does.
+  void finalize_gpu();
   [[noreturn]] void unsupported(const Op& op, const std::string& msg) const;
 
  private:

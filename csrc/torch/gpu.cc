@@ -138,4 +138,15 @@ void Backend::ensure_gpu(const Op& op, uint8_t coll, int device) {
   gpu_device_.store(device, std::memory_order_release);
 }
 
+void Backend::finalize_gpu() {
+  // At interpreter exit plait._gpu's atexit hook has finalized the queue already.
+  if (gpu_device_.load(std::memory_order_acquire) < 0 || !Py_IsInitialized() || _Py_IsFinalizing())
+    return;
+  pybind11::gil_scoped_acquire gil;
+  try {  // the queue, then (idempotent) the communicator; a failed one has nothing to drain
+    pybind11::handle(static_cast<PyObject*>(owner_)).attr("finalize")();
+  } catch (pybind11::error_already_set&) {
+  }
+}
+
 }  // namespace plait_torch
