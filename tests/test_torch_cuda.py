@@ -210,6 +210,11 @@ def _bad(rank, n, store_dir, case):
             dist.all_gather_into_tensor(out, t)
         elif case == "other_gpu":
             dist.all_reduce(_cuda_like(mod, x, device=1) if rank == 0 else t)
+        elif case == "mixed_list" and rank == 0:  # rank 1 learns of it at its barrier
+            dist.all_gather([_cuda_like(mod, torch.zeros(8)), torch.zeros(8)], t)
+        elif case == "later_gpu":  # the queue is on GPU 0 after the first call
+            dist.all_reduce(t)
+            dist.all_reduce(_cuda_like(mod, x, device=1) if rank == 1 else t)
         elif case == "tag":
             dist.send(t, dst=1, tag=3) if rank == 0 else dist.recv(t, src=0, tag=3)
         dist.barrier()  # a rank whose own call was sound learns of the abort here
@@ -224,6 +229,8 @@ def _bad(rank, n, store_dir, case):
         ("no_device", "no CUDA device is visible"),
         ("mixed_devices", "input on cuda:0, output on cpu; pass both on one device"),
         ("other_gpu", "runs on GPU 0; every GPU array of a rank must be on one GPU"),
+        ("mixed_list", "allgather: tensors on cuda:0 and cpu in one call; pass all of them on one device"),
+        ("later_gpu", "a CUDA tensor on GPU 1, but this group's GPU work runs on GPU 0"),
         ("tag", "GPU send/recv have no tags"),
     ],
 )

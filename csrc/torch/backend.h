@@ -229,6 +229,7 @@ class Backend : public c10d::Backend {
   // At shutdown: drains and closes the GPU queue first, as plait's Communicator.finalize does.
   void finalize_gpu();
   [[noreturn]] void unsupported(const Op& op, const std::string& msg) const;
+  [[noreturn]] void fail(const std::string& msg);  // aborts every rank; InvalidArgument here
 
  private:
   // Starts one torch call. sync: the caller waits at once (asyncOp false); timeout: the
@@ -236,7 +237,6 @@ class Backend : public c10d::Backend {
   std::shared_ptr<Op> begin(const std::string& what, Tensors value, bool sync,
                             std::chrono::milliseconds timeout = c10d::kUnsetTimeout,
                             bool fusable = false);
-  [[noreturn]] void fail(const std::string& msg);  // aborts every rank; InvalidArgument here
   // The checks every single-tensor call makes: one tensor per process, on the CPU or a CUDA
   // device; input and output on one device (else every rank raises, as plait's own calls do).
   void one_tensor(const Op& op, size_t n) const {
@@ -247,6 +247,7 @@ class Backend : public c10d::Backend {
       unsupported(op, "tensor on " + t.device().str() + " (plait takes CPU and CUDA tensors)");
   }
   void same_device(const Op& op, const at::Tensor& in, const at::Tensor& out);
+  void one_device(const Op& op, const Tensors& a, const Tensors& b = {});  // all of a and b
   struct Red;
   Red red_of(const c10d::ReduceOp& r, const Op& op) const;
   void reduce_into(Op& op, at::Tensor x, at::Tensor y, const Red& red, int root, bool scatter);

@@ -479,6 +479,7 @@ Backend::WorkPtr Backend::allreduce(Tensors& ts, const c10d::AllreduceOptions& o
     fuse_.emplace_back(op, ts[0]);
     return op->launch();
   }
+  one_device(*op, ts);
   const Red red = red_of(o.reduceOp, *op);
   for (auto& t : ts) reduce_into(*op, t, t, red, -1, false);
   return op->launch();
@@ -495,6 +496,7 @@ Backend::WorkPtr Backend::allreduce_coalesced(Tensors& ts,
   }
   if (ts.size() < 2) return allreduce(ts, o);
   auto op = begin("allreduce_coalesced", ts, !o.asyncOp, o.timeout);
+  one_device(*op, ts);
   std::vector<at::Tensor> parts;
   for (const auto& t : ts) parts.push_back(t.reshape(-1));
   at::Tensor flat = at::cat(parts);
@@ -552,6 +554,7 @@ Backend::WorkPtr Backend::reduce_scatter(Tensors& outs, TensorLists& ins_lists,
   one_tensor(*op, outs.size());
   at::Tensor out = outs[0];
   const auto& ins = ins_lists.at(0);
+  one_device(*op, outs, ins);
   const Red red = red_of(o.reduceOp, *op);
   if (int(ins.size()) != getSize())
     fail("reduce_scatter: " + std::to_string(ins.size()) + " inputs for a group of " +
@@ -624,6 +627,7 @@ Backend::WorkPtr Backend::allgather(TensorLists& outs_lists, Tensors& ins,
   for (auto& l : outs_lists) value.insert(value.end(), l.begin(), l.end());
   auto op = begin("allgather", value, !o.asyncOp, o.timeout);
   if (ins.size() != 1 || outs_lists.size() != 1) unsupported(*op, "one tensor per process");
+  one_device(*op, outs_lists[0], ins);
   at::Tensor x = ins[0];
   auto outs = outs_lists[0];
   const int n = getSize(), me = getRank();
@@ -668,6 +672,7 @@ Backend::WorkPtr Backend::allgather_coalesced(TensorLists& outs_lists, Tensors& 
   std::vector<at::Tensor> value;
   for (auto& l : outs_lists) value.insert(value.end(), l.begin(), l.end());
   auto op = begin("allgather_coalesced", value, !o.asyncOp, o.timeout);
+  one_device(*op, value, ins);
   std::vector<at::Tensor> parts;
   for (const auto& t : ins) parts.push_back(raw(source(t)));
   at::Tensor src = parts.empty() ? at::empty({0}, at::kByte) : at::cat(parts);
@@ -786,6 +791,7 @@ Backend::WorkPtr Backend::alltoall(Tensors& outs, Tensors& ins, const c10d::AllT
   if (int(outs.size()) != n || int(ins.size()) != n)
     fail("all_to_all: " + std::to_string(ins.size()) + " inputs and " +
          std::to_string(outs.size()) + " outputs for a group of " + std::to_string(n));
+  one_device(*op, outs, ins);
   if (even) {
     std::vector<at::Tensor> parts;
     for (const auto& t : ins) parts.push_back(raw(source(t)));
@@ -822,6 +828,7 @@ Backend::WorkPtr Backend::gather(TensorLists& outs_lists, Tensors& ins,
       me == root && !outs_lists.empty() ? outs_lists[0] : std::vector<at::Tensor>{};
   auto op = begin("gather", outs, false, o.timeout);
   one_tensor(*op, ins.size());
+  one_device(*op, outs, ins);
   bool fresh = false;
   at::Tensor src = source(ins[0], &fresh);
   op->keep(src);
@@ -856,6 +863,7 @@ Backend::WorkPtr Backend::scatter(Tensors& outs, TensorLists& ins_lists,
   const int root = int(o.rootRank), me = getRank();
   auto op = begin("scatter", outs, false, o.timeout);
   one_tensor(*op, outs.size());
+  one_device(*op, outs, me == root ? ins_lists.at(0) : Tensors{});
   at::Tensor out = outs[0];
   if (me != root) {
     at::Tensor d = sink(*op, out);

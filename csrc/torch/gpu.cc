@@ -44,7 +44,7 @@ void Op::keep(const at::Tensor& t) {
 void Op::issue_gpu(uint8_t coll, const plait_buffer* in, const plait_buffer* out, uint8_t op,
                    int root, int peer, int64_t tag) {
   if (!tasks_.empty() || outstanding_.load(std::memory_order_acquire) > 1)
-    b_->unsupported(*this, "CPU and CUDA tensors in one call (pass all of them on one device)");
+    b_->fail(what_ + ": CPU and CUDA tensors in one call; pass all of them on one device");
   const plait_buffer& any = in && in->present ? *in : *out;
   b_->ensure_gpu(*this, coll, any.device_index);
   if (!gpu_)
@@ -108,6 +108,18 @@ void Backend::same_device(const Op& op, const at::Tensor& in, const at::Tensor& 
   if (in.device() != out.device())
     fail(op.what_ + ": input on " + in.device().str() + ", output on " + out.device().str() +
          "; pass both on one device");
+}
+
+void Backend::one_device(const Op& op, const Tensors& a, const Tensors& b) {
+  const at::Tensor* first = nullptr;
+  for (const Tensors* ts : {&a, &b})
+    for (const auto& t : *ts) {
+      on_device(op, t);
+      if (!first) first = &t;
+      if (t.device() != first->device())
+        fail(op.what_ + ": tensors on " + first->device().str() + " and " + t.device().str() +
+             " in one call; pass all of them on one device");
+    }
 }
 
 void Backend::ensure_gpu(const Op& op, uint8_t coll, int device) {

@@ -52,8 +52,7 @@ void Op::issue(uint8_t coll, const plait_buffer* in, const plait_buffer* out, ui
                int peer, int64_t tag) {
   const plait_buffer* any = in && in->present ? in : out;
   if (any && any->device == PLAIT_CUDA) return issue_gpu(coll, in, out, op, root, peer, tag);
-  if (gpu_)
-    b_->unsupported(*this, "CPU and CUDA tensors in one call (pass all of them on one device)");
+  if (gpu_) b_->fail(what_ + ": CPU and CUDA tensors in one call; pass all of them on one device");
   char err[1024];
   const bool p2p = coll == PLAIT_SEND || coll == PLAIT_RECV;
   uint32_t kind;
