@@ -15,6 +15,8 @@ Nothing moves data here (no kernels run), so calls that need torch kernels on th
 (temporaries, copies back) are not exercised; the GPU machine's suite runs those.
 """
 
+from datetime import timedelta
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -83,7 +85,13 @@ def _all_reduce_order(rank, n, store_dir):
     call2 = q.log()[1]
     out["async_call"] = call2
     out["before_finish"] = w.is_completed()
+    try:  # a timeout makes the host wait for the GPU, as NCCL's Work does; it is not there yet
+        w.wait(timedelta(milliseconds=100))
+        out["timed_out"] = (None, "no error")
+    except dist.DistBackendError as e:
+        out["timed_out"] = (type(e).__name__, str(e))
     mod._fake_cuda_finish(-1)  # the fake GPU got past every event recorded so far
+    w.wait(timedelta(seconds=5))  # it is now: at once
     out["after_finish"] = w.is_completed()
     mod._fake_cuda_set_stream(0, 5)  # the waiter is on another stream now
     w.wait()
@@ -131,11 +139,14 @@ def test_all_reduce_is_enqueued_on_the_current_stream_and_completes_in_stream_or
         a = o["async_call"]
         assert (a["coll"], a["op"], a["count"], a["stream"], a["in"]) == ("allreduce", "max", 8, h, ptr)
         assert o["before_finish"] is False and o["after_finish"] is True
+        kind, text = o["timed_out"]
+        assert kind == "PlaitTimeoutError" and "Work.wait Timed out after 100 ms" in text, o["timed_out"]
         aev = o["async_events"]
         recs = [e for e in aev if e[0] == "record"]
         assert len(recs) == 1 and recs[0][2] == STREAM and recs[0][3] > a["seq"], aev
-        queries = [e for e in aev if e[0] == "query" and e[1] == recs[0][1]]
-        assert [q[2] for q in queries] == [0, 1], aev  # not reached, then reached
+        queries = [e[2] for e in aev if e[0] == "query" and e[1] == recs[0][1]]
+        # not reached (is_completed, then the timed wait's polls), then reached
+        assert len(queries) >= 3 and set(queries[:-2]) == {0} and queries[-2:] == [1, 1], aev
         assert aev[-1][:3] == ("block", recs[0][1], 5), aev  # wait(): the waiter's stream waits
 
         # The Future is CUDA-aware: its event goes on the call's stream, its waiter's stream waits.

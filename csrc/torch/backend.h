@@ -81,6 +81,9 @@ class Op {
   bool poll();
   bool gpu() const { return gpu_ != nullptr; }
   void block_current_stream();  // GPU op: the device's current stream waits for the calls
+  // GPU op, wait() given a timeout: as c10d's NCCL Work, the host waits for the stream to get
+  // past the calls, up to `timeout` (then a timeout error; the calls go on).
+  void wait_gpu(std::chrono::milliseconds timeout);
   // Has plait's progress thread start calls left to a waiter (capi.h's task_start).
   void start();
   bool ok() const { return state_.load(std::memory_order_acquire) == 1; }

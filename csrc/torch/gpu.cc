@@ -16,6 +16,10 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
 #include "torch/backend.h"
 
 namespace plait_torch {
@@ -96,6 +100,19 @@ c10::intrusive_ptr<c10::ivalue::Future> Op::gpu_future() {
     }
   }
   return fut_;
+}
+
+void Op::wait_gpu(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::microseconds(20);
+  while (!gpu_->event->query()) {
+    if (std::chrono::steady_clock::now() >= deadline)
+      throw Error(kTimeout, where() + ": Work.wait Timed out after " +
+                                std::to_string(timeout.count()) +
+                                " ms while the GPU ran the call (timeout; the call goes on)");
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));  // queries are cheap, not free
+  }
 }
 
 void Op::block_current_stream() {

@@ -184,6 +184,7 @@ c10::intrusive_ptr<c10d::Work> Op::launch() {
 bool Op::wait(std::chrono::milliseconds timeout) {
   if (gpu_) {  // as c10d's NCCL Work: the current stream waits for the calls, the host does not
     if (state_.load() == 2) std::rethrow_exception(error_);
+    if (timeout.count() > 0) wait_gpu(timeout);
     block_current_stream();
     return true;
   }
