@@ -101,6 +101,7 @@ def _all_reduce_order(rank, n, store_dir):
     fut.wait()
     out["future_events"] = _events(mod, mark)
     out["future_value"] = [v.data_ptr() for v in fut.value()]
+    out["then"] = fut.then(lambda f: f.value()[0].data_ptr() + 1).wait()  # DDP's comm hooks chain
     out["handle"] = h
     out["ptr"] = x.data_ptr()
     comm = plait.torch.communicator()
@@ -154,7 +155,7 @@ def test_all_reduce_is_enqueued_on_the_current_stream_and_completes_in_stream_or
         frec = [e for e in fev if e[0] == "record"]
         assert frec and frec[0][2] == STREAM, fev
         assert ("block", frec[0][1], 5) in [e[:3] for e in fev], fev
-        assert o["future_value"] == [ptr]
+        assert o["future_value"] == [ptr] and o["then"] == ptr + 1
         assert o["queue_after"] is None
 
 

@@ -39,6 +39,7 @@ struct State {
   std::map<int, int64_t> current;  // device -> current stream id
   std::map<int64_t, bool> done;    // event -> the fake GPU got past it
   int64_t next_event = 0;
+  int64_t pool = 0;  // pool streams handed out
   int device = 0;
   void add(const char* what, int64_t a, int64_t b) { log.push_back(Entry{what, a, b, ++*clock}); }
 };
@@ -75,6 +76,12 @@ struct RecordingCudaGuard final : ci::DeviceGuardImplInterface {
   }
   c10::Stream getDefaultStream(c10::Device d) const override {
     return c10::Stream(c10::Stream::UNSAFE, d, 0);
+  }
+  // Future.then runs its callback on a pool stream: numbered from 100 (none of the tests' own).
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
+    auto& s = state();
+    std::lock_guard<std::mutex> lk(s.mu);
+    return c10::Stream(c10::Stream::UNSAFE, d, 100 + s.pool++);
   }
   c10::Stream exchangeStream(c10::Stream st) const override {
     auto& s = state();
