@@ -11,8 +11,9 @@ would have enqueued. The queue's records and the fake device's log are numbered 
 so the tests assert exactly what reached the core (addresses, counts, dtype, op, root, peer,
 stream) and in which order the call was enqueued, its event recorded, waited on and queried.
 
-Nothing moves data here (no kernels run), so calls that need torch kernels on the tensors
-(temporaries, copies back) are not exercised; the GPU machine's suite runs those.
+plait's calls move no data here; torch ops on the fake tensors (the backend's temporaries, copies
+back, integer AVG's division) run on the host through the fake device's fallback kernel, so
+values a step writes are exact too. Real kernels and NCCL are the GPU machine's suite's.
 """
 
 from datetime import timedelta
@@ -319,3 +320,49 @@ def test_first_cuda_call_of_a_larger_group_must_be_a_collective(tmp_path):
         assert r is not None and r[0] == "PlaitInvalidArgument", (rank, r)
         assert "the first CUDA call of a group of 3 ranks must be a collective" in r[1], (rank, r)
     assert got[2] is None
+
+
+# -- calls with steps around them (torch ops on the fake tensors run on the host) ---------------
+def _uneven_all_to_all(rank, n, store_dir):
+    mod, q = _group(rank, n, store_dir)
+    x = torch.arange(12, dtype=torch.float32).reshape(6, 2) + 100 * rank  # 1, 2, 3 rows to ranks 0, 1, 2
+    out = torch.full((3 * (rank + 1), 2), -1.0)  # rank + 1 rows from each
+    dist.all_to_all_single(
+        _cuda_like(mod, out),
+        _cuda_like(mod, x),
+        output_split_sizes=[rank + 1] * 3,
+        input_split_sizes=[1, 2, 3],
+    )
+    log = [(r["coll"], r["peer"], r["count"], r["in"], r["out"]) for r in q.log()]
+    return log, x.data_ptr(), out.data_ptr(), out.tolist()
+
+
+def test_uneven_all_to_all_pairs_gpu_sends_and_receives_in_an_order_that_cannot_deadlock(tmp_path):
+    for me, (log, xp, op, out) in enumerate(run_torch(_uneven_all_to_all, 3, tmp_path, timeout=RUN_TIMEOUT)):
+        want = []
+        for j in range(3):
+            if j == me:
+                continue
+            send = ("send", j, 8 * (j + 1), xp + 8 * sum(range(1, j + 1)), 0)  # rows 0, 1-2, 3-5
+            recv = ("recv", j, 8 * (me + 1), 0, op + 8 * (me + 1) * j)
+            # of each pair the lower rank sends first, the higher receives first
+            want += [recv, send] if j < me else [send, recv]
+        assert log == want, (me, log)
+        # its own rows are copied on the stream after the calls; the peers' rows plait would write
+        first = sum(range(1, me + 1))
+        mine = [[100.0 * me + 2 * (first + k), 100.0 * me + 2 * (first + k) + 1] for k in range(me + 1)]
+        assert out[me * (me + 1) : (me + 1) * (me + 1)] == mine, (me, out)
+
+
+def _int_avg(rank, n, store_dir):
+    mod, q = _group(rank, n, store_dir)
+    x = torch.arange(6, dtype=torch.int32) * 2 + 1
+    dist.all_reduce(_cuda_like(mod, x), op=dist.ReduceOp.AVG)
+    return [(r["coll"], r["op"], r["dtype"], r["count"]) for r in q.log()], x.tolist()
+
+
+def test_integer_avg_sums_then_divides_on_the_stream(tmp_path):
+    for log, x in run_torch(_int_avg, 2, tmp_path, timeout=RUN_TIMEOUT):
+        assert log == [("allreduce", "sum", "int32", 6)], log
+        # plait moved nothing here, so the step divided this rank's own values, truncating
+        assert x == [(2 * i + 1) // 2 for i in range(6)], x

@@ -5,13 +5,14 @@
 // dispatcher and c10d's CUDA registrations. Plait's calls land in the communicator's recording
 // GPU queue (plait._C._FakeGpuQueue); its records and this log take their numbers from one
 // counter, so a test reads the order "enqueued, event recorded, waited on". Nothing runs on any
-// GPU: data does not move, and ops that would launch torch kernels on such tensors fail (a
-// CPU-only torch has no CUDA kernels), so tests use calls that need none.
+// GPU: plait's calls move no data; torch ops on such tensors run on the host (host_fallback), so
+// the backend's steps around its calls run too.
 //
 // install() refuses when torch has a real CUDA device type registered.
 #include <ATen/ATen.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <pybind11/pybind11.h>
+#include <torch/library.h>
 #include <torch/python.h>
 
 #include <atomic>
@@ -129,6 +130,74 @@ struct RecordingCudaGuard final : ci::DeviceGuardImplInterface {
   c10::DeviceIndex deviceCount() const noexcept override { return 2; }
 };
 
+// torch kernels on fake CUDA tensors (a CPU-only torch has none): every op without a CUDA kernel
+// runs on CPU aliases of the same memory, and what it returns is labelled cuda again (an input
+// handed back, as in-place ops do, is returned as the caller's own tensor). Steps the backend
+// enqueues after a call (copies back, divisions, temporaries) then run, on the host.
+at::Tensor cpu_alias(const at::Tensor& t) {
+  auto* owner = new at::Tensor(t);
+  return at::for_blob(t.data_ptr(), t.sizes())
+      .strides(t.strides())
+      .context(owner, [](void* p) { delete static_cast<at::Tensor*>(p); })
+      .target_device(c10::Device(c10::kCPU))
+      .options(t.options().device(c10::kCPU))
+      .make_tensor();
+}
+
+at::Tensor cuda_label(const at::Tensor& t, c10::DeviceIndex device) {
+  auto* owner = new at::Tensor(t);
+  return at::for_blob(t.data_ptr(), t.sizes())
+      .strides(t.strides())
+      .context(owner, [](void* p) { delete static_cast<at::Tensor*>(p); })
+      .target_device(c10::Device(c10::DeviceType::CUDA, device))
+      .options(t.options().device(c10::DeviceType::CUDA, device))
+      .make_tensor();
+}
+
+void host_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  std::vector<std::pair<at::Tensor, at::Tensor>> seen;  // (cpu alias, the caller's cuda tensor)
+  c10::DeviceIndex device = 0;
+  auto to_host = [&](const at::Tensor& t) {
+    if (!t.defined() || !t.is_cuda()) return t;
+    device = t.device().index();
+    at::Tensor a = cpu_alias(t);
+    seen.emplace_back(a, t);
+    return a;
+  };
+  for (size_t i = stack->size() - n; i < stack->size(); ++i) {
+    c10::IValue& v = (*stack)[i];
+    if (v.isTensor()) {
+      v = to_host(v.toTensor());
+    } else if (v.isTensorList()) {
+      std::vector<at::Tensor> ts;
+      for (const at::Tensor& t : v.toTensorList()) ts.push_back(to_host(t));
+      v = c10::IValue(ts);
+    } else if (v.isDevice() && v.toDevice().is_cuda()) {
+      device = v.toDevice().index();
+      v = c10::IValue(c10::Device(c10::kCPU));
+    }
+  }
+  op.callBoxed(stack);
+  const size_t r = op.schema().returns().size();
+  auto back = [&](const at::Tensor& t) {
+    if (!t.defined() || !t.is_cpu()) return t;
+    for (auto& [a, orig] : seen)
+      if (t.unsafeGetTensorImpl() == a.unsafeGetTensorImpl()) return orig;
+    return cuda_label(t, device);
+  };
+  for (size_t i = stack->size() - r; i < stack->size(); ++i) {
+    c10::IValue& v = (*stack)[i];
+    if (v.isTensor()) {
+      v = back(v.toTensor());
+    } else if (v.isTensorList()) {
+      std::vector<at::Tensor> ts;
+      for (const at::Tensor& t : v.toTensorList()) ts.push_back(back(t));
+      v = c10::IValue(ts);
+    }
+  }
+}
+
 }  // namespace
 
 void bind_testing(pybind11::module_& m) {
@@ -145,6 +214,13 @@ void bind_testing(pybind11::module_& m) {
             throw std::runtime_error("torch has a CUDA device type: no fake one is installed");
           guard = new RecordingCudaGuard;
           ci::registerDeviceGuard(c10::DeviceType::CUDA, guard);
+          static auto* lib = new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::CUDA,
+                                                __FILE__, __LINE__);
+          lib->fallback(torch::CppFunction::makeFromBoxedFunction<&host_fallback>());
+          // copy_ has a kernel for every backend, which wants the device's copy stub: run it here.
+          static auto* aten = new torch::Library(torch::Library::IMPL, "aten",
+                                                 c10::DispatchKey::CUDA, __FILE__, __LINE__);
+          aten->impl("copy_", torch::CppFunction::makeFromBoxedFunction<&host_fallback>());
         }
         std::lock_guard<std::mutex> lk(s.mu);
         s.clock = static_cast<std::atomic<uint64_t>*>(clock.get_pointer());
