@@ -366,3 +366,28 @@ def test_integer_avg_sums_then_divides_on_the_stream(tmp_path):
         assert log == [("allreduce", "sum", "int32", 6)], log
         # plait moved nothing here, so the step divided this rank's own values, truncating
         assert x == [(2 * i + 1) // 2 for i in range(6)], x
+
+
+def _gather_scatter(rank, n, store_dir):
+    mod, q = _group(rank, n, store_dir)
+    x = torch.arange(4, dtype=torch.float32) + 10 * (rank + 1)
+    outs = [torch.full((4,), -1.0) for _ in range(n)]
+    ins = [torch.arange(4, dtype=torch.float32) + 100 * (j + 1) for j in range(n)]
+    got = torch.full((4,), -1.0)
+    tx = _cuda_like(mod, x)
+    dist.gather(tx, [_cuda_like(mod, o) for o in outs] if rank == 0 else None, dst=0)
+    dist.scatter(_cuda_like(mod, got), [_cuda_like(mod, i) for i in ins] if rank == 0 else None, src=0)
+    log = [(r["coll"], r["peer"], r["count"], r["in"], r["out"]) for r in q.log()]
+    ptrs = dict(
+        x=x.data_ptr(), outs=[o.data_ptr() for o in outs], ins=[i.data_ptr() for i in ins], got=got.data_ptr()
+    )
+    return log, ptrs, outs[0].tolist(), got.tolist()
+
+
+def test_gather_and_scatter_run_as_gpu_sends_and_receives_without_tags(tmp_path):
+    (log0, p0, own0, got0), (log1, p1, _, _) = run_torch(_gather_scatter, 2, tmp_path, timeout=RUN_TIMEOUT)
+    # plait's internal tag is dropped (GPU send/recv have none; a tag would be refused)
+    assert log0 == [("recv", 1, 16, 0, p0["outs"][1]), ("send", 1, 16, p0["ins"][1], 0)], log0
+    assert log1 == [("send", 0, 16, p1["x"], 0), ("recv", 0, 16, 0, p1["got"])], log1
+    # the root's own block is copied by a step after the calls
+    assert own0 == [10.0, 11.0, 12.0, 13.0] and got0 == [100.0, 101.0, 102.0, 103.0]
