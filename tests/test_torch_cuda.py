@@ -391,3 +391,17 @@ def test_gather_and_scatter_run_as_gpu_sends_and_receives_without_tags(tmp_path)
     assert log1 == [("send", 0, 16, p1["x"], 0), ("recv", 0, 16, 0, p1["got"])], log1
     # the root's own block is copied by a step after the calls
     assert own0 == [10.0, 11.0, 12.0, 13.0] and got0 == [100.0, 101.0, 102.0, 103.0]
+
+
+def _reduce_int_avg(rank, n, store_dir):
+    mod, q = _group(rank, n, store_dir)
+    x = torch.arange(6, dtype=torch.int64) * 2 + 1
+    dist.reduce(_cuda_like(mod, x), dst=0, op=dist.ReduceOp.AVG)
+    return [(r["coll"], r["op"], r["root"], r["in"], r["out"]) for r in q.log()], x.data_ptr(), x.tolist()
+
+
+def test_reduce_leaves_a_non_root_tensor_alone(tmp_path):
+    for rank, (log, ptr, x) in enumerate(run_torch(_reduce_int_avg, 2, tmp_path, timeout=RUN_TIMEOUT)):
+        assert log == [("reduce", "sum", 0, ptr, ptr if rank == 0 else 0)], log
+        # the root divides what plait left (here its own values); a non-root has no output to divide
+        assert x == ([(2 * i + 1) // 2 for i in range(6)] if rank == 0 else [2 * i + 1 for i in range(6)]), x
