@@ -210,9 +210,9 @@ def part_way(r):
 
 
 def fail(eng, kind=None, error=None):
-    """One member fails while the others wait in an allreduce: PeerLostError everywhere soon
-    (a failure of any kind but a mismatch, here INVALID: a wrong argument on one rank only)."""
-    kind, error = kind or INVALID, error or plait.PeerLostError
+    """One member fails while the others wait in an allreduce: the same error everywhere soon,
+    of the kind fail() was given (PEER_LOST unless told)."""
+    kind, error = kind or PEER_LOST, error or plait.PeerLostError
     r, n, culprit = eng.rank, eng.size, eng.size - 1
     if r == culprit:
         time.sleep(0.3)
@@ -238,8 +238,12 @@ def fail(eng, kind=None, error=None):
 
 
 def fail_mismatch(eng):
-    """A mismatch is every rank's error: it arrives as MismatchError."""
     return fail(eng, MISMATCH, plait.MismatchError)
+
+
+def fail_invalid(eng):
+    """A wrong argument on one rank: InvalidArgument on every rank (engine.h's flag-kind rule)."""
+    return fail(eng, INVALID, plait.InvalidArgument)
 
 
 def fail_from_thread(eng):

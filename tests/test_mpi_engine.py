@@ -78,8 +78,9 @@ def test_fail_reaches_every_member(tmp_path, n):
     assert _mpirun(tmp_path, "fail", n) == [2] * n
 
 
-def test_a_mismatch_stays_a_mismatch(tmp_path):
-    assert _mpirun(tmp_path, "fail_mismatch", 3) == [2] * 3
+@pytest.mark.parametrize("case", ["fail_mismatch", "fail_invalid"])
+def test_fail_keeps_its_kind(tmp_path, case):
+    assert _mpirun(tmp_path, case, 3) == [2] * 3
 
 
 def test_fail_reaches_other_groups(tmp_path):

@@ -8,9 +8,9 @@
 // The flag is job-wide: fail() on any group marks every group of this process and sends (kind,
 // world rank, message) once to every other member of every group (Isend, never waited); a rank
 // that finds such a message marks all its groups. Marked groups fail their current and later
-// calls with PEER_LOST "rank R failed: ...", R the failing process's MPI_COMM_WORLD rank
-// (plait's rank under mpirun), or MISMATCH when the failure was a mismatch (every rank made one
-// of the mismatched calls). The first failure a rank sees wins; it is not forwarded: the
+// calls with the kind fail() recorded (engine.h: a wrong argument or a mismatch raises the same
+// class on every host) and "rank R failed: ...", R the failing process's MPI_COMM_WORLD rank
+// (plait's rank under mpirun). The first failure a rank sees wins; it is not forwarded: the
 // world group (every rank) carries it to everyone, and the others to their members.
 //
 // Threads: plait's progress thread makes the calls, fail() comes from any thread, and mpi4py

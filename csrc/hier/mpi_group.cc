@@ -83,10 +83,10 @@ uint32_t mpi_error(const Engine* e, const std::string& what, int rc, char* err, 
   return say(err, errlen, kind, where(e, what) + ": MPI error: " + std::string(text, n));
 }
 
-// A mismatch is every rank's error (each made one of the mismatched calls), so it keeps its
-// kind everywhere; any other failure elsewhere is a lost peer to this rank.
+// The kind fail() recorded (engine.h): bad input or a mismatch on one host raises the same class
+// on every host. An unknown code (a newer sender) reads as a lost peer.
 static uint32_t flag_kind(uint32_t kind) {
-  return kind == PLAIT_E_MISMATCH ? PLAIT_E_MISMATCH : PLAIT_E_PEER_LOST;
+  return kind >= PLAIT_E_GENERIC && kind <= PLAIT_E_PEER_LOST ? kind : PLAIT_E_PEER_LOST;
 }
 
 bool set_flag(Engine* e, uint32_t kind, const std::string& msg) {

@@ -77,7 +77,7 @@ uint32_t say(char* err, size_t errlen, uint32_t kind, const std::string& msg);
 std::string where(const Engine* e, const std::string& what);
 uint32_t mpi_error(const Engine* e, const std::string& what, int rc, char* err, size_t errlen);
 // Marks e with a failure (of kind, as fail() got it); false when it already had one (the first
-// stands). Flagged calls fail with MISMATCH for a mismatch, else PEER_LOST.
+// stands). Flagged calls fail with that kind.
 bool set_flag(Engine* e, uint32_t kind, const std::string& msg);
 // Looks for flag messages on every group (at most every kProbeEvery over the process).
 void probe(Clock::time_point now);
