@@ -18,6 +18,7 @@ WHY = (
     if importlib.util.find_spec("mpi4py") is None
     else None
 )
+NATIVE = WHY is None and importlib.util.find_spec("plait._mpi") is not None  # the C API engine
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
@@ -193,8 +194,11 @@ def test_mpi_engine_bad_argument_raises_on_every_rank(tmp_path, hosts):
     for rank in range(len(hosts)):
         kind, took, msg = (tmp_path / f"got-{rank}").read_text().split(" ", 2)
         # the other ranks hear of it through the local abort or the engines' job-wide flag, which
-        # keeps the kind (engine.h): the same class everywhere
-        assert kind == "InvalidArgument" and float(took) < 10, (rank, kind, took, msg)
+        # keeps the kind (engine.h): the same class everywhere. Without plait._mpi the mpi4py
+        # adapter's flag lives in the store rank 0 serves, which may be gone once rank 0 raised
+        # and finished: a rank still looking at it then raises PeerLostError.
+        want = {"InvalidArgument"} if rank == bad or NATIVE else {"InvalidArgument", "PeerLostError"}
+        assert kind in want and float(took) < 10, (rank, kind, took, msg)
         assert f"rank {bad}" in msg and "bogus" in msg, (rank, msg)
 
 
