@@ -421,3 +421,37 @@ def test_gpu_arrays_take_the_gpu_path_and_are_refused_on_every_rank(layout, case
         assert took < 10, (r, took, msg)
         assert "aborted" in after, (r, after)
         assert fresh == "HierCommunicator" and total == [n * (n + 1) // 2] * 3, (r, fresh, total)
+
+
+# -- the C API (csrc/bindings/capi.h) drives the C++ multi-host communicator as a flat one ------------
+def _capi(rank, n, addr, hosts):
+    from test_capi import ALLREDUCE, BROADCAST, _call, _host, _pointer, _table
+
+    from plait import _C
+
+    comm = _init(rank, hosts)
+    t = _table()
+    c = _pointer(_C._comm_capsule(comm._c), b"plait.Communicator")
+    x = np.arange(1000, dtype=np.float32) * (rank + 1)  # past the frame's room: the staged steps
+    y = np.empty_like(x)
+    got = [(t.rank(c), t.size(c)), _call(t, c, ALLREDUCE, _host(x), _host(y))]
+    b = np.full(3, rank, dtype=np.int64)
+    got.append(_call(t, c, BROADCAST, _host(b), _host(b), root=n - 1))
+    result = y.tolist()
+    z = np.empty_like(x)
+    bad_x, bad_y = _host(x), _host(z)
+    if rank == 1:
+        bad_x.dtype = bad_y.dtype = 99  # refused on rank 1: every host hears of it
+    got.append(_call(t, c, ALLREDUCE, bad_x, bad_y)[0])
+    comm.finalize()
+    return got, result, b.tolist()
+
+
+def test_c_api_drives_the_multi_host_communicator():
+    from test_capi import E_INVALID
+
+    hosts = LAYOUTS["2x2-interleaved"]
+    for r, (got, y, b) in enumerate(run_ranks(_capi, 4, timeout=90, args=(hosts,))):
+        assert got[:3] == [(r, 4), (0, ""), (0, "")], (r, got)
+        assert got[3] == E_INVALID, (r, got)
+        assert y == [10.0 * k for k in range(1000)] and b == [3] * 3, r

@@ -41,6 +41,8 @@ def _bad(rank, n, addr, case, culprit, count, async_op):
             h = comm.allreduce(x.astype(np.int32) if odd else x, async_op=async_op)
         elif case == "count":
             h = comm.allreduce(x[: count - 1] if odd else x, async_op=async_op)
+        elif case == "any-source":  # refused across hosts: the others' barrier hears of it
+            h = comm.recv(x, -1, async_op=async_op) if odd else comm.barrier(async_op=async_op)
         else:  # a root outside the communicator: refused before anything leaves this rank
             out = np.empty_like(x)
             h = comm.reduce(x, root=n + 3 if odd else 0, out=out, async_op=async_op)
@@ -67,19 +69,22 @@ def _bad(rank, n, addr, case, culprit, count, async_op):
         ("count", 0, 3001, False),
         ("root", 3, 8, False),
         ("root", 0, 8, True),
+        ("any-source", 2, 8, False),
     ],
 )
 def test_bad_input_on_one_rank_raises_on_every_rank_of_every_host(case, culprit, count, async_op):
     res = run_ranks(_bad, 4, timeout=90, args=(case, culprit, count, async_op))
-    want = "InvalidArgument" if case == "root" else "MismatchError"
+    want = "InvalidArgument" if case in ("root", "any-source") else "MismatchError"
     for r, ((kind, took, msg), after) in enumerate(res):
         assert kind == want and took < 5, (r, kind, took, msg)
         assert msg.startswith(f"rank {r}: "), (r, msg)
         if case == "root":
             # the culprit's own refusal reaches every host: every rank names it
             assert f"rank {culprit}: reduce" in msg and "root 7" in msg, (r, msg)
+        if case == "any-source":
+            assert f"rank {culprit}: recv: a receive from any rank" in msg, (r, msg)
         assert "aborted after an earlier error" in after, (r, after)
-    if case != "root":
+    if case not in ("root", "any-source"):
         # a rank that compared headers names both calls and both hosts
         assert any("mismatched calls across hosts" in m and "(host " in m for (_, _, m), _ in res), res
 
@@ -113,3 +118,28 @@ def test_rank_killed_on_one_host_is_peer_lost_everywhere(victim):
         kind, when, msg = got
         # never the 60 s deadline: the local segment or the engine sees the death
         assert kind == "PeerLostError" and when - start < 25, (r, kind, when - start, msg)
+
+
+def _dropped(rank, n, addr):
+    import gc
+    import weakref
+
+    os.environ["PLAIT_HOST_ID"] = HOSTS[rank]
+    comm = plait.init(timeout=30, set_default=False)
+    gone = weakref.ref(comm._c)
+    x = np.full(5000, rank + 1, dtype=np.float32)  # past the frame's room: several engine steps
+    hs = [comm.allreduce(x, out=np.empty_like(x), async_op=True) for _ in range(3)]
+    del hs
+    # dropped with its calls queued and no finalize: the native communicator finishes them first
+    # (their engine steps take the GIL this thread gives up), then its engines and segment go
+    del comm
+    gc.collect()
+    assert gone() is None, "the native communicator outlived its last reference"
+    fresh = _init(rank)
+    total = fresh.allreduce(np.full(3, rank + 1, dtype=np.int64)).tolist()
+    fresh.finalize()
+    return total
+
+
+def test_dropped_without_finalize_finishes_its_calls_and_does_not_hang():
+    assert run_ranks(_dropped, 4, timeout=60) == [[10, 10, 10]] * 4

@@ -165,3 +165,83 @@ def test_large_tensor_over_threshold_skips_fusion_buffer(ranks):
     # the fusion buffer never grows past HOROVOD_FUSION_THRESHOLD for one tensor
     sizes = ranks(_large_over_threshold, 2, env={"HOROVOD_FUSION_THRESHOLD": str(300 << 10)}, timeout=90)
     assert all(s < 300 << 10 for s in sizes), sizes
+
+
+def _cached(rank, n, _addr):
+    """Horovod's response cache: a name every rank submitted alike travels as its slot number."""
+    hvd = _hvd()
+    from plait.horovod.common import basics
+
+    ctrl = basics.controller()
+    sent = []
+    exchange = ctrl._exchange
+
+    def spy(msg):
+        sent.append({k: list(v) if k in ("r", "c") else v for k, v in msg.items()})
+        return exchange(msg)
+
+    ctrl._exchange = spy
+    tri = n * (n - 1) // 2
+    for step in range(3):
+        x = torch.full((5,), float(rank + step))
+        hvd.allreduce_(x, op=hvd.Sum, name="w")
+        assert x.tolist() == [n * step + tri] * 5
+    g = [torch.full((k + 1,), float(rank)) for k in range(4)]
+    for step in range(3):
+        for t in g:
+            t.fill_(rank + step)
+        hvd.grouped_allreduce_(g, op=hvd.Sum, name="g")
+        assert [t.tolist() for t in g] == [[n * step + tri] * (k + 1) for k in range(4)]
+    mine = [m for m in sent if m.get("r") or m.get("c")]
+    full = [r[1] for m in mine for r in m["r"]]
+    cached = [s for m in mine for s in m.get("c", ())]
+    # each name went out in full once, then as its slot (capacity 0: always in full)
+    want_full = (
+        ["allreduce.w", "allreduce.g"] if ctrl.cache_capacity else ["allreduce.w"] * 3 + ["allreduce.g"] * 3
+    )
+    assert full == want_full, full
+    assert cached == ([0, 0, 1, 1] if ctrl.cache_capacity else []), cached
+    # a cached name with a new shape on one rank only: a mismatch on every rank, then it works
+    with pytest.raises(hvd.HorovodInternalError, match=r"Mismatched allreduce shapes.*'allreduce.w'"):
+        hvd.allreduce(torch.ones(6 if rank == 0 else 5), name="w")
+    assert hvd.allreduce(torch.ones(5), op=hvd.Sum, name="w").tolist() == [n] * 5
+    # and on every rank: the slot now holds the new request
+    assert hvd.allreduce(torch.ones(7), op=hvd.Sum, name="w").tolist() == [n] * 7
+    assert hvd.allreduce(torch.ones(7), op=hvd.Sum, name="w").tolist() == [n] * 7
+    last = [m for m in sent if m.get("r") or m.get("c")][-1]
+    if ctrl.cache_capacity:
+        assert last.get("c") == [0] and not last["r"], last
+    else:
+        assert [r[1] for r in last["r"]] == ["allreduce.w"] and not last.get("c"), last
+    # a rank that changes the op of a cached name is told apart too
+    with pytest.raises(hvd.HorovodInternalError, match="Mismatched allreduce reduction ops"):
+        hvd.allreduce(torch.ones(7), op=hvd.Sum if rank else hvd.Max, name="w")
+    hvd.shutdown()
+    return len(ctrl._slots)
+
+
+def test_response_cache(ranks):
+    assert ranks(_cached, 2, timeout=90) == [2, 2]
+    assert ranks(_cached, 3, timeout=90) == [2, 2, 2]
+    assert ranks(_cached, 2, env={"HOROVOD_CACHE_CAPACITY": "0"}, timeout=90) == [0, 0]
+
+
+def _autotune_log(rank, n, _addr, path):
+    hvd = _hvd()
+    hvd.shutdown()
+    with open(path) as f:
+        return f.read().splitlines()
+
+
+def test_autotune_log_says_what_plait_keeps(ranks, tmp_path):
+    head = ",".join(
+        ("hierarchical_allreduce", "hierarchical_allgather", "cache_enabled", "cycle_time_ms")
+        + ("tensor_fusion_threshold", "score")
+    )
+    env = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_CYCLE_TIME": "2.5", "HOROVOD_FUSION_THRESHOLD": str(64 << 20)}
+    log = str(tmp_path / "a.csv")
+    assert ranks(_autotune_log, 1, args=(log,), env=dict(env, HOROVOD_AUTOTUNE_LOG=log)) == [
+        [head, "0,0,1,2.5,64,0"]
+    ]
+    env.update(HOROVOD_AUTOTUNE_LOG=log, HOROVOD_CACHE_CAPACITY="0")
+    assert ranks(_autotune_log, 1, args=(log,), env=env) == [[head, "0,0,0,2.5,64,0"]]

@@ -311,12 +311,32 @@ void bind_gpu(py::module_& m) {
           "record", [](FakeDeviceQueue&, uintptr_t, double) { return py::none(); },
           py::arg("stream"), py::arg("timeout"),
           "No event: the recording queue enqueues nothing (an async call's handle holds None).")
-      .def("records", [](FakeDeviceQueue& q) {
-        py::list out;
-        for (const auto& r : q.records())
-          out.append(py::make_tuple(r.coll, r.algo, r.count, r.stream));
-        return out;
-      });
+      .def("records",
+           [](FakeDeviceQueue& q) {
+             py::list out;
+             for (const auto& r : q.records())
+               out.append(py::make_tuple(r.coll, r.algo, r.count, r.stream));
+             return out;
+           })
+      .def(
+          "log",
+          [](FakeDeviceQueue& q) {
+            py::list out;
+            for (const auto& r : q.records()) {
+              py::dict d;
+              d["coll"] = r.coll, d["algo"] = r.algo, d["count"] = r.count;
+              d["stream"] = r.stream, d["in"] = r.in, d["out"] = r.out;
+              d["dtype"] = dtype_name(r.dtype), d["op"] = op_name(r.op);
+              d["root"] = r.root, d["peer"] = r.peer, d["seq"] = r.seq;
+              out.append(d);
+            }
+            return out;
+          },
+          "Every call enqueued, in order, with all it was handed (dicts).");
+  // The counter FakeDeviceQueue numbers its records with, for a test's fake CUDA events
+  // (plait.torch's native module) to number theirs in one order with them.
+  m.attr("_fake_gpu_clock") =
+      py::capsule(static_cast<void*>(&fake_gpu_clock()), "plait.fake_gpu_clock");
   m.def(
       "gpu_attach",
       [](Communicator& cpu, std::shared_ptr<DeviceQueue> q) { cpu.attach_device(std::move(q)); },

@@ -61,6 +61,11 @@ void DeviceQueue::call(Coll c, const Buffer& in, const Buffer& out, RedOp op, in
   enqueue(*alg, a, any.stream);
 }
 
+std::atomic<uint64_t>& fake_gpu_clock() {
+  static std::atomic<uint64_t> clock{0};
+  return clock;
+}
+
 FakeDeviceQueue::FakeDeviceQueue(int rank, int size, int device, const std::string& transport,
                                  double timeout_s, const std::string& algo_override, GpuPeers peers)
     : DeviceQueue(rank, size, device, timeout_s, algo_override),
@@ -96,7 +101,9 @@ void FakeDeviceQueue::fail(ErrorKind kind, const std::string& msg) {
 
 void FakeDeviceQueue::enqueue(const Algorithm& alg, const CallArgs& a, uintptr_t stream) {
   std::lock_guard<std::mutex> lock(mu_);
-  records_.push_back(Record{coll_name(a.coll), alg.name, a.count, stream});
+  records_.push_back(Record{coll_name(a.coll), alg.name, a.count, stream,
+                            reinterpret_cast<uintptr_t>(a.in), reinterpret_cast<uintptr_t>(a.out),
+                            a.dtype, a.op, a.root, a.peer, ++fake_gpu_clock()});
 }
 
 }  // namespace plait

@@ -7,6 +7,7 @@
 // the communicator, the call path and a test queue (FakeDeviceQueue: records calls, runs nothing)
 // build and run in every build; the CUDA queue (cuda/stream_queue.h) is compiled with CUDA only.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -76,14 +77,25 @@ class DeviceQueue {
   std::mutex issue_mu_;  // one call at a time: checked in the order it is enqueued
 };
 
-// A queue that runs nothing and records what it was handed (coll, algorithm, count, stream), for
-// CPU tests of the GPU call path; it offers the capabilities of the transport it stands in for.
+// The order of what CPU tests of the GPU path see happen: each FakeDeviceQueue record takes the
+// next number, and a test's stand-in for CUDA events (the native torch backend's fake CUDA device)
+// numbers its records from the same counter, so a test reads "enqueued, then the event recorded".
+std::atomic<uint64_t>& fake_gpu_clock();
+
+// A queue that runs nothing and records what it was handed (coll, algorithm, count, stream, the
+// buffers' addresses, dtype, op, root, peer), for CPU tests of the GPU call path; it offers the
+// capabilities of the transport it stands in for.
 class FakeDeviceQueue final : public DeviceQueue {
  public:
   struct Record {
     std::string coll, algo;
     int64_t count;
     uintptr_t stream;
+    uintptr_t in, out;  // the buffers' device addresses (0: none)
+    DType dtype;
+    RedOp op;
+    int root, peer;
+    uint64_t seq;  // fake_gpu_clock() when it was enqueued
   };
   FakeDeviceQueue(int rank, int size, int device, const std::string& transport, double timeout_s,
                   const std::string& algo_override, GpuPeers peers);

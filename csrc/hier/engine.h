@@ -18,7 +18,10 @@
  *   (NUL-terminated, at most errlen bytes) that names the operation, the group and the peer.
  *   PLAIT_E_TIMEOUT when timeout_s (seconds left of the plait call's deadline, >= 0; inf: none)
  *   passes; PLAIT_E_PEER_LOST when a member is gone or the job-wide flag is set (then the message
- *   is the flag's: "rank R failed: ...").
+ *   is the flag's: "rank R failed: ..."). When the flag is set, an engine that knows the kind
+ *   fail() recorded returns that kind instead (PLAIT_E_INVALID, PLAIT_E_MISMATCH, ...), so bad
+ *   input or a mismatch on one host raises the same class on every host; PLAIT_E_PEER_LOST
+ *   stays correct where it does not.
  * - While it waits, a call looks at the job-wide flag at least every 50 ms, so a failure on any
  *   host ends every waiting call everywhere within about that.
  * - Element types: allreduce takes the (dtype, op) pairs for which supports() says 1; for the

@@ -140,6 +140,10 @@ std::shared_ptr<Task> HierComm::call(Coll c, const Buffer& in, const Buffer& out
     fail(ErrorKind::invalid, who +
                                  "GPU arrays on a multi-host communicator take plait._gpu's "
                                  "path (one NCCL communicator of all ranks), not this one");
+  if (c == Coll::recv && peer == kAnySource)
+    fail(ErrorKind::invalid, who +
+                                 "a receive from any rank (peer=-1) is not available across "
+                                 "hosts (the engines match by sender); name the sending rank");
   CallArgs a;
   const std::string why =
       validate_call(c, in, out, op, root, peer, tag, timeout_s.value_or(timeout_s_), rank_, size_,

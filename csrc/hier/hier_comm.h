@@ -35,6 +35,7 @@
 // the engines' job-wide flag (every other host) and is raised here; later calls raise
 // "communicator aborted after an earlier error".
 #pragma once
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -152,6 +153,8 @@ class HierComm final : public Comm {
   Posted post(EngineGroup* g, const Fingerprint& fp, size_t nbytes, bool check_only,
               double deadline);
   const uint8_t* finish(Posted& p, double deadline);
+  void head(EngineGroup& g, const Fingerprint& fp, size_t nbytes);  // this rank's frame header
+  const uint8_t* compare(EngineGroup& g, const Fingerprint& fp);    // every member's header
   // post + finish; check_only: a header-only frame (skipped under PLAIT_HIER_CHECK=0).
   const uint8_t* exchange(EngineGroup* g, const Fingerprint& fp, size_t nbytes, double deadline,
                           bool check_only = false);
@@ -184,7 +187,9 @@ class HierComm final : public Comm {
   HierLayout lay_;
   std::unique_ptr<EngineGroup> inter_, world_;
   double timeout_s_;
-  uint64_t seq_ = 0;  // calls issued, in issue order: the fingerprints' call number
+  // Calls issued, in issue order: the fingerprints' call number. Atomic: threads may issue calls
+  // (their order across threads is the caller's to keep the same on every rank, as on one host).
+  std::atomic<uint64_t> seq_{0};
   bool closed_ = false;
   bool check_ = true;      // header-only frames (PLAIT_HIER_CHECK=0 skips them)
   mutable std::mutex mu_;  // first_error_, label_

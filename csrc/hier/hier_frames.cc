@@ -135,13 +135,17 @@ void EngineGroup::fail(ErrorKind kind, const std::string& msg) {
   e_->fail(e_->ctx, uint32_t(kind), msg.c_str());
 }
 
+void HierComm::head(EngineGroup& g, const Fingerprint& fp, size_t nbytes) {
+  FrameHead h{kFrameMagic, fp, int64_t(nbytes)};
+  std::memset(g.sent().data(), 0, kFrameHead);
+  std::memcpy(g.sent().data(), &h, sizeof h);
+}
+
 HierComm::Posted HierComm::post(EngineGroup* g, const Fingerprint& fp, size_t nbytes,
                                 bool check_only, double deadline) {
   Posted p;
   if (!g || (check_only && !check_)) return p;
-  FrameHead h{kFrameMagic, fp, check_only ? 0 : int64_t(nbytes)};
-  std::memset(g->sent().data(), 0, kFrameHead);
-  std::memcpy(g->sent().data(), &h, sizeof h);
+  head(*g, fp, check_only ? 0 : nbytes);
   p.g = g;
   p.fp = &fp;
   p.req = g->allgather_start(g->sent().data(), g->got().data(), kFrame);
@@ -154,17 +158,24 @@ const uint8_t* HierComm::finish(Posted& p, double deadline) {
   void* req = p.req;
   p.g = nullptr;
   g.wait(req, deadline);
+  return compare(g, *p.fp);
+}
+
+const uint8_t* HierComm::compare(EngineGroup& g, const Fingerprint& fp) {
   const uint8_t* got = g.got().data();
   for (int j = 0; j < g.size(); ++j)
     if (std::memcmp(got + size_t(j) * kFrame, g.sent().data(), sizeof(FrameHead)) != 0)
-      mismatch(g, *p.fp, got + size_t(j) * kFrame, j);
+      mismatch(g, fp, got + size_t(j) * kFrame, j);
   return got + kFrameHead;
 }
 
 const uint8_t* HierComm::exchange(EngineGroup* g, const Fingerprint& fp, size_t nbytes,
                                   double deadline, bool check_only) {
-  Posted p = post(g, fp, nbytes, check_only, deadline);
-  return finish(p, deadline);
+  // Nothing to overlap: one blocking allgather (one engine call, not a start and a wait).
+  if (!g || (check_only && !check_)) return nullptr;
+  head(*g, fp, check_only ? 0 : nbytes);
+  g->allgather(g->sent().data(), g->got().data(), kFrame, deadline);
+  return compare(*g, fp);
 }
 
 void HierComm::mismatch(EngineGroup& g, const Fingerprint& mine, const uint8_t* theirs, int j) {

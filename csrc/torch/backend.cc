@@ -54,6 +54,7 @@ Backend::~Backend() {
 void Backend::shutdown() {
   if (closed_.exchange(true)) return;
   auto stop = [&] {
+    finalize_gpu();
     api_->finalize(comm_);  // finishes queued calls; their completions reach the queue
     {
       std::lock_guard<std::mutex> lk(q_mu_);
@@ -217,6 +218,7 @@ c10::DataPtr shared_data_ptr(const plait_capi* api, size_t bytes) {
 }  // namespace
 
 at::Tensor Backend::allocateTensor(long size, at::TensorOptions options) {
+  if (options.device().is_cuda()) return at::empty({size}, options);  // peers map host memory
   const size_t bytes = size_t(std::max<long>(size, 0)) *
                        c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
   c10::DataPtr dp = shared_data_ptr(api_, bytes);
@@ -272,8 +274,13 @@ void Backend::completion_loop() {
 
 namespace py = pybind11;
 
+namespace plait_torch {
+void bind_testing(py::module_& m);  // testing.cc: the recording CUDA device of CPU tests
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module_::import("torch.distributed");
+  plait_torch::bind_testing(m);
   m.attr("CAPI_VERSION") = PLAIT_CAPI_VERSION;
   plait_torch::bind_gloo_engine(m);
   plait_torch::bind_engine_calls(m);

@@ -4,7 +4,12 @@
 // temporary back into a non-contiguous output, divide for an integer AVG, ...) and the Future
 // its Work hands out. plait's progress thread reports each call's end; the last one completes
 // the Op (on the backend's completion thread, so Future callbacks never block plait's queue).
+// An Op on CUDA tensors (gpu.cc) instead enqueues its calls on the current stream of the tensors'
+// device and completes as c10d's NCCL backend does: its Work follows an event recorded on that
+// stream after the calls.
 #pragma once
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <atomic>
@@ -44,12 +49,25 @@ class Error : public c10::DistBackendError {
 
 class Backend;
 
+// An Op's CUDA side: the stream its plait calls were enqueued on, and the event recorded there
+// after them (and after the op's steps, which torch enqueues on the same stream).
+struct GpuOp {
+  explicit GpuOp(c10::Stream s) : stream(s) {}
+  c10::Stream stream;
+  std::unique_ptr<c10::Event> event;  // recorded by launch()
+};
+
+// The current stream of CUDA device `d` (torch's, device-generic: no CUDA headers needed).
+c10::Stream current_stream(c10::Device d);
+
 class Op {
  public:
   Op(Backend* b, std::string what, std::vector<at::Tensor> value);
   void issue(uint8_t coll, const plait_buffer* in, const plait_buffer* out, uint8_t op, int root,
              int peer, int64_t tag);
-  void keep(const at::Tensor& t) { keep_.push_back(t); }
+  // Holds t until the calls finish; a CUDA tensor is also recorded on its device's current
+  // stream, so torch's caching allocator does not hand its memory out before the call ran there.
+  void keep(const at::Tensor& t);
   void after(std::function<void()> f) { after_.push_back(std::move(f)); }
   void after_first(std::function<void()> f) { after_.insert(after_.begin(), std::move(f)); }
   // Called once every plait call is issued: returns the Work (complete already when sync).
@@ -58,11 +76,14 @@ class Op {
 
   // For Work.
   bool done() const { return state_.load(std::memory_order_acquire) != 0; }
-  // done(), starting the calls if not: a caller that polls may not wait soon.
-  bool poll() {
-    start();
-    return done();
-  }
+  // done(), starting the calls if not: a caller that polls may not wait soon. A GPU op: whether
+  // its stream has got past the calls (the event), without blocking.
+  bool poll();
+  bool gpu() const { return gpu_ != nullptr; }
+  void block_current_stream();  // GPU op: the device's current stream waits for the calls
+  // GPU op, wait() given a timeout: as c10d's NCCL Work, the host waits for the stream to get
+  // past the calls, up to `timeout` (then a timeout error; the calls go on).
+  void wait_gpu(std::chrono::milliseconds timeout);
   // Has plait's progress thread start calls left to a waiter (capi.h's task_start).
   void start();
   bool ok() const { return state_.load(std::memory_order_acquire) == 1; }
@@ -87,6 +108,11 @@ class Op {
 
  private:
   void finish_call(uint32_t kind, const char* msg);
+  // gpu.cc: a call on CUDA buffers, enqueued on the current stream; the launch of such an op.
+  void issue_gpu(uint8_t coll, const plait_buffer* in, const plait_buffer* out, uint8_t op,
+                 int root, int peer, int64_t tag);
+  c10::intrusive_ptr<c10d::Work> launch_gpu();
+  c10::intrusive_ptr<c10::ivalue::Future> gpu_future();
   bool complete_unless_future();  // completes here unless a Future was handed out
   void run_steps();               // the after() steps, once
 
@@ -106,6 +132,7 @@ class Op {
   std::mutex mu_;
   std::condition_variable cv_;
   c10::intrusive_ptr<c10::ivalue::Future> fut_;
+  std::unique_ptr<GpuOp> gpu_;  // set by the first call on CUDA buffers
   friend class Backend;
   friend class Work;
 
@@ -123,7 +150,9 @@ class Work : public c10d::Work {
   std::vector<at::Tensor> result() override;
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return op_->future(); }
-  void synchronize() override {}
+  void synchronize() override {
+    if (op_->gpu()) op_->block_current_stream();
+  }
   int sourceRank() const override { return op_->source(); }
 
  private:
@@ -196,6 +225,14 @@ class Backend : public c10d::Backend {
   std::string label(const std::string& what) const;
   void post(std::shared_ptr<Op> op);  // completes op on the completion thread
   bool on_completion_thread() const;
+  // gpu.cc: gives the communicator its GPU queue at the group's first CUDA tensor (every rank
+  // creates it in that call, through plait._gpu, as plait's own first GPU call does), and
+  // refuses a later tensor on another GPU on every rank.
+  void ensure_gpu(const Op& op, uint8_t coll, int device);
+  // At shutdown: drains and closes the GPU queue first, as plait's Communicator.finalize does.
+  void finalize_gpu();
+  [[noreturn]] void unsupported(const Op& op, const std::string& msg) const;
+  [[noreturn]] void fail(const std::string& msg);  // aborts every rank; InvalidArgument here
 
  private:
   // Starts one torch call. sync: the caller waits at once (asyncOp false); timeout: the
@@ -203,16 +240,17 @@ class Backend : public c10d::Backend {
   std::shared_ptr<Op> begin(const std::string& what, Tensors value, bool sync,
                             std::chrono::milliseconds timeout = c10d::kUnsetTimeout,
                             bool fusable = false);
-  [[noreturn]] void fail(const std::string& msg);  // aborts every rank; InvalidArgument here
-  [[noreturn]] void unsupported(const Op& op, const std::string& msg) const;
-  // The checks every single-tensor call makes: one tensor per process, on the CPU.
+  // The checks every single-tensor call makes: one tensor per process, on the CPU or a CUDA
+  // device; input and output on one device (else every rank raises, as plait's own calls do).
   void one_tensor(const Op& op, size_t n) const {
     if (n != 1) unsupported(op, "one tensor per process (got " + std::to_string(n) + ")");
   }
-  void cpu_only(const Op& op, const at::Tensor& t) const {
-    if (!t.is_cpu())
-      unsupported(op, "tensor on " + t.device().str() + " (the native backend takes CPU tensors)");
+  void on_device(const Op& op, const at::Tensor& t) const {
+    if (!t.is_cpu() && !t.is_cuda())
+      unsupported(op, "tensor on " + t.device().str() + " (plait takes CPU and CUDA tensors)");
   }
+  void same_device(const Op& op, const at::Tensor& in, const at::Tensor& out);
+  void one_device(const Op& op, const Tensors& a, const Tensors& b = {});  // all of a and b
   struct Red;
   Red red_of(const c10d::ReduceOp& r, const Op& op) const;
   void reduce_into(Op& op, at::Tensor x, at::Tensor y, const Red& red, int root, bool scatter);
@@ -247,6 +285,8 @@ class Backend : public c10d::Backend {
   std::vector<std::pair<std::shared_ptr<Op>, at::Tensor>> fuse_;
   uint8_t fuse_op_ = 0;
   void flush();
+  std::mutex gpu_mu_;
+  std::atomic<int> gpu_device_{-1};  // the GPU of the communicator's GPU queue, once it has one
 };
 
 // The Work of a coalesced group of ops (endCoalescing): done when all of them are.

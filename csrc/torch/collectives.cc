@@ -40,12 +40,15 @@ int dtype_code(at::ScalarType s) {
   }
 }
 
-plait_buffer typed(const at::Tensor& t) {
-  return plait_buffer{t.data_ptr(), t.nbytes(), uint8_t(dtype_code(t.scalar_type())), 1, 1};
+// A tensor's bytes as plait takes them; a CUDA tensor's are device memory (Op::issue gives the
+// buffer its stream).
+plait_buffer buffer(const at::Tensor& t, int dtype) {
+  plait_buffer b{t.data_ptr(), t.nbytes(), uint8_t(dtype), 1, 1};
+  if (t.is_cuda()) b.device = PLAIT_CUDA, b.device_index = t.device().index();
+  return b;
 }
-plait_buffer bytes(const at::Tensor& t) {
-  return plait_buffer{t.data_ptr(), t.nbytes(), PLAIT_U8, 1, 1};
-}
+plait_buffer typed(const at::Tensor& t) { return buffer(t, dtype_code(t.scalar_type())); }
+plait_buffer bytes(const at::Tensor& t) { return buffer(t, PLAIT_U8); }
 
 at::Tensor raw(const at::Tensor& t) {
   auto flat = t.detach().reshape(-1);
@@ -187,13 +190,12 @@ at::Tensor Backend::sink(Op& op, const at::Tensor& t) {
 
 void Backend::reduce_into(Op& op, at::Tensor x, at::Tensor y, const Red& red, int root,
                           bool scatter) {
-  if (!x.is_cpu() || !y.is_cpu())
-    unsupported(
-        op, "tensor on " + x.device().str() +
-                "; the native plait backend takes CPU tensors "
-                "(PLAIT_TORCH_NATIVE=0 selects the Python backend, which has plait's GPU path)");
+  same_device(op, x, y);
   const int me = getRank();
-  if (root >= 0 && me != root) y = at::empty_like(x);  // non-roots' tensors are left alone
+  // A non-root of a reduce gets no output from plait: its tensor is left alone, and x stands in
+  // for it where only shape and dtype are read (the gather path writes a scratch copy).
+  const bool discard = root >= 0 && me != root;
+  if (discard) y = red.gathers() ? at::empty_like(x) : x;
   if (red.gathers()) return reduce_by_gather(op, x, y, red, root, scatter);
   const RT kind = red.kind;
   const bool additive = kind == RT::SUM || kind == RT::AVG || kind == RT::PREMUL_SUM;
@@ -221,7 +223,8 @@ void Backend::reduce_into(Op& op, at::Tensor x, at::Tensor y, const Red& red, in
   at::Tensor src = x;
   bool fresh = false;
   if (kind == RT::PREMUL_SUM) {
-    src = (red.tfactor.defined() ? at::mul(src, red.tfactor) : at::mul(src, red.factor))
+    src = (red.tfactor.defined() ? at::mul(src, red.tfactor.to(src.device()))
+                                 : at::mul(src, red.factor))
               .to(x.scalar_type());
     fresh = true;
   }
@@ -234,7 +237,7 @@ void Backend::reduce_into(Op& op, at::Tensor x, at::Tensor y, const Red& red, in
   }
   std::vector<std::function<void()>> post;
   at::Tensor dst;
-  if (widen || !y.is_contiguous()) {
+  if ((widen || !y.is_contiguous()) && !discard) {
     at::Tensor target;
     if (fresh && !reinterp && src.sizes() == y.sizes()) {
       dst = target = src;
@@ -260,7 +263,8 @@ void Backend::reduce_into(Op& op, at::Tensor x, at::Tensor y, const Red& red, in
   const bool inplace_ok = scatter && is_block(dst, src, me);
   if (!fresh && !dst.is_same(src) && overlaps(src, dst) && !(same_bytes(src, dst) || inplace_ok))
     src = src.clone();
-  for (auto& f : post) op.after(std::move(f));
+  if (!discard)
+    for (auto& f : post) op.after(std::move(f));
   op.keep(src);
   op.keep(dst);
   plait_buffer in = typed(src), out = typed(dst);
@@ -401,7 +405,7 @@ Backend::WorkPtr Backend::allreduce_sparse_coo(Tensors& ts, const c10d::Allreduc
                 std::string(op_name(o.reduceOp.op_)) + " on sparse tensors (SUM only, as gloo)");
   at::Tensor t = ts[0];
   if (!t.is_cpu() || t.layout() != at::kSparse)
-    unsupported(*op, "sparse tensors other than CPU COO");
+    unsupported(*op, "sparse tensors other than CPU COO (CUDA tensors: dense ones only)");
   const at::Tensor in = t.coalesce();
   const int n = getSize();
   // Each rank's nnz and shape first, inline: the gathers' sizes depend on the counts, and ranks
@@ -475,6 +479,7 @@ Backend::WorkPtr Backend::allreduce(Tensors& ts, const c10d::AllreduceOptions& o
     fuse_.emplace_back(op, ts[0]);
     return op->launch();
   }
+  one_device(*op, ts);
   const Red red = red_of(o.reduceOp, *op);
   for (auto& t : ts) reduce_into(*op, t, t, red, -1, false);
   return op->launch();
@@ -491,6 +496,7 @@ Backend::WorkPtr Backend::allreduce_coalesced(Tensors& ts,
   }
   if (ts.size() < 2) return allreduce(ts, o);
   auto op = begin("allreduce_coalesced", ts, !o.asyncOp, o.timeout);
+  one_device(*op, ts);
   std::vector<at::Tensor> parts;
   for (const auto& t : ts) parts.push_back(t.reshape(-1));
   at::Tensor flat = at::cat(parts);
@@ -519,8 +525,8 @@ void Backend::reduce_scatter_one(Op& op, at::Tensor out, const at::Tensor& in, c
     fail("reduce_scatter: input has " + std::to_string(in.numel()) + " elements, output " +
          std::to_string(out.numel()) + "; the input needs group size (" +
          std::to_string(getSize()) + ") x output elements");
-  at::Tensor x = source(in).reshape(-1);
-  if (out.is_contiguous()) return reduce_into(op, x, out.reshape(-1), red, -1, true);
+  at::Tensor x = source(in);  // plait reads bytes: no need to flatten
+  if (out.is_contiguous()) return reduce_into(op, x, out, red, -1, true);
   at::Tensor tmp = at::empty({out.numel()}, out.options());
   reduce_into(op, x, tmp, red, -1, true);
   op.after([out, tmp]() mutable { out.copy_(tmp.view(out.sizes())); });
@@ -548,6 +554,7 @@ Backend::WorkPtr Backend::reduce_scatter(Tensors& outs, TensorLists& ins_lists,
   one_tensor(*op, outs.size());
   at::Tensor out = outs[0];
   const auto& ins = ins_lists.at(0);
+  one_device(*op, outs, ins);
   const Red red = red_of(o.reduceOp, *op);
   if (int(ins.size()) != getSize())
     fail("reduce_scatter: " + std::to_string(ins.size()) + " inputs for a group of " +
@@ -569,7 +576,7 @@ Backend::WorkPtr Backend::reduce_scatter(Tensors& outs, TensorLists& ins_lists,
 }
 
 void Backend::broadcast_one(Op& op, at::Tensor t, int root) {
-  cpu_only(op, t);
+  on_device(op, t);
   at::Tensor buf = source(t);
   if (!buf.is_same(t) && getRank() != root) op.after([t, buf]() mutable { t.copy_(buf); });
   op.keep(buf);
@@ -585,8 +592,7 @@ Backend::WorkPtr Backend::broadcast(Tensors& ts, const c10d::BroadcastOptions& o
 }
 
 void Backend::allgather_one(Op& op, at::Tensor out, const at::Tensor& in) {
-  cpu_only(op, in);
-  cpu_only(op, out);  // names the device of the one that is not
+  same_device(op, in, out);
   if (out.numel() != in.numel() * getSize())
     fail("all_gather: output has " + std::to_string(out.numel()) + " elements, input " +
          std::to_string(in.numel()) + "; the output needs group size (" +
@@ -621,6 +627,7 @@ Backend::WorkPtr Backend::allgather(TensorLists& outs_lists, Tensors& ins,
   for (auto& l : outs_lists) value.insert(value.end(), l.begin(), l.end());
   auto op = begin("allgather", value, !o.asyncOp, o.timeout);
   if (ins.size() != 1 || outs_lists.size() != 1) unsupported(*op, "one tensor per process");
+  one_device(*op, outs_lists[0], ins);
   at::Tensor x = ins[0];
   auto outs = outs_lists[0];
   const int n = getSize(), me = getRank();
@@ -665,10 +672,11 @@ Backend::WorkPtr Backend::allgather_coalesced(TensorLists& outs_lists, Tensors& 
   std::vector<at::Tensor> value;
   for (auto& l : outs_lists) value.insert(value.end(), l.begin(), l.end());
   auto op = begin("allgather_coalesced", value, !o.asyncOp, o.timeout);
+  one_device(*op, value, ins);
   std::vector<at::Tensor> parts;
   for (const auto& t : ins) parts.push_back(raw(source(t)));
   at::Tensor src = parts.empty() ? at::empty({0}, at::kByte) : at::cat(parts);
-  at::Tensor stack = at::empty({getSize(), src.numel()}, at::kByte);
+  at::Tensor stack = at::empty({getSize(), src.numel()}, src.options());  // bytes, src's device
   op->keep(src);
   plait_buffer a = bytes(src), b = bytes(stack);
   op->issue(PLAIT_ALLGATHER, &a, &b, PLAIT_SUM, 0, -1, 0);
@@ -693,13 +701,17 @@ void Backend::exchange(Op& op, const Tensors& srcs, const Tensors& dsts) {
   if (ms.nbytes() != md.nbytes())
     fail("all_to_all: rank " + std::to_string(me) + " sends itself " + std::to_string(ms.numel()) +
          " elements but expects " + std::to_string(md.numel()));
+  // GPU sends and receives wait for their match in stream order: of each pair, the lower rank
+  // sends first and the higher receives first, so no chain of pairs can wait in a circle.
+  const bool gpu = ms.is_cuda();
   for (int j = 0; j < getSize(); ++j) {
     if (j == me) continue;
     op.keep(srcs[size_t(j)]);
     op.keep(dsts[size_t(j)]);
     plait_buffer s = bytes(srcs[size_t(j)]), d = bytes(dsts[size_t(j)]);
+    if (gpu && j < me) op.issue(PLAIT_RECV, nullptr, &d, PLAIT_SUM, 0, j, kTag);
     op.issue(PLAIT_SEND, &s, nullptr, PLAIT_SUM, 0, j, kTag);
-    op.issue(PLAIT_RECV, nullptr, &d, PLAIT_SUM, 0, j, kTag);
+    if (!gpu || j > me) op.issue(PLAIT_RECV, nullptr, &d, PLAIT_SUM, 0, j, kTag);
   }
   at::Tensor a = ms, b = md;
   op.after_first([a, b]() { raw(b).copy_(raw(a)); });
@@ -722,8 +734,7 @@ Backend::WorkPtr Backend::alltoall_base(at::Tensor& out, at::Tensor& in,
          join(out_splits) + ", " + std::to_string(nrows(in)) + " input rows split " +
          join(in_splits) + ": not " + std::to_string(n) +
          " splits covering the rows (or, without splits, rows that divide evenly)");
-  cpu_only(*op, in);
-  cpu_only(*op, out);
+  same_device(*op, in, out);
   at::Tensor dst = sink(*op, out);
   bool fresh = false;
   at::Tensor src = source(in, &fresh);
@@ -780,6 +791,7 @@ Backend::WorkPtr Backend::alltoall(Tensors& outs, Tensors& ins, const c10d::AllT
   if (int(outs.size()) != n || int(ins.size()) != n)
     fail("all_to_all: " + std::to_string(ins.size()) + " inputs and " +
          std::to_string(outs.size()) + " outputs for a group of " + std::to_string(n));
+  one_device(*op, outs, ins);
   if (even) {
     std::vector<at::Tensor> parts;
     for (const auto& t : ins) parts.push_back(raw(source(t)));
@@ -816,6 +828,7 @@ Backend::WorkPtr Backend::gather(TensorLists& outs_lists, Tensors& ins,
       me == root && !outs_lists.empty() ? outs_lists[0] : std::vector<at::Tensor>{};
   auto op = begin("gather", outs, false, o.timeout);
   one_tensor(*op, ins.size());
+  one_device(*op, outs, ins);
   bool fresh = false;
   at::Tensor src = source(ins[0], &fresh);
   op->keep(src);
@@ -850,6 +863,7 @@ Backend::WorkPtr Backend::scatter(Tensors& outs, TensorLists& ins_lists,
   const int root = int(o.rootRank), me = getRank();
   auto op = begin("scatter", outs, false, o.timeout);
   one_tensor(*op, outs.size());
+  one_device(*op, outs, me == root ? ins_lists.at(0) : Tensors{});
   at::Tensor out = outs[0];
   if (me != root) {
     at::Tensor d = sink(*op, out);
@@ -877,7 +891,7 @@ Backend::WorkPtr Backend::scatter(Tensors& outs, TensorLists& ins_lists,
 Backend::WorkPtr Backend::send(Tensors& ts, int dst, int tag) {
   auto op = begin("send to rank " + std::to_string(dst), ts, false);
   one_tensor(*op, ts.size());
-  cpu_only(*op, ts[0]);
+  on_device(*op, ts[0]);
   at::Tensor s = source(ts[0]);
   op->keep(s);
   plait_buffer b = bytes(s);
@@ -888,7 +902,7 @@ Backend::WorkPtr Backend::send(Tensors& ts, int dst, int tag) {
 Backend::WorkPtr Backend::recv(Tensors& ts, int src, int tag) {
   auto op = begin("recv from rank " + std::to_string(src), ts, false);
   one_tensor(*op, ts.size());
-  cpu_only(*op, ts[0]);
+  on_device(*op, ts[0]);
   at::Tensor d = sink(*op, ts[0]);
   op->keep(d);
   plait_buffer b = bytes(d);
@@ -899,7 +913,11 @@ Backend::WorkPtr Backend::recv(Tensors& ts, int src, int tag) {
 Backend::WorkPtr Backend::recvAnysource(Tensors& ts, int tag) {
   auto op = begin("recv from any source", ts, false);
   one_tensor(*op, ts.size());
-  cpu_only(*op, ts[0]);
+  on_device(*op, ts[0]);
+  if (ts[0].is_cuda())
+    unsupported(*op,
+                "a CUDA tensor: plait's GPU path (NCCL) has no any-source receive; pass the "
+                "source rank");
   at::Tensor d = sink(*op, ts[0]);
   op->keep(d);
   plait_buffer b = bytes(d);

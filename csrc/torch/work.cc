@@ -32,6 +32,7 @@ void Op::start() {
 c10::intrusive_ptr<c10::ivalue::Future> Op::future() {
   // Made on first request: most calls (dist.* without async_op) never hand one out. Whoever
   // takes it (DDP's reducer) goes on without waiting: the calls start now.
+  if (gpu_) return gpu_future();
   start();
   std::lock_guard<std::mutex> lk(mu_);
   if (!fut_) {
@@ -49,6 +50,9 @@ Op::~Op() {
 
 void Op::issue(uint8_t coll, const plait_buffer* in, const plait_buffer* out, uint8_t op, int root,
                int peer, int64_t tag) {
+  const plait_buffer* any = in && in->present ? in : out;
+  if (any && any->device == PLAIT_CUDA) return issue_gpu(coll, in, out, op, root, peer, tag);
+  if (gpu_) b_->fail(what_ + ": CPU and CUDA tensors in one call; pass all of them on one device");
   char err[1024];
   const bool p2p = coll == PLAIT_SEND || coll == PLAIT_RECV;
   uint32_t kind;
@@ -154,7 +158,15 @@ void Op::complete() {
   }
 }
 
+bool Op::poll() {
+  start();
+  if (!done()) return false;
+  return !gpu_ || state_.load(std::memory_order_acquire) == 2 || !gpu_->event ||
+         gpu_->event->query();
+}
+
 c10::intrusive_ptr<c10d::Work> Op::launch() {
+  if (gpu_) return launch_gpu();
   auto me = weak.lock();
   if (outstanding_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
     complete();  // every call ran inline (or finished already)
@@ -170,6 +182,12 @@ c10::intrusive_ptr<c10d::Work> Op::launch() {
 }
 
 bool Op::wait(std::chrono::milliseconds timeout) {
+  if (gpu_) {  // as c10d's NCCL Work: the current stream waits for the calls, the host does not
+    if (state_.load() == 2) std::rethrow_exception(error_);
+    if (timeout.count() > 0) wait_gpu(timeout);
+    block_current_stream();
+    return true;
+  }
   if (!done() && timeout.count() > 0) {
     start();  // running them here could outlast the timeout
   } else if (!done()) {

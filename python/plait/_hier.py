@@ -54,6 +54,19 @@ class HierCommunicator(_comm.Communicator):
             f"{self.layout.nhosts}, {self.engine} between hosts{' (finalized)' if self.closed else ''}>"
         )
 
+    # The shared-memory properties are the host's communicator's.
+    @property
+    def single_copy(self) -> bool:
+        return self.local.single_copy
+
+    @property
+    def single_copy_unavailable(self) -> str:
+        return self.local.single_copy_unavailable
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self.local.mapped_bytes
+
     # -- groups and lifetime -------------------------------------------------------------------
     def split(
         self, color: int | None, key: int = 0, *, buffer_bytes: int | None = None

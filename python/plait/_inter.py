@@ -185,12 +185,30 @@ class GlooGroup(_Group):
                 if err:
                     raise err[0]
                 return
-            self._poll(work.is_completed, coll, deadline)
-            work.wait()
+            self._block(work, coll, deadline)
         except RuntimeError as e:
             text = str(e)
             cls = _errors.TimeoutError if "imed out" in text or "Timeout" in text else _errors.PeerLostError
             raise cls(f"{self._what(coll)}: {text.splitlines()[0] if text else e}") from None
+
+    def _block(self, work, coll, deadline):
+        """Blocks in the work's own wait (no polling: on a busy machine a poll loop's yields cost
+        more than the call), in slices of _ABORT_CHECK_S between which it looks at the abort flag
+        and the deadline. A slice that ends first raises and leaves the work running."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _errors.TimeoutError(
+                    f"{self._what(coll)}: deadline passed waiting for the other hosts' ranks"
+                )
+            try:
+                work.wait(timedelta(seconds=min(left, _ABORT_CHECK_S)))
+                return
+            except RuntimeError:
+                if work.is_completed():  # it failed, or finished as the slice ended
+                    work.wait()
+                    return
+            self._abort.raise_if_set(self._what(coll))
 
     def _allreduce(self, a, op, deadline, bf16):
         o = self._dist.AllreduceOptions()

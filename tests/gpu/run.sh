@@ -125,6 +125,7 @@ else
   stage handoff 60 bash -c "$PY -m plait.run -n 2 $G/handoff.py ipc 200; $PY -m plait.run -n 4 $G/handoff.py ipc 100; \
     $PY -m plait.run -n 1 $G/handoff.py nccl 2000"
   stage t_values 90 "${PT[@]}" $G/test_gpu_values.py
+  stage t_horovod 60 "${PT[@]}" $G/test_gpu_horovod.py
   stage t_missing_peer 60 "${PT[@]}" $G/test_gpu_collectives.py -k "missing_peer and ((one_shot and sync) or (ring and async))"
   stage t_ipc_sweeps 90 "${PT[@]}" $G/test_gpu_collectives.py -k "ipc_ranks_sharing or ipc_ring_small or one_gpu_per_rank"
   echo "after t_ipc_sweeps: $(gpu_apps)" >>"$OUT/tests.log"

@@ -114,7 +114,7 @@ def native():
 
 _plugin = dist.Backend._plugins.get(BACKEND.upper())
 if _plugin is None or _plugin.creator_fn is _torch_autoload._create:  # replaces the autoload stub
-    dist.Backend.register_backend(
-        BACKEND, _create, extended_api=True, devices=["cpu"] if native() else ["cpu", "cuda"]
-    )
+    native()  # compiles the native backend now (NativeBuildError here when it cannot be)
+    # Both backends take CUDA tensors (the native one through plait's C API device buffers).
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
 atexit.register(shutdown_all)

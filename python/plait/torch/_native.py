@@ -11,12 +11,15 @@ cannot be written), `import plait.torch` fails with one NativeBuildError naming 
 piece and how to get it, instead of running something else. While it compiles, stderr gets one
 line saying so (dots follow on a terminal).
 
+CUDA tensors take the C API's device buffers (csrc/torch/gpu.cc): the group's communicator gets
+its GPU queue at the first CUDA tensor (attach_gpu), as plait's own first GPU call gives it one.
+
 Groups across hosts are native too: their communicator is _C.HierComm, which the C API drives
 like a flat one, and the module also hands the multi-host communicator its engine between hosts
 (make_gloo_engine: torch's own ProcessGroupGloo behind hier/engine.h).
 
-PLAIT_TORCH_NATIVE: unset or 1 = native or an error; 0 = the Python backend (kept only until
-CUDA tensors reach the native one; they take the Python backend meanwhile).
+PLAIT_TORCH_NATIVE: unset or 1 = native or an error; 0 = the Python backend (kept only until it
+is deleted: the native backend serves every group now).
 """
 
 import fcntl
@@ -35,6 +38,8 @@ _SOURCES = (
     "torch/work.cc",
     "torch/collectives.cc",
     "torch/ops.cc",
+    "torch/gpu.cc",
+    "torch/testing.cc",
     "torch/gloo_engine.cc",
     "torch/engine_calls.cc",
 )
@@ -171,8 +176,8 @@ def _build():
 
 
 def load():
-    """The compiled module, or None where the Python backend serves the groups (PLAIT_TORCH_NATIVE=0,
-    or a CUDA build with a visible GPU). Raises NativeBuildError when it cannot be built."""
+    """The compiled module, or None where the Python backend serves the groups (PLAIT_TORCH_NATIVE=0).
+    Raises NativeBuildError when it cannot be built."""
     global _module, _tried, _error
     want = os.environ.get("PLAIT_TORCH_NATIVE", "")
     if want == "0":
@@ -181,14 +186,6 @@ def load():
         if _error is not None:
             raise NativeBuildError(str(_error))
         return _module
-    if not want:
-        import torch
-
-        import plait
-
-        if plait.build_info()["cuda"] and torch.cuda.is_available():
-            _tried = True
-            return None  # CUDA tensors take plait's GPU path, which only the Python backend has yet
     _tried = True
     try:
         _module = _build()
@@ -233,6 +230,35 @@ def create(opts, buffer_bytes):
     )
     _comms[str(opts.group_id)] = comm
     return backend
+
+
+# plait's error classes as the C API numbers their kinds (capi.h's plait_error).
+_KINDS = {"InvalidArgument": 2, "MismatchError": 3, "TimeoutError": 4, "PeerLostError": 5}
+
+
+def attach_gpu(comm, coll, device, timeout_s):
+    """Gives a native group's communicator its GPU queue on CUDA device `device`, in the group's
+    first call on CUDA tensors (`coll`, plait's name of the call about to run), as C++ asks for it
+    once per group: every rank creates it in that call (plait._gpu), so a rank that cannot (a
+    build without CUDA, no visible device, NCCL not loaded) makes every rank raise. Returns
+    (kind, message): (0, "") once the queue is there, else the error's C API kind and text."""
+    from plait import _errors, _gpu
+
+    what = f"CUDA tensor on cuda:{device}"
+    try:
+        _gpu.check_usable(comm, coll, what)
+        if coll in ("send", "recv") and comm._gpu is None and comm.size > 2:
+            # Creating the GPU queue is a collective: two ranks of a larger group cannot.
+            raise _errors.InvalidArgument(
+                f"rank {comm.rank}: {coll} ({what}): the first CUDA call of a group of {comm.size} "
+                f"ranks must be a collective (it creates the group's GPU communicator on every "
+                f"rank); make one, e.g. a broadcast of a CUDA tensor, before send/recv"
+            )
+        _gpu._communicator(comm, device, timeout_s, f"rank {comm.rank}: {coll} ({what})")
+    except _errors.PlaitError as e:
+        kind = next((_KINDS[c.__name__] for c in type(e).__mro__ if c.__name__ in _KINDS), 1)
+        return kind, str(e)
+    return 0, ""
 
 
 def split(store, rank, size, timeout_s, group_name):

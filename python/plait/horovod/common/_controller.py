@@ -25,9 +25,12 @@ import time
 
 import numpy as np
 
+from . import _device
 from .exceptions import HorovodInternalError
 
 _FRAME = 1024  # bytes per rank in the first allgather of a cycle: the common case fits one call
+_MAX_SLOTS = (_FRAME - 8) // 4  # cached requests a binary frame holds
+_UNCACHED = ("barrier", "add_ps", "rm_ps")  # kinds whose names never repeat
 _JOIN = "join"
 
 
@@ -44,10 +47,15 @@ def env_float(name, default):
 class Op:
     """One submission of this rank: the request it sends and what runs it here."""
 
-    __slots__ = ("req", "tensor", "output", "done", "error", "result", "finish", "t_submit", "layout")
+    __slots__ = (
+        "req", "tensor", "output", "done", "error", "result", "finish", "t_submit", "layout", "device",
+        "ready", "gpu_done",
+    )  # fmt: skip
 
     def __init__(self, req, tensor, output=None, finish=None):
-        self.req = req  # [kind, name, ps, dtype, shape, op, root, pre, post, splits]
+        self.req = req  # [kind, name, ps, dtype, shape, op, root, pre, post, splits(, device)]
+        self.device = req[10] if len(req) > 10 else _device.CPU  # a CUDA device index, or -1
+        self.ready = self.gpu_done = None  # CUDA events (common/_device.py)
         self.tensor, self.output, self.finish = tensor, output, finish
         self.done = False
         self.error = None
@@ -74,8 +82,14 @@ class Controller:
         self._warned = set()
         self._joined = {}  # rank -> cycle it joined
         self._join_op = None
+        self.join_device = _device.CPU  # where a joined rank makes its zeros of GPU ops (join(device))
         self._cycle_no = 0
         self._frame = self._frames = None  # the first allgather's send and receive buffers
+        # Horovod's response cache: a request every rank made alike before travels as its slot
+        # number. Slots are handed out in the order names run (the same on every rank).
+        self._cached = {}  # (ps, name) -> (slot, request)
+        self._slots = []  # slot -> ((ps, name), request)
+        self.cache_capacity = int(env_float("HOROVOD_CACHE_CAPACITY", 1024))
         self._last_cycle = 0.0
         self._lock = threading.Lock()  # one cycle at a time
         self._cv = threading.Condition()  # the queue; wakes the background thread
@@ -107,6 +121,9 @@ class Controller:
             if self.timeline is not None:
                 for o in ops:
                     self.timeline.negotiate_start(o.req[1], o.req[0])
+            for o in ops:
+                if o.device >= 0:  # the stream that made the tensor: the op runs after it
+                    o.ready = _device.layer.ready(o.device)
             self._queue.extend(ops)
             if notify:
                 self._cv.notify()
@@ -134,6 +151,9 @@ class Controller:
             if end is not None and time.monotonic() > end:
                 raise TimeoutError(f"rank {self.rank}: ops still running after {timeout} s")
         for o in ops:
+            if o.gpu_done is not None:  # the op's GPU work: final on every stream once this returns
+                _device.layer.synchronize(o.gpu_done)
+                o.gpu_done = None
             if o.error is not None:
                 err = HorovodInternalError(o.error)
                 # plait's flight recorder report of the failed collective, when one failed
@@ -200,20 +220,30 @@ class Controller:
         with self._cv:
             new, self._queue = self._queue, []
             stop = self._stop
-        msg = {"r": [o.req for o in new]}
+        msg = {"r": []}
+        slots = []
         for o in new:
             if o.req[0] == _JOIN:
                 self._join_op = o
+                msg["r"].append(o.req)
                 msg["join"] = 1
             else:
-                self._mine[(o.req[2], o.req[1])] = o
+                key = (o.req[2], o.req[1])
+                self._mine[key] = o
+                hit = self._cached.get(key)
+                if hit is not None and hit[1] == o.req:
+                    slots.append(hit[0])
+                else:
+                    msg["r"].append(o.req)
+        if slots:
+            msg["c"] = slots
         if stop:
             msg["stop"] = 1
         if self.rank == 0:
             self._rank0_checks(msg)
         if self.timeline is not None:
             self.timeline.cycle_start()
-        msgs = self._exchange(json.dumps(msg, separators=(",", ":")).encode())
+        msgs = self._exchange(msg)
         self._last_cycle = time.monotonic()
         self._cycle_no += 1
         stopping = [r for r, m in enumerate(msgs) if m.get("stop")]
@@ -222,6 +252,13 @@ class Controller:
                 if req[0] == _JOIN:
                     continue
                 key = (req[2], req[1])
+                self._table.setdefault(key, {})[r] = req
+                if self.rank == 0:
+                    self._first_seen.setdefault(key, time.monotonic())
+                if self.timeline is not None:
+                    self.timeline.negotiate_rank(req[1], req[0], r)
+            for slot in m.get("c", ()):
+                key, req = self._slots[slot]
                 self._table.setdefault(key, {})[r] = req
                 if self.rank == 0:
                     self._first_seen.setdefault(key, time.monotonic())
@@ -247,18 +284,31 @@ class Controller:
             return True
         return False
 
-    def _exchange(self, blob):
+    def _exchange(self, msg):
+        """Every rank's message of this cycle, in rank order. A message of cached requests only
+        (the steady state of a training loop, and idle cycles) travels as its slot numbers, a
+        negative length saying how many; any other as JSON."""
         if self.size == 1:
-            return [json.loads(blob)]
+            return [msg]
         if self._frame is None:  # kept: this runs under the cycle lock, one cycle at a time
             self._frame = np.zeros(_FRAME, dtype=np.uint8)
             self._frames = np.zeros((self.size, _FRAME), dtype=np.uint8)
+            self._frame64, self._frame32 = self._frame.view(np.int64), self._frame.view(np.int32)
+            self._frames64, self._frames32 = self._frames.view(np.int64), self._frames.view(np.int32)
         frame, frames = self._frame, self._frames
-        head = min(len(blob), _FRAME - 8)
-        frame[:8].view(np.int64)[0] = len(blob)
-        frame[8 : 8 + head] = np.frombuffer(blob, dtype=np.uint8, count=head)
+        slots = msg.get("c", ())
+        if not msg["r"] and len(msg) <= 1 + bool(slots) and len(slots) <= _MAX_SLOTS:
+            blob = b""
+            self._frame64[0] = -1 - len(slots)
+            if slots:
+                self._frame32[2 : 2 + len(slots)] = slots
+        else:
+            blob = json.dumps(msg, separators=(",", ":")).encode()
+            head = min(len(blob), _FRAME - 8)
+            frame[:8].view(np.int64)[0] = len(blob)
+            frame[8 : 8 + head] = np.frombuffer(blob, dtype=np.uint8, count=head)
         self.comm.allgather(frame, frames)
-        lengths = frames[:, :8].copy().view(np.int64)[:, 0].tolist()
+        lengths = self._frames64[:, 0].tolist()
         longest = max(lengths)
         tails = None
         if longest > _FRAME - 8:
@@ -269,6 +319,9 @@ class Controller:
         out = []
         for r, f in enumerate(frames):
             n = lengths[r]
+            if n < 0:
+                out.append({"r": (), "c": self._frames32[r, 2 : 1 - n].tolist()})
+                continue
             data = f[8 : 8 + min(n, _FRAME - 8)].tobytes()
             if n > _FRAME - 8:
                 data += tails[r][: n - (_FRAME - 8)].tobytes()
@@ -301,6 +354,22 @@ class Controller:
             op.result, op.done = last, True
         self._wake_waiters()
 
+    def remember(self, key, reqs):
+        """Caches a name that every rank submitted alike and that passed its check (run on every
+        rank for the same names in the same order, so the slots agree)."""
+        vals = iter(reqs.values())
+        q0 = next(vals)
+        if q0[0] in _UNCACHED or ".noname." in key[1] or any(v is not q0 and v != q0 for v in vals):
+            return
+        hit = self._cached.get(key)
+        if hit is not None:
+            if hit[1] is not q0:
+                self._cached[key] = (hit[0], q0)
+                self._slots[hit[0]] = (key, q0)
+        elif len(self._slots) < self.cache_capacity:
+            self._cached[key] = (len(self._slots), q0)
+            self._slots.append((key, q0))
+
     def complete(self, key, error=None, result=None):
         op = self._mine.pop(key, None)
         if op is None:
@@ -310,6 +379,8 @@ class Controller:
                 result = op.finish(op, result)
             except Exception as e:  # noqa: BLE001 - it belongs to the waiter
                 error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        if error is None and op.device >= 0:
+            op.gpu_done = _device.layer.done(op.device)  # after the op's copies out, on its stream
         op.result, op.error = result, error
         op.done = True
         if self.timeline is not None:

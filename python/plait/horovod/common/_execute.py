@@ -5,7 +5,9 @@ that decides which plait calls run (checks, fusion groups, padding) reads only t
 never this rank's own state, so every rank makes the same calls; a rank that has joined takes
 part with zeros (or the op's identity) of the negotiated shape.
 
-Requests: [kind, name, ps, dtype, shape, op, root, prescale, postscale, splits].
+Requests: [kind, name, ps, dtype, shape, op, root, prescale, postscale, splits(, device)]; the
+device (a CUDA index, -1 for the CPU; absent: the CPU) is this rank's own: ranks compare only
+whether it is a GPU, and an op on CUDA tensors runs on plait's GPU path (common/_device.py).
 """
 
 import math
@@ -13,7 +15,9 @@ import os
 
 import numpy as np
 
-KIND, NAME, PS, DTYPE, SHAPE, OP, ROOT, PRE, POST, SPLITS = range(10)
+from . import _device
+
+KIND, NAME, PS, DTYPE, SHAPE, OP, ROOT, PRE, POST, SPLITS, DEVICE = range(11)
 AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5  # Horovod's ReduceOp values
 OP_NAMES = {0: "Average", 1: "Sum", 2: "Adasum", 3: "Min", 4: "Max", 5: "Product"}
 _PLAIT_OP = {1: "sum", 0: "sum", 3: "min", 4: "max", 5: "prod"}
@@ -21,10 +25,15 @@ _FUSION_DEFAULT = 128 << 20
 _VIA_FUSION = 256 << 10  # a float tensor this large goes through the fusion buffer alone too
 
 
-def _torch():
-    import torch
+_TORCH = []  # the torch module, once imported (torch is imported late: plait.horovod.common has no torch)
 
-    return torch
+
+def _torch():
+    if not _TORCH:
+        import torch
+
+        _TORCH.append(torch)
+    return _TORCH[0]
 
 
 def torch_dtype(name):
@@ -34,6 +43,14 @@ def torch_dtype(name):
 def fusion_threshold():
     v = os.environ.get("HOROVOD_FUSION_THRESHOLD")
     return _FUSION_DEFAULT if not v else int(v)
+
+
+def on_gpu(q):
+    return len(q) > DEVICE and q[DEVICE] >= 0
+
+
+def _where(q):
+    return f"GPU {q[DEVICE]}" if on_gpu(q) else "CPU"
 
 
 def _fmt_shape(s):
@@ -58,6 +75,12 @@ def check(key, reqs, members, joined):
     why = differ(KIND, "operations") or differ(DTYPE, "data types")
     if why:
         return why
+    for r, q in items[1:]:
+        if on_gpu(q) != on_gpu(q0):
+            return (
+                f"Mismatched {q0[KIND]} CPU/GPU device selection for tensor {name!r} (process set "
+                f"{key[0]}): rank {r0} sent a tensor on the {_where(q0)}, rank {r} one on the {_where(q)}"
+            )
     kind = q0[KIND]
     if kind in ("allreduce", "reducescatter"):
         why = differ(OP, "reduction ops", lambda v: OP_NAMES.get(v, v)) or differ(SHAPE, "shapes", _fmt_shape)
@@ -87,6 +110,8 @@ class Executor:
         self._fusion = None  # uint8 torch tensor over plait shared memory
         self.threshold = fusion_threshold()
         self.calls = 0  # plait collectives run (a fused group counts once): tests read it
+        self.dev = None  # the torch.device of the op being run (None: the CPU)
+        self.index = _device.CPU  # its CUDA device index
 
     def _buffer(self, nbytes):
         from plait import _shared
@@ -101,10 +126,16 @@ class Executor:
         todo = []
         for key, reqs in ready:
             members = ctrl.members(key[0])
-            why = check(key, reqs, members, joined)
-            if why:
-                ctrl.complete(key, error=f"rank {ctrl.rank}: {why}")
-                continue
+            vals = iter(reqs.values())
+            q0 = next(vals)
+            # The same cached request object from every rank: an allreduce that passed this check
+            # before passes it again (a broadcast's root may have joined since: checked each time).
+            if q0[KIND] != "allreduce" or any(v is not q0 for v in vals):
+                why = check(key, reqs, members, joined)
+                if why:
+                    ctrl.complete(key, error=f"rank {ctrl.rank}: {why}")
+                    continue
+            ctrl.remember(key, reqs)
             todo.append((key, reqs))
         i = 0
         while i < len(todo):
@@ -115,15 +146,19 @@ class Executor:
             if ctrl.rank not in members:
                 i += 1
                 continue
+            group = [todo[i]]
             if kind == "allreduce":
-                group, nbytes = [todo[i]], _nbytes(q)
-                fkey = (key[0], q[DTYPE], q[OP], q[PRE], q[POST])
+                nbytes = _nbytes(q)
+                fkey = (key[0], q[DTYPE], q[OP], q[PRE], q[POST], on_gpu(q))
                 j = i + 1
                 taken = []
                 while j < len(todo) and nbytes < threshold:
                     k2, r2 = todo[j]
                     q2 = next(iter(r2.values()))
-                    if q2[KIND] == "allreduce" and (k2[0], q2[DTYPE], q2[OP], q2[PRE], q2[POST]) == fkey:
+                    if (
+                        q2[KIND] == "allreduce"
+                        and (k2[0], q2[DTYPE], q2[OP], q2[PRE], q2[POST], on_gpu(q2)) == fkey
+                    ):
                         if nbytes + _nbytes(q2) <= threshold:
                             group.append(todo[j])
                             nbytes += _nbytes(q2)
@@ -131,10 +166,24 @@ class Executor:
                     j += 1
                 for j in reversed(taken):
                     del todo[j]
-                self._allreduce(ctrl, group, nbytes)
+            if not on_gpu(q):
+                self.dev = None
+                self._one(ctrl, kind, group, nbytes if kind == "allreduce" else 0, key, reqs, q, members)
             else:
-                getattr(self, "_" + kind)(ctrl, key, reqs, q, members)
+                ops = [ctrl._mine.get(k) for k, _ in group]
+                index = next((o.device for o in ops if o is not None), None)
+                if index is None:  # joined: zeros on the device join() named, else the current one
+                    index = ctrl.join_device if ctrl.join_device >= 0 else _device.layer.current()
+                self.dev, self.index = _device.layer.device(index), index
+                with _device.on_device(index, ops):
+                    self._one(ctrl, kind, group, nbytes if kind == "allreduce" else 0, key, reqs, q, members)
             i += 1
+
+    def _one(self, ctrl, kind, group, nbytes, key, reqs, q, members):
+        if kind == "allreduce":
+            self._allreduce(ctrl, group, nbytes)
+        else:
+            getattr(self, "_" + kind)(ctrl, key, reqs, q, members)
 
     # -- the collectives -----------------------------------------------------------------------
     def _comm(self, ctrl, ps):
@@ -158,7 +207,7 @@ class Executor:
                 tl.op_start(k[1], "ALLREDUCE")
         if len(group) == 1 and ops[0] is not None and ops[0].req[SPLITS] is None:
             buf = ops[0].output
-            if _VIA_FUSION <= nbytes <= self.threshold and dtype.is_floating_point:
+            if _VIA_FUSION <= nbytes <= self.threshold and dtype.is_floating_point and self.dev is None:
                 self._one_via_fusion(ctrl, group[0][0], comm, buf, nbytes, op, pre, post)
                 return
             _scale(buf, pre)
@@ -167,7 +216,15 @@ class Executor:
             ctrl.complete(group[0][0])
             return
         count = nbytes // dtype.itemsize
-        fused = self._buffer(nbytes).view(dtype)[:count] if nbytes else torch.empty(0, dtype=dtype)
+        base = None
+        if not nbytes:
+            fused = torch.empty(0, dtype=dtype, device=self.dev)
+        elif self.dev is None:  # plait shared memory
+            fused = self._buffer(nbytes).view(dtype)[:count]
+            base = self._fusion
+        else:
+            fused = _device.layer.buffer(self.index, nbytes).view(dtype)[:count]
+            base = fused._base if fused._base is not None else fused
         offsets, at = [], 0
         if tl is not None:
             for k, _ in group:
@@ -205,7 +262,7 @@ class Executor:
             if o.output is None:  # out of place: views of one fresh tensor
                 ctrl.complete(k, result=list(_unflatten(fused[a : a + n].clone(), o.tensor)))
             elif o.layout is not None:
-                o.layout.scatter(self._fusion, a, fused[a : a + n])
+                o.layout.scatter(base, a, fused[a : a + n])
                 ctrl.complete(k, result=o.output)
             else:
                 _copy_all(o.output, list(_unflatten(fused[a : a + n], o.output)))
@@ -243,20 +300,20 @@ class Executor:
         rows = [reqs[r][SHAPE][0] if r in reqs else 0 for r in members]
         row = math.prod(rest)
         o = ctrl._mine.get(key)
-        mine = o.tensor.reshape(-1) if o is not None else torch.empty(0, dtype=dtype)
+        mine = o.tensor.reshape(-1) if o is not None else torch.empty(0, dtype=dtype, device=self.dev)
         comm = self._comm(ctrl, key[0])
         if ctrl.timeline is not None:
             ctrl.timeline.op_start(key[1], "ALLGATHER")
         m = max(rows)
         if m * row == 0:
-            out = torch.empty((sum(rows),) + rest, dtype=dtype)
+            out = torch.empty((sum(rows),) + rest, dtype=dtype, device=self.dev)
         elif len(set(rows)) == 1:
-            out = torch.empty((sum(rows),) + rest, dtype=dtype)
+            out = torch.empty((sum(rows),) + rest, dtype=dtype, device=self.dev)
             comm.allgather(mine, out)
         else:
-            send = torch.zeros(m * row, dtype=dtype)
+            send = torch.zeros(m * row, dtype=dtype, device=self.dev)
             send[: mine.numel()].copy_(mine)
-            got = torch.empty((len(members), m * row), dtype=dtype)
+            got = torch.empty((len(members), m * row), dtype=dtype, device=self.dev)
             comm.allgather(send, got)
             out = torch.cat([got[i, : rows[i] * row] for i in range(len(members))]).view((sum(rows),) + rest)
         ctrl.complete(key, result=(out, rows))
@@ -264,7 +321,9 @@ class Executor:
     def _broadcast(self, ctrl, key, reqs, q, members):
         torch = _torch()
         o = ctrl._mine.get(key)
-        buf = o.output if o is not None else torch.zeros(q[SHAPE], dtype=torch_dtype(q[DTYPE]))
+        buf = (
+            o.output if o is not None else torch.zeros(q[SHAPE], dtype=torch_dtype(q[DTYPE]), device=self.dev)
+        )
         if ctrl.timeline is not None:
             ctrl.timeline.op_start(key[1], "BROADCAST")
         if buf.numel():
@@ -295,15 +354,15 @@ class Executor:
             ctrl.timeline.op_start(key[1], "ALLTOALL")
         recv = [splits[j][me] for j in range(n)]
         if m * row == 0:
-            out = torch.empty((sum(recv),) + rest, dtype=dtype)
+            out = torch.empty((sum(recv),) + rest, dtype=dtype, device=self.dev)
         else:
-            send = torch.zeros((n, m * row), dtype=dtype)
+            send = torch.zeros((n, m * row), dtype=dtype, device=self.dev)
             if o is not None:
                 flat, at = o.tensor.reshape(-1), 0
                 for j, c in enumerate(splits[me]):
                     send[j, : c * row].copy_(flat[at : at + c * row])
                     at += c * row
-            got = torch.empty((n, m * row), dtype=dtype)
+            got = torch.empty((n, m * row), dtype=dtype, device=self.dev)
             self._comm(ctrl, key[0]).alltoall(send, got)
             out = torch.cat([got[j, : recv[j] * row] for j in range(n)]).view((sum(recv),) + rest)
         ctrl.complete(key, result=(out, torch.tensor(recv, dtype=torch.int32)))
@@ -323,14 +382,14 @@ class Executor:
         o = ctrl._mine.get(key)
         if ctrl.timeline is not None:
             ctrl.timeline.op_start(key[1], "REDUCESCATTER")
-        send = torch.full((n, m * row), _identity(torch, dtype, op), dtype=dtype)
+        send = torch.full((n, m * row), _identity(torch, dtype, op), dtype=dtype, device=self.dev)
         if o is not None:
             flat, at = o.tensor.reshape(-1), 0
             for j, c in enumerate(counts):
                 send[j, : c * row].copy_(flat[at : at + c * row])
                 at += c * row
         me = members.index(ctrl.rank)
-        got = torch.empty(m * row, dtype=dtype)
+        got = torch.empty(m * row, dtype=dtype, device=self.dev)
         if m * row:
             _scale(send, pre)
             self._comm(ctrl, key[0]).reduce_scatter(send, got, op=_PLAIT_OP[op])
@@ -382,20 +441,20 @@ def _copy_all(dsts, srcs):
 
 
 def _nbytes(q):
-    return math.prod(q[SHAPE]) * np.dtype(_NP_SIZES.get(q[DTYPE], "float32")).itemsize
+    return math.prod(q[SHAPE]) * _ITEMSIZE.get(q[DTYPE], 4)
 
 
-_NP_SIZES = {
-    "float16": "float16",
-    "bfloat16": "float16",
-    "float32": "float32",
-    "float64": "float64",
-    "int8": "int8",
-    "uint8": "uint8",
-    "int16": "int16",
-    "int32": "int32",
-    "int64": "int64",
-    "bool": "bool",
+_ITEMSIZE = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
 }
 
 
@@ -426,7 +485,7 @@ def _scale(t, f):
         return
     if not _NUMPY_SCALE:
         _NUMPY_SCALE.update((_torch().float32, _torch().float64))
-    if t.dtype in _NUMPY_SCALE and t.is_contiguous():  # numpy: a third of torch's call cost
+    if t.dtype in _NUMPY_SCALE and t.is_cpu and t.is_contiguous():  # numpy: a third of torch's call cost
         a = t.numpy()
         np.multiply(a, f, out=a)  # float32 data times a Python float stays float32, as in torch
     elif t.dtype.is_floating_point:

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from . import _controller, _execute, _fusion, _rendezvous, process_sets
+from . import _controller, _device, _execute, _fusion, _rendezvous, _subworld, process_sets
 from .exceptions import HorovodInternalError
 from .process_sets import ProcessSet, Registry, global_process_set
 
@@ -59,23 +59,25 @@ def _host_id():
 def init(comm=None, process_sets=None):
     """Joins the world of HOROVOD_RANK/HOROVOD_SIZE (plait-run), RANK/WORLD_SIZE (torchrun) or
     mpirun's ranks; a world of one without a launcher. Calling it again while initialised does
-    nothing. comm: None or the list of all ranks (Horovod's subset worlds are not offered: use
-    process sets). process_sets: static ProcessSets to register now."""
+    nothing. comm: a list of the launcher's ranks or an mpi4py communicator: those processes (and
+    only they call init) become the world, ranked in the list's (communicator's) order.
+    process_sets: static ProcessSets to register now."""
     global _state
     if _state is not None:
         return
     import plait
 
+    world = None
     if _rendezvous.enabled():
+        if comm is not None:
+            raise ValueError("hvd.init(comm=...) does not combine with an elastic job (plait-run --min-np)")
         world, rank, size = _rendezvous.join(_controller.env_float("HOROVOD_ELASTIC_TIMEOUT", 600.0))
     else:
         rank, size = _env_rank_size()
-        world = None
-    if comm is not None and not (isinstance(comm, (list, tuple)) and sorted(comm) == list(range(size))):
-        raise NotImplementedError(
-            "plait.horovod: hvd.init(comm=...) with an MPI communicator or a subset of ranks is not "
-            "offered; initialise the whole world and use hvd.ProcessSet / add_process_set"
-        )
+    if comm is not None:
+        ranks, mpi_comm = _subworld.members(comm, rank, size)
+        if not _subworld.is_whole_world(ranks, size):
+            world, rank, size = _subworld.connect(ranks, rank, mpi_comm)
     if world is None:
         store = _LocalStore() if size == 1 and not os.environ.get("PLAIT_STORE") else None
         world = plait.init(rank, size, store=store, set_default=False)
@@ -129,7 +131,8 @@ def _autotune_note(rank):
         return
     log = os.environ.get("HOROVOD_AUTOTUNE_LOG")
     chosen = (
-        f"0,0,0,{_controller.env_float('HOROVOD_CYCLE_TIME', 1.0):g},"
+        f"0,0,{int(_controller.env_float('HOROVOD_CACHE_CAPACITY', 1024) > 0)},"
+        f"{_controller.env_float('HOROVOD_CYCLE_TIME', 1.0):g},"
         f"{_execute.fusion_threshold() / (1 << 20):g},0"
     )
     if log and rank == 0:
@@ -162,6 +165,7 @@ def shutdown():
         st.controller.shutdown()
     finally:
         _fusion.clear()  # layouts hold views of this world's fusion buffer
+        _device.layer.clear()
         if st.controller.timeline is not None:
             st.controller.timeline.close()
         st.registry.close()

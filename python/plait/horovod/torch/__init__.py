@@ -1,7 +1,7 @@
 """plait.horovod.torch: `import plait.horovod.torch as hvd` in place of `import horovod.torch as hvd`.
 
 The whole public horovod.torch 0.28 API over plait's collectives; see docs/horovod.md for what
-differs (no Adasum, no MPI ops, CPU tensors)."""
+differs (no Adasum, no MPI ops; CUDA tensors run on plait's GPU path)."""
 
 # ruff: noqa: F401  (this module re-exports horovod.torch's names)
 from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt

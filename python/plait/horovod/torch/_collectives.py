@@ -264,6 +264,7 @@ def join(device=-1):
     with zeros (the op's identity for min/max/product, no rows for gathers). Returns the rank
     that joined last."""
     op = Op(["join", "join", 0, "uint8", [], 0, -1, 1.0, 1.0, None], None)
+    _basics.controller().join_device = int(device)  # GPU ops' zeros are made there (-1: current)
     _basics.submit([op])
     _basics.wait([op])
     return op.result

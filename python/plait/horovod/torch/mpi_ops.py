@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from ..common import _fusion
+from ..common import _device, _fusion
 from ..common import basics as _basics
 from ..common._controller import Op
 from ..common.exceptions import HorovodInternalError
@@ -93,10 +93,11 @@ def _dtype(t, what):
             f"rank {rank()}: {what}: dtype {t.dtype} is not supported "
             f"(plait takes {', '.join(_DTYPES.values())})"
         )
-    if t.device.type != "cpu":
-        raise TypeError(
-            f"rank {rank()}: {what}: plait.horovod runs its ops on CPU tensors, got one on {t.device}"
-        )
+    if not t.is_cpu:
+        try:
+            _device.layer.index(t)
+        except TypeError as e:
+            raise TypeError(f"rank {rank()}: {what}: {e}") from None
     return d
 
 
@@ -106,7 +107,7 @@ def _ps(process_set):
 
 
 def _req(kind, name, ps_id, t, op=0, root=-1, pre=1.0, post=1.0, splits=None):
-    return [
+    req = [
         kind,
         name,
         ps_id,
@@ -118,15 +119,23 @@ def _req(kind, name, ps_id, t, op=0, root=-1, pre=1.0, post=1.0, splits=None):
         float(post),
         splits,
     ]
+    where = _device.layer.index(t)
+    if where >= 0:  # a CUDA tensor: the op runs on plait's GPU path (common/_device.py)
+        req.append(where)
+    return req
 
 
 _tls = threading.local()
 
 
 def _register(ops, result):
-    # A synchronous call waits (and runs the cycle) on this thread at once: no need to wake the
-    # coordinator's thread for it.
-    _basics.submit(ops, notify=not getattr(_tls, "sync", False))
+    if getattr(_tls, "sync", False):
+        # A synchronous call waits (and runs the cycle) on this thread at once: no need to wake
+        # the coordinator's thread, nor for a handle.
+        _basics.submit(ops, notify=False)
+        _tls.entry = (ops, result)
+        return None
+    _basics.submit(ops)
     h = next(_handles)
     with _map_lock:
         _handle_map[h] = (ops, result)
@@ -134,13 +143,16 @@ def _register(ops, result):
 
 
 def _now(fn, *args, **kwargs):
-    """fn(...)'s handle, synchronized: the synchronous form of an async op."""
+    """fn(...) waited for: the synchronous form of an async op."""
     _tls.sync = True
     try:
-        h = fn(*args, **kwargs)
+        fn(*args, **kwargs)
     finally:
         _tls.sync = False
-    return synchronize(h)
+    ops, result = _tls.entry
+    _tls.entry = None
+    _basics.wait(ops)
+    return result(ops)
 
 
 def poll(handle):
@@ -189,15 +201,14 @@ def _group_ops(tensors, inplace, name, op, pre, post, process_set):
     ps_id = _ps(process_set)
     lay = _fusion.lookup(tensors)
     if lay is None:
-        by_dtype = {}
+        by_dtype = {}  # (dtype, device): one request each
         for i, t in enumerate(tensors):
-            by_dtype.setdefault(t.dtype, []).append(i)
+            if not isinstance(t, torch.Tensor) or not t.is_cpu:  # refused with the rank and op
+                _dtype(t, "grouped_allreduce")
+            where = _device.layer.index(t)
+            by_dtype.setdefault((t.dtype, where), []).append(i)
         for idx in by_dtype.values():
-            t0 = tensors[idx[0]]
-            _dtype(t0, "grouped_allreduce")
-            bad = next((tensors[i] for i in idx if not tensors[i].is_cpu), None)
-            if bad is not None:
-                _dtype(bad, "grouped_allreduce")
+            _dtype(tensors[idx[0]], "grouped_allreduce")
         if all(t.is_contiguous() for t in tensors):
             lay = _fusion.remember(tensors, list(by_dtype.values()))
         else:
@@ -205,9 +216,11 @@ def _group_ops(tensors, inplace, name, op, pre, post, process_set):
     ops, order = [], []
     for part in lay.parts:
         d = _DTYPES[part.dtype]
-        n = name if name is None or len(lay.parts) == 1 else f"{name}.{d}"
+        n = name if name is None or len(lay.parts) == 1 else f"{name}.{d}{_where(part.device)}"
         req = ["allreduce", _basics.next_name("allreduce", n), ps_id, d, [part.total], int(op), -1]
         req += [float(pre), float(post), part.shapes]
+        if part.device >= 0:
+            req.append(part.device)
         sub = tensors if len(lay.parts) == 1 else [tensors[i] for i in part.idx]
         o = Op(req, sub, sub if inplace else None)
         o.layout = part
@@ -219,10 +232,10 @@ def _group_ops(tensors, inplace, name, op, pre, post, process_set):
 def _group_ops_strided(tensors, inplace, name, op, pre, post, ps_id, by_dtype):
     """A group with a non-contiguous tensor: contiguous copies travel, and go back after."""
     ops, order = [], []
-    for idx in by_dtype.values():
+    for (_, where), idx in by_dtype.items():
         ts = [tensors[i] for i in idx]
         d = _DTYPES[ts[0].dtype]
-        n = name if name is None or len(by_dtype) == 1 else f"{name}.{d}"
+        n = name if name is None or len(by_dtype) == 1 else f"{name}.{d}{_where(where)}"
         srcs = [t.detach() for t in ts]
         outs = fin = None
         if inplace:
@@ -232,9 +245,16 @@ def _group_ops_strided(tensors, inplace, name, op, pre, post, ps_id, by_dtype):
         shapes = _fusion.shapes_text(t.shape for t in ts)
         req = ["allreduce", _basics.next_name("allreduce", n), ps_id, d, [total], int(op), -1, float(pre)]
         req += [float(post), shapes]
+        if where >= 0:
+            req.append(where)
         ops.append(Op(req, srcs, outs, fin))
         order.append(idx)
     return ops, order
+
+
+def _where(device):
+    """A group part's name suffix: none on the CPU (names stay Horovod's), '.cuda<i>' on a GPU."""
+    return "" if device < 0 else f".cuda{device}"
 
 
 def _ungroup(ops, order):

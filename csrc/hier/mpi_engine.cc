@@ -1,0 +1,331 @@
+// engine.h over MPI's C API. Every call starts nonblocking MPI (Iallreduce, Iallgather, Ibcast,
+// Ialltoall, Isend/Irecv) on a private duplicate of the group's communicator and finishes it with
+// an MPI_Testall loop: spin for 50 us (a small step between hosts takes tens of microseconds and
+// MPI progresses only inside Test), yield up to 20 ms, then sleep in short steps, until the call's
+// deadline. Every 50 ms of waiting (over all the process's groups) it also Improbes every
+// group's second duplicate, the flag communicator.
+//
+// The flag is job-wide: fail() on any group marks every group of this process and sends (kind,
+// world rank, message) once to every other member of every group (Isend, never waited); a rank
+// that finds such a message marks all its groups. Marked groups fail their current and later
+// calls with the kind fail() recorded (engine.h: a wrong argument or a mismatch raises the same
+// class on every host) and "rank R failed: ...", R the failing process's MPI_COMM_WORLD rank
+// (plait's rank under mpirun). The first failure a rank sees wins; it is not forwarded: the
+// world group (every rank) carries it to everyone, and the others to their members.
+//
+// Threads: plait's progress thread makes the calls, fail() comes from any thread, and mpi4py
+// may be used meanwhile: the engine needs MPI_THREAD_MULTIPLE (mpi4py's default).
+//
+// Counts: MPI counts are int, so a call moves at most `chunk` bytes (default 1 GiB) per MPI call
+// and longer buffers take several. For allgather and alltoall a piece of every block travels as
+// one block of a resized derived type whose extent is the whole block, so the layout holds.
+//
+// A call that gives up (deadline, flag) cancels its point-to-point requests; MPI cannot cancel a
+// collective, so a collective that gives up is stranded and the group refuses later calls (its
+// members are out of step; the communicator aborts after such an error anyway).
+#include <stdio.h>
+#include <string.h>
+
+#include "hier/mpi_group.h"
+
+namespace plait {
+namespace {
+
+using namespace mpi;  // NOLINT: the engine's own helpers
+
+std::string nbytes(size_t b) { return std::to_string(b) + " bytes"; }
+
+int supports(void*, uint8_t dtype, uint8_t op) {
+  MPI_Datatype t;
+  MPI_Op o;
+  size_t s;
+  return mpi_reduction(dtype, op, &t, &o, &s) ? 1 : 0;
+}
+
+uint32_t allreduce(void* ctx, void* buf, size_t count, uint8_t dtype, uint8_t op, double timeout_s,
+                   char* err, size_t errlen) {
+  Engine* e = static_cast<Engine*>(ctx);
+  auto what = [&] {
+    return "allreduce of " + std::to_string(count) + " " + dtype_name(dtype) + " (" + op_name(op) +
+           ")";
+  };
+  MPI_Datatype type;
+  MPI_Op mop;
+  size_t es;
+  if (!mpi_reduction(dtype, op, &type, &mop, &es))
+    return say(err, errlen, PLAIT_E_INVALID,
+               where(e, what()) + ": MPI does not reduce this dtype and op (ask supports())");
+  if (e->size == 1 || count == 0) return refused(e, err, errlen);
+  Pending p;
+  char* b = static_cast<char*>(buf);
+  return run(
+      e, p, count * es, es, timeout_s, what,
+      [&](size_t off, size_t len, MPI_Request* r) {
+        return MPI_Iallreduce(MPI_IN_PLACE, b + off, int(len / es), type, mop, e->data, r);
+      },
+      err, errlen);
+}
+
+uint32_t allgather_start(void* ctx, const void* in, void* out, size_t bytes, void** req, char* err,
+                         size_t errlen) {
+  Engine* e = static_cast<Engine*>(ctx);
+  *req = nullptr;
+  auto what = [&] { return "allgather of " + nbytes(bytes); };
+  if (uint32_t k = refused(e, err, errlen)) return k;
+  auto p = std::make_unique<Pending>();
+  p->bytes = bytes;
+  if (e->size == 1 || bytes == 0) {
+    if (bytes) memcpy(out, in, bytes);
+    *req = p.release();
+    return PLAIT_OK;
+  }
+  const char* i = static_cast<const char*>(in);
+  char* o = static_cast<char*>(out);
+  int rc = MPI_SUCCESS;
+  const size_t step = piece(e, 1);
+  for (size_t off = 0; off < bytes && rc == MPI_SUCCESS; off += step) {
+    const size_t len = std::min(step, bytes - off);
+    MPI_Request r = MPI_REQUEST_NULL;
+    if (len == bytes) {
+      rc = MPI_Iallgather(i, int(len), MPI_BYTE, o, int(len), MPI_BYTE, e->data, &r);
+    } else {  // every member's piece lands at its own block's offset off
+      MPI_Datatype t;
+      rc = strided(len, bytes, &t);
+      if (rc != MPI_SUCCESS) break;
+      rc = MPI_Iallgather(i + off, int(len), MPI_BYTE, o + off, 1, t, e->data, &r);
+      MPI_Type_free(&t);
+    }
+    if (rc == MPI_SUCCESS) p->reqs.push_back(r);
+  }
+  if (rc != MPI_SUCCESS) {
+    abandon(e, *p, what());
+    return mpi_error(e, what(), rc, err, errlen);
+  }
+  *req = p.release();
+  return PLAIT_OK;
+}
+
+uint32_t wait(void* ctx, void* req, double timeout_s, char* err, size_t errlen) {
+  Engine* e = static_cast<Engine*>(ctx);
+  std::unique_ptr<Pending> p(static_cast<Pending*>(req));
+  if (!p) return PLAIT_OK;
+  auto what = [&] { return "allgather of " + nbytes(p->bytes); };
+  return finish(e, *p, deadline_of(timeout_s), timeout_s, what, err, errlen);
+}
+
+uint32_t allgather(void* ctx, const void* in, void* out, size_t bytes, double timeout_s, char* err,
+                   size_t errlen) {
+  void* req = nullptr;
+  if (uint32_t k = allgather_start(ctx, in, out, bytes, &req, err, errlen)) return k;
+  return wait(ctx, req, timeout_s, err, errlen);
+}
+
+uint32_t broadcast(void* ctx, void* buf, size_t bytes, int root, double timeout_s, char* err,
+                   size_t errlen) {
+  Engine* e = static_cast<Engine*>(ctx);
+  auto what = [&] {
+    return "broadcast of " + nbytes(bytes) + " from root " + std::to_string(root);
+  };
+  if (root < 0 || root >= e->size)
+    return say(err, errlen, PLAIT_E_INVALID, where(e, what()) + ": no such member");
+  if (e->size == 1 || bytes == 0) return refused(e, err, errlen);
+  Pending p;
+  char* b = static_cast<char*>(buf);
+  return run(
+      e, p, bytes, 1, timeout_s, what,
+      [&](size_t off, size_t len, MPI_Request* r) {
+        return MPI_Ibcast(b + off, int(len), MPI_BYTE, root, e->data, r);
+      },
+      err, errlen);
+}
+
+uint32_t alltoall(void* ctx, const void* in, void* out, size_t bytes, double timeout_s, char* err,
+                  size_t errlen) {
+  Engine* e = static_cast<Engine*>(ctx);
+  auto what = [&] { return "alltoall of " + nbytes(bytes) + " per member"; };
+  if (e->size == 1 || bytes == 0) {
+    if (bytes) memcpy(out, in, bytes);
+    return refused(e, err, errlen);
+  }
+  Pending p;
+  const char* i = static_cast<const char*>(in);
+  char* o = static_cast<char*>(out);
+  return run(
+      e, p, bytes, 1, timeout_s, what,
+      [&](size_t off, size_t len, MPI_Request* r) {
+        if (len == bytes)
+          return MPI_Ialltoall(i, int(len), MPI_BYTE, o, int(len), MPI_BYTE, e->data, r);
+        MPI_Datatype t;
+        int rc = strided(len, bytes, &t);
+        if (rc != MPI_SUCCESS) return rc;
+        rc = MPI_Ialltoall(i + off, 1, t, o + off, 1, t, e->data, r);
+        MPI_Type_free(&t);
+        return rc;
+      },
+      err, errlen);
+}
+
+uint32_t p2p(Engine* e, bool is_send, void* buf, size_t bytes, int peer, int tag, double timeout_s,
+             char* err, size_t errlen) {
+  auto what = [&] {
+    return std::string(is_send ? "send of " : "recv of ") + nbytes(bytes) +
+           (is_send ? " to peer " : " from peer ") + std::to_string(peer) + " tag " +
+           std::to_string(tag);
+  };
+  if (peer < 0 || peer >= e->size || peer == e->rank)
+    return say(err, errlen, PLAIT_E_INVALID,
+               where(e, what()) + ": the peer must be another member");
+  if (tag < 0 || tag > e->tag_ub)
+    return say(err, errlen, PLAIT_E_INVALID,
+               where(e, what()) + ": tags go from 0 to " + std::to_string(e->tag_ub));
+  Pending p;
+  p.p2p = true;
+  p.recv = !is_send;
+  char* b = static_cast<char*>(buf);
+  return run(
+      e, p, bytes, 1, timeout_s, what,
+      [&](size_t off, size_t len, MPI_Request* r) {
+        return is_send ? MPI_Isend(b + off, int(len), MPI_BYTE, peer, tag, e->data, r)
+                       : MPI_Irecv(b + off, int(len), MPI_BYTE, peer, tag, e->data, r);
+      },
+      err, errlen);
+}
+
+uint32_t send(void* ctx, const void* buf, size_t bytes, int peer, int tag, double timeout_s,
+              char* err, size_t errlen) {
+  return p2p(static_cast<Engine*>(ctx), true, const_cast<void*>(buf), bytes, peer, tag, timeout_s,
+             err, errlen);
+}
+
+uint32_t recv(void* ctx, void* buf, size_t bytes, int peer, int tag, double timeout_s, char* err,
+              size_t errlen) {
+  return p2p(static_cast<Engine*>(ctx), false, buf, bytes, peer, tag, timeout_s, err, errlen);
+}
+
+void fail(void* ctx, uint32_t kind, const char* msg) {
+  Engine* me = static_cast<Engine*>(ctx);
+  std::string text = msg ? msg : "";
+  if (text.size() > kFlagText) text.resize(kFlagText);
+  const std::string flag = "rank " + std::to_string(me->world_rank) + " failed: " + text;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  if (!set_flag(me, kind, flag)) return;  // a failure is already known here: the first stands
+  for (Engine* e : r.engines) set_flag(e, kind, flag);
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  int32_t who = me->world_rank;
+  for (Engine* e : r.engines) {
+    if (e->size == 1) continue;
+    auto payload = std::make_unique<std::vector<char>>(8 + text.size());
+    memcpy(payload->data(), &kind, 4);
+    memcpy(payload->data() + 4, &who, 4);
+    memcpy(payload->data() + 8, text.data(), text.size());
+    for (int peer = 0; peer < e->size; ++peer) {
+      if (peer == e->rank) continue;
+      MPI_Request req = MPI_REQUEST_NULL;
+      if (MPI_Isend(payload->data(), int(payload->size()), MPI_BYTE, peer, kFlagTag, e->flag,
+                    &req) == MPI_SUCCESS)
+        e->fail_sends.push_back(req);
+    }
+    e->payloads.push_back(std::move(payload));
+  }
+}
+
+void release(void* ctx) {
+  std::unique_ptr<Engine> e(static_cast<Engine*>(ctx));
+  Registry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  r.engines.erase(std::remove(r.engines.begin(), r.engines.end(), e.get()), r.engines.end());
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  bool sent = true;
+  for (MPI_Request& req : e->fail_sends) {
+    int done = 0;
+    MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+    if (!done) {
+      MPI_Request_free(&req);  // the send goes on; its bytes must outlive it
+      sent = false;
+    }
+  }
+  if (!sent)
+    for (auto& p : e->payloads) p.release();
+  // The stranded collectives stay with MPI (it may still write their buffers; the caller was told
+  // the group broke). Freeing a communicator with operations pending is allowed: MPI deallocates
+  // it when they end.
+  MPI_Comm_free(&e->data);
+  MPI_Comm_free(&e->flag);
+}
+
+}  // namespace
+
+plait_engine* mpi_engine_create(MPI_Comm comm, const char* label, size_t chunk_bytes, char* err,
+                                size_t errlen) {
+  int init = 0, finalized = 0, level = 0, inter = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&finalized);
+  if (!init || finalized) {
+    say(err, errlen, PLAIT_E_INVALID,
+        std::string("the MPI engine needs MPI initialised (import mpi4py.MPI) and not yet ") +
+            "finalised");
+    return nullptr;
+  }
+  MPI_Query_thread(&level);
+  if (level < MPI_THREAD_MULTIPLE) {
+    say(err, errlen, PLAIT_E_INVALID,
+        "MPI was initialised below MPI_THREAD_MULTIPLE; plait calls MPI from its progress thread "
+        "and fail() from any thread: leave mpi4py.rc.thread_level at 'multiple' (its default)");
+    return nullptr;
+  }
+  if (comm == MPI_COMM_NULL || MPI_Comm_test_inter(comm, &inter) != MPI_SUCCESS || inter) {
+    say(err, errlen, PLAIT_E_INVALID,
+        "the MPI engine needs an intracommunicator (got MPI_COMM_NULL or an intercommunicator)");
+    return nullptr;
+  }
+  auto e = std::make_unique<Engine>();
+  e->label = label ? label : "?";
+  if (chunk_bytes) e->chunk = std::min<size_t>(chunk_bytes, INT_MAX);
+  int rc = MPI_Comm_dup(comm, &e->data);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_dup(comm, &e->flag);
+  if (rc != MPI_SUCCESS) {
+    mpi_error(e.get(), "duplicating the communicator", rc, err, errlen);
+    if (e->data != MPI_COMM_NULL) MPI_Comm_free(&e->data);
+    return nullptr;
+  }
+  MPI_Comm_set_errhandler(e->data, MPI_ERRORS_RETURN);
+  MPI_Comm_set_errhandler(e->flag, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(e->data, &e->rank);
+  MPI_Comm_size(e->data, &e->size);
+  MPI_Comm_rank(MPI_COMM_WORLD, &e->world_rank);
+  int* ub = nullptr;
+  int has = 0;
+  MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &has);
+  if (has && ub) e->tag_ub = *ub;
+  plait_engine& t = e->table;
+  t.version = PLAIT_ENGINE_VERSION;
+  t.struct_size = sizeof(plait_engine);
+  t.name = "mpi";
+  t.rank = e->rank;
+  t.size = e->size;
+  t.ctx = e.get();
+  t.supports = supports;
+  t.allreduce = allreduce;
+  t.allgather = allgather;
+  t.allgather_start = allgather_start;
+  t.wait = wait;
+  t.broadcast = broadcast;
+  t.alltoall = alltoall;
+  t.send = send;
+  t.recv = recv;
+  t.fail = fail;
+  t.release = release;
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> g(r.mu);
+    r.engines.push_back(e.get());
+  }
+  return &e.release()->table;
+}
+
+}  // namespace plait

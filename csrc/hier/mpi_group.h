@@ -1,0 +1,190 @@
+// The MPI engine's groups and the wait every call ends in (see mpi_engine.cc, the engine.h
+// table over them, for how calls, the job-wide flag and pieces work). Shared by mpi_group.cc
+// (the non-template parts) and mpi_engine.cc.
+#ifndef PLAIT_HIER_MPI_GROUP_H
+#define PLAIT_HIER_MPI_GROUP_H
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bindings/capi.h"
+#include "hier/mpi_engine.h"
+
+namespace plait {
+namespace mpi {
+
+using Clock = std::chrono::steady_clock;
+inline constexpr int kFlagTag = 1;
+inline constexpr auto kProbeEvery = std::chrono::milliseconds(50);
+inline constexpr auto kSpin = std::chrono::microseconds(50);
+inline constexpr auto kYield = std::chrono::milliseconds(20);
+// Any piece below 2^31 bytes fits MPI's int counts; at 1 GiB a piece's fixed cost (microseconds)
+// is lost in its transfer time (a tenth of a second or more).
+inline constexpr size_t kDefaultChunk = size_t(1) << 30;
+inline constexpr size_t kFlagText = 4000;  // the longest flag message sent
+
+struct Engine {
+  MPI_Comm data = MPI_COMM_NULL, flag = MPI_COMM_NULL;
+  int rank = 0, size = 1, world_rank = -1, tag_ub = INT_MAX;
+  std::string label;
+  size_t chunk = kDefaultChunk;
+  std::atomic<bool> flagged{false};
+  std::mutex flag_mu;
+  std::string flag_msg;                    // set once, under flag_mu, before flagged
+  uint32_t flag_kind = PLAIT_E_PEER_LOST;  // what flagged calls fail with (with flag_msg)
+  std::vector<std::unique_ptr<std::vector<char>>> payloads;  // fail()'s messages in flight,
+  std::vector<MPI_Request> fail_sends;                       // both under the registry's lock
+  std::vector<MPI_Request> stranded;  // collectives of calls that gave up: MPI cannot cancel them
+  std::string broken;                 // why the group refuses calls; empty while it does not
+  plait_engine table{};
+};
+
+// Every engine group of this process. The flag is job-wide: a failure made (fail()) or found
+// (a flag message on any group's flag communicator) ends the calls of every group here, and
+// fail() tells the members of every group, so a rank waiting in a group the failing rank is not
+// in (a shard group of another host pair) hears of it too, through the world group.
+struct Registry {
+  std::mutex mu;
+  std::vector<Engine*> engines;
+  std::atomic<int64_t> next_probe{0};  // steady-clock ns: when a waiting call next probes
+};
+Registry& registry();
+inline int64_t ns(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+// One call's requests (a batch of its pieces); a recv checks that its pieces had the bytes
+// expected. moved: bytes of the call's earlier batches, already delivered.
+struct Pending {
+  std::vector<MPI_Request> reqs;
+  bool p2p = false, recv = false;
+  size_t bytes = 0, moved = 0;
+};
+
+const char* dtype_name(uint8_t d);
+const char* op_name(uint8_t op);
+// The MPI type and op of a (plait dtype, op) MPI reduces natively; false for the others.
+bool mpi_reduction(uint8_t dtype, uint8_t op, MPI_Datatype* type, MPI_Op* mop, size_t* size);
+uint32_t say(char* err, size_t errlen, uint32_t kind, const std::string& msg);
+std::string where(const Engine* e, const std::string& what);
+uint32_t mpi_error(const Engine* e, const std::string& what, int rc, char* err, size_t errlen);
+// Marks e with a failure (of kind, as fail() got it); false when it already had one (the first
+// stands). Flagged calls fail with that kind.
+bool set_flag(Engine* e, uint32_t kind, const std::string& msg);
+// Looks for flag messages on every group (at most every kProbeEvery over the process).
+void probe(Clock::time_point now);
+// Nonzero, with the message, when e takes no calls (flagged, or broken).
+uint32_t refused(Engine* e, char* err, size_t errlen);
+// Gives up on p's requests; true when all of them had finished normally after all.
+bool abandon(Engine* e, Pending& p, const std::string& what);
+Clock::time_point deadline_of(double timeout_s);
+// The most bytes one MPI call moves: a whole number of units, at least one, below 2^31.
+size_t piece(const Engine* e, size_t unit);
+// A block of len bytes whose extent is stride bytes: one piece of each member's block.
+int strided(size_t len, size_t stride, MPI_Datatype* out);
+
+// Finishes a call's requests: Testall, spinning, then yielding, then sleeping, with the deadline
+// and the flag. `what` names the call in messages (built only for them).
+template <class What>
+uint32_t finish(Engine* e, Pending& p, Clock::time_point deadline, double timeout_s,
+                const What& what, char* err, size_t errlen) {
+  if (p.reqs.empty()) return PLAIT_OK;
+  const Clock::time_point start = Clock::now();
+  std::vector<MPI_Status> st(p.reqs.size());
+  for (;;) {
+    int done = 0, rc;
+    { rc = MPI_Testall(int(p.reqs.size()), p.reqs.data(), &done, st.data()); }
+    if (rc == MPI_ERR_IN_STATUS) {  // the first request that failed says why; those done are gone
+      for (size_t i = 0; i < st.size(); ++i) {
+        if (st[i].MPI_ERROR == MPI_ERR_PENDING) continue;
+        if (st[i].MPI_ERROR != MPI_SUCCESS && rc == MPI_ERR_IN_STATUS) rc = st[i].MPI_ERROR;
+        p.reqs[i] = MPI_REQUEST_NULL;
+      }
+    }
+    if (rc != MPI_SUCCESS) {
+      abandon(e, p, what());
+      return mpi_error(e, what(), rc, err, errlen);
+    }
+    if (done) break;
+    if (e->flagged.load(std::memory_order_acquire)) {
+      abandon(e, p, what());
+      return refused(e, err, errlen);
+    }
+    const Clock::time_point now = Clock::now();
+    if (ns(now) >= registry().next_probe.load(std::memory_order_relaxed)) {
+      probe(now);
+      continue;
+    }
+    if (now >= deadline) {
+      if (abandon(e, p, what())) break;
+      char secs[32];
+      snprintf(secs, sizeof secs, "%.3g", timeout_s);
+      return say(
+          err, errlen, PLAIT_E_TIMEOUT,
+          where(e, what()) + ": deadline (" + secs + " s) passed waiting for the other members");
+    }
+    const auto waited = now - start;
+    if (waited < kSpin) continue;
+    if (waited < kYield)
+      sched_yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(waited < kProbeEvery * 4 ? 100 : 1000));
+  }
+  if (p.recv) {
+    size_t got = 0;
+    for (MPI_Status& s : st) {
+      int n = 0;
+      MPI_Get_count(&s, MPI_BYTE, &n);
+      got += size_t(std::max(n, 0));
+    }
+    if (got != p.bytes)
+      return say(err, errlen, PLAIT_E_MISMATCH,
+                 where(e, what()) + ": the message had " + std::to_string(got) + " bytes");
+  }
+  return PLAIT_OK;
+}
+
+// Posts a call's pieces with post(off, len, &request) and finishes them, at most two at a time:
+// Open MPI's Iallreduce allocates a temporary buffer per piece, so a buffer of many GiB costs two
+// pieces' worth, not its own size again; two keep the link busy while one completes.
+template <class What, class Post>
+uint32_t run(Engine* e, Pending& p, size_t bytes, size_t unit, double timeout_s, const What& what,
+             Post&& post, char* err, size_t errlen) {
+  if (uint32_t k = refused(e, err, errlen)) return k;
+  const Clock::time_point deadline = deadline_of(timeout_s);
+  const size_t step = piece(e, unit);
+  size_t off = 0;
+  do {
+    int rc = MPI_SUCCESS;
+    p.reqs.clear();
+    p.moved = off;
+    p.bytes = 0;
+    do {
+      const size_t len = std::min(step, bytes - off);
+      MPI_Request r = MPI_REQUEST_NULL;
+      rc = post(off, len, &r);
+      if (rc != MPI_SUCCESS) break;
+      p.reqs.push_back(r);
+      off += len;
+      p.bytes += len;
+    } while (off < bytes && p.reqs.size() < 2);
+    if (rc != MPI_SUCCESS) {
+      abandon(e, p, what());
+      return mpi_error(e, what(), rc, err, errlen);
+    }
+    if (uint32_t k = finish(e, p, deadline, timeout_s, what, err, errlen)) return k;
+  } while (off < bytes);
+  return PLAIT_OK;
+}
+
+}  // namespace mpi
+}  // namespace plait
+#endif

@@ -1,0 +1,102 @@
+"""plait._mpi, the MPI engine between hosts (csrc/hier/mpi_engine.cc), under a real mpirun: every
+engine function on exact integer data, timeouts, and the job-wide flag. The checks each rank runs
+are in mpi_engine_checks.py."""
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_run import _ENV
+
+
+def _why():
+    if shutil.which("mpirun") is None:
+        return "mpirun is not on PATH"
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed"
+    if importlib.util.find_spec("plait._mpi") is None:
+        return "plait was built without MPI (no MPI found at build time, or PLAIT_MPI=OFF)"
+    return None
+
+
+WHY = _why()
+pytestmark = pytest.mark.skipif(
+    WHY is not None,
+    reason=f"{WHY} (apt-get install openmpi-bin libopenmpi-dev && pip install mpi4py, then rebuild plait)",
+)
+CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_engine_checks.py")
+
+
+def _start(tmp_path, case, n, env=()):
+    cmd = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return subprocess.run(
+        cmd + [sys.executable, CHECKS, case, str(tmp_path)],
+        env=dict(_ENV, **dict(env)),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def _mpirun(tmp_path, case, n, env=()):
+    r = _start(tmp_path, case, n, env)
+    got = {}
+    for rank in range(n):
+        path = tmp_path / f"{case}-{rank}"
+        got[rank] = path.read_text() if path.exists() else "(no result)"
+    bad = {rank: text for rank, text in got.items() if not text.startswith("ok ")}
+    assert not bad and r.returncode == 0, (bad, r.stdout[-2000:], r.stderr[-2000:])
+    return [int(text.split()[1]) for text in got.values()]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("chunk", [None, "40"], ids=["one-piece", "40-byte-pieces"])
+def test_every_function_exact(tmp_path, n, chunk):
+    """Every function and supported (dtype, op), counts 0/1/7/3001; with 40-byte pieces every
+    count above a few elements takes the multi-piece path that counts past 2^31 take."""
+    checks = _mpirun(tmp_path, "exact", n, {"PLAIT_MPI_CHUNK_BYTES": chunk} if chunk else {})
+    # 45 supports(), 4 counts x 7 dtypes x (4 ops + allgather twice + alltoall + n broadcasts),
+    # 2 point-to-point per count, 5 refused arguments, and rank 1's two mismatched receives
+    base = 45 + 4 * 7 * (7 + n) + 4 * 2 + 5
+    assert checks == [base + 2 * (r == 1) for r in range(n)], checks
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_timeout(tmp_path, n):
+    assert _mpirun(tmp_path, "timeout", n) == [4 + 2 * (r == 1) for r in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fail_reaches_every_member(tmp_path, n):
+    assert _mpirun(tmp_path, "fail", n) == [2] * n
+
+
+@pytest.mark.parametrize("case", ["fail_mismatch", "fail_invalid"])
+def test_fail_keeps_its_kind(tmp_path, case):
+    assert _mpirun(tmp_path, case, 3) == [2] * 3
+
+
+def test_fail_reaches_other_groups(tmp_path):
+    assert _mpirun(tmp_path, "fail_across_groups", 3) == [1] * 3
+
+
+def test_fail_from_another_thread_during_a_call(tmp_path):
+    assert _mpirun(tmp_path, "fail_from_thread", 3) == [1] * 3
+
+
+def test_killed_rank_ends_the_job(tmp_path):
+    """kill -9 of one rank while the other waits in the engine: mpirun ends the whole job within
+    seconds (Open MPI's default); the waiting rank neither hangs nor returns a result."""
+    t0 = time.monotonic()
+    r = _start(tmp_path, "killed", 2)
+    took = time.monotonic() - t0
+    assert r.returncode != 0 and took < 60, (r.returncode, took, r.stderr[-2000:])
+    assert not (tmp_path / "killed-0").exists(), (tmp_path / "killed-0").read_text()
+    assert not (tmp_path / "killed-1").exists()
