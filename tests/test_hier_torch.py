@@ -8,14 +8,24 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import plait  # noqa: E402
+import plait.torch  # noqa: E402
 from test_torch_backend import init_pg, run_torch  # noqa: E402
+
+
+def _assert_native(pg):
+    """The group runs the C++ backend (a c10d Backend over _C.HierComm), with the native gloo
+    engine between hosts (the facade takes it from the loaded native module)."""
+    backend = pg._get_backend(torch.device("cpu"))
+    assert type(backend) is torch._C._distributed_c10d.Backend and backend.name() == "plait", backend
+    assert hasattr(plait.torch._native._module, "make_gloo_engine")
 
 
 def _collectives(rank, n, store_dir, hosts):
     os.environ["PLAIT_HOST_ID"] = hosts[rank]
     init_pg("plait", rank, n, store_dir, timeout=30)
-    comm = dist.group.WORLD._comm
+    comm = plait.torch.communicator()
     assert isinstance(comm, plait.HierCommunicator) and comm.engine == "gloo", repr(comm)
+    _assert_native(dist.group.WORLD)
     t = torch.arange(6, dtype=torch.float32) * (rank + 1)
     dist.all_reduce(t)
     avg = torch.full((4,), float(rank), dtype=torch.bfloat16)
@@ -135,3 +145,93 @@ def test_rank_killed_on_one_host_is_peer_lost_everywhere(tmp_path, hosts, victim
         cls, lost, took, msg = res
         assert lost, (rank, cls, msg)  # a PeerLostError (torch's DistBackendError subclass of it)
         assert took < 10, f"rank {rank} raised after {took:.1f} s (deadline 60 s): {msg}"
+
+
+def _native_features(rank, n, store_dir, hosts):
+    """What the native backend has on one host, on a group across hosts: coalescing, split_group,
+    sparse allreduce, allocateTensor (plait's shared memory), async works and futures."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    os.environ["PLAIT_HOST_ID"] = hosts[rank]
+    init_pg("plait", rank, n, store_dir, timeout=30)
+    pg = dist.group.WORLD
+    _assert_native(pg)
+    tri = n * (n + 1) // 2
+    # coalesced: two allreduces on rank 0 are one call, matching the others' single 5-element one
+    c = torch.arange(5, dtype=torch.float32) * 10 * (rank + 1)
+    if rank == 0:
+        a, b = torch.arange(3, dtype=torch.float32), torch.arange(3, 5, dtype=torch.float32)
+        with _coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+            dist.all_reduce(a, async_op=True)
+            dist.all_reduce(b)
+        cm.wait()
+        fused = torch.cat([a, b]).tolist()
+    else:
+        dist.all_reduce(c)
+        fused = c.tolist()
+    # split_group: ranks 0 and n-1 (on different hosts), the parent goes on after
+    sub = pg.split_group([0, n - 1], group_name="hier-sub")
+    split = None
+    if sub is not None:
+        _assert_native(sub)
+        t = torch.full((3,), float(rank + 1))
+        sub.allreduce([t]).wait()
+        split = t.tolist()
+    # sparse: duplicate indices across ranks sum
+    sp = torch.sparse_coo_tensor(torch.tensor([[rank, n]]), torch.tensor([1.0 + rank, 10.0]), (n + 1,))
+    dist.all_reduce(sp)
+    # allocateTensor: a tensor in plait's shared memory, reduced in place
+    backend = pg._get_backend(torch.device("cpu"))
+    shared = backend.allocate_tensor(3000, dtype=torch.float32, device=torch.device("cpu"))
+    shared.copy_(torch.arange(3000, dtype=torch.float32) % 7 * (rank + 1))
+    dist.all_reduce(shared)
+    shared_ok = torch.equal(shared, torch.arange(3000, dtype=torch.float32) % 7 * tri)
+    # an async call's future completes without wait(), and chains
+    fut = dist.all_reduce(torch.ones(4), async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    doubled = fut.wait().tolist()
+    dist.barrier()
+    return fused, split, sp.to_dense().tolist(), shared_ok, doubled
+
+
+@pytest.mark.parametrize("hosts", [["a", "b", "a"], ["a", "a", "b", "b"]], ids=["3-interleaved", "2x2"])
+def test_native_features_across_hosts(tmp_path, hosts):
+    n = len(hosts)
+    tri = n * (n + 1) // 2
+    for rank, (fused, split, dense, shared_ok, doubled) in enumerate(
+        run_torch(_native_features, n, tmp_path, timeout=120, args=(hosts,))
+    ):
+        # rank 0's a + b = [0..4]; every other rank's c = 10 * (r + 1) * [0..4]
+        assert fused == [k + 10 * k * (tri - 1) for k in range(5)], (rank, fused)
+        assert split == ([float(1 + n)] * 3 if rank in (0, n - 1) else None), (rank, split)
+        assert dense == [1.0 + r for r in range(n)] + [10.0 * n], (rank, dense)
+        assert shared_ok and doubled == [2.0 * n] * 4, rank
+
+
+def _any_source(rank, n, store_dir, hosts):
+    import time
+
+    os.environ["PLAIT_HOST_ID"] = hosts[rank]
+    init_pg("plait", rank, n, store_dir, timeout=20)
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            dist.recv(torch.empty(2))  # from any source: one the C++ multi-host communicator refuses
+        else:
+            dist.send(torch.ones(2), 0)
+            dist.barrier()
+    except Exception as e:  # noqa: BLE001 - checked by the caller
+        return (
+            isinstance(e, plait.InvalidArgument),
+            isinstance(e, plait.PlaitError),
+            str(e),
+            time.monotonic() - t0,
+        )
+    return None
+
+
+def test_any_source_recv_across_hosts_is_refused_everywhere(tmp_path):
+    got = run_torch(_any_source, 2, tmp_path, timeout=90, args=(["a", "b"],))
+    invalid, _, msg, took = got[0]
+    assert invalid and "recv" in msg, msg  # the receiver: a clear InvalidArgument
+    for rank, (_, typed, msg, took) in enumerate(got):
+        assert typed and took < 15, (rank, msg, took)  # the sender: a plait error, promptly

@@ -226,6 +226,16 @@ void HierComm::run_call(CallArgs& a, const Fingerprint& fp) {
         throw InvalidArgument("unknown collective");
     }
   } catch (const PlaitError& e) {
+    if (e.kind() == ErrorKind::peer_lost) {
+      // A lost engine peer or flag store is often the echo of a failure this host recorded
+      // first (the leader saw a mismatch, aborted the segment, and its process exited, taking
+      // the engines' store with it): raise that cause, with its kind.
+      try {
+        local_->throw_if_aborted();
+      } catch (const PlaitError& cause) {
+        on_error(a, cause);
+      }
+    }
     on_error(a, e);
   }
 }

@@ -1,6 +1,7 @@
 // The plait c10d Backend: lifetime, errors, the completion thread, and the Python module that
 // creates it (plait.torch._native loads this file's module and registers the backend).
 #include "torch/backend.h"
+#include "torch/engines.h"
 
 #include <Python.h>
 #include <c10/core/CPUAllocator.h>
@@ -281,6 +282,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module_::import("torch.distributed");
   plait_torch::bind_testing(m);
   m.attr("CAPI_VERSION") = PLAIT_CAPI_VERSION;
+  plait_torch::bind_gloo_engine(m);
+  plait_torch::bind_engine_calls(m);
   // Moves a CPU tensor's storage into plait shared memory in place, as Tensor.share_memory_()
   // moves one into torch's: every tensor and view on the storage then sees the new memory, and
   // plait's peers map it. The old memory is freed: a raw pointer to it taken earlier (a numpy

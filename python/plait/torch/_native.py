@@ -14,8 +14,12 @@ line saying so (dots follow on a terminal).
 CUDA tensors take the C API's device buffers (csrc/torch/gpu.cc): the group's communicator gets
 its GPU queue at the first CUDA tensor (attach_gpu), as plait's own first GPU call gives it one.
 
-PLAIT_TORCH_NATIVE: unset or 1 = native or an error; 0 = the Python backend (kept only until
-multi-host groups reach the native one; they take the Python backend meanwhile).
+Groups across hosts are native too: their communicator is _C.HierComm, which the C API drives
+like a flat one, and the module also hands the multi-host communicator its engine between hosts
+(make_gloo_engine: torch's own ProcessGroupGloo behind hier/engine.h).
+
+PLAIT_TORCH_NATIVE: unset or 1 = native or an error; 0 = the Python backend (kept only until it
+is deleted: the native backend serves every group now).
 """
 
 import fcntl
@@ -36,8 +40,10 @@ _SOURCES = (
     "torch/ops.cc",
     "torch/gpu.cc",
     "torch/testing.cc",
+    "torch/gloo_engine.cc",
+    "torch/engine_calls.cc",
 )
-_HEADERS = ("torch/backend.h", "bindings/capi.h")
+_HEADERS = ("torch/backend.h", "torch/engines.h", "bindings/capi.h", "hier/engine.h")
 _module = None
 _tried = False
 _error = None  # the NativeBuildError the build raised, raised again on each later use
@@ -193,8 +199,9 @@ def load():
 
 
 def create(opts, buffer_bytes):
-    """A native Backend for the group c10d describes in opts, or None when plait.init gave a
-    communicator the C API cannot drive (a multi-host one)."""
+    """A native Backend for the group c10d describes in opts, or the communicator plait.init
+    gave when it is no C++ one the C API can drive (the Python HierCommunicator of before
+    _C.HierComm)."""
     import plait
     from plait import _C
 
@@ -215,7 +222,7 @@ def create(opts, buffer_bytes):
     except plait.PlaitError as e:
         raise _errors.to_torch(e, f"plait: creating group {opts.group_id!r}") from None
     native = getattr(comm, "_c", None)
-    if not isinstance(native, _C.Communicator):
+    if not isinstance(native, _C._Comm):  # every C++ communicator (flat, or multi-host: HierComm)
         return comm
     comm.label = f"pg:{opts.group_id}"  # flight reports and PLAIT_TRACE tracks name the group
     backend = _module.create(

@@ -1,0 +1,641 @@
+// The gloo engine (hier/engine.h) over torch's own ProcessGroupGloo, driven through the generic
+// c10d::Backend interface: the CPU wheel ships ProcessGroupGloo.hpp but not gloo's headers, so
+// plait never touches gloo itself. Tensors are at::from_blob views of the caller's buffers.
+//
+// Waiting. A collective's Future wakes a condition variable when gloo finishes it; the caller
+// first spins (yielding) for PLAIT_ENGINE_SPIN_US (an 8-byte step takes ~100 us), then sleeps on
+// the variable in slices of at most 50 ms and looks at the job-wide flag in the store between
+// slices, so the store sees one round trip per 50 ms of waiting and none on a fast call.
+// send/recv Works complete only inside Work::wait(): one helper thread per group waits there.
+//
+// Deadlines. Every op gets gloo's own per-op timeout = the call's time left + kMarginMs. When
+// plait's deadline passes, gloo ends the op itself soon after and the call returns once gloo no
+// longer touches the caller's buffer. A timed-out gloo group is unusable (gloo poisons its
+// context): later calls fail at once with the same kind.
+//
+// Failure. fail() records the first failure, wakes the waiting call, aborts a pending send/recv
+// and writes the job-wide flag: the first writer's kind and message (compareSet on an absent
+// key), then a counter that waits poll. A call that sees the flag fails with the recorded kind,
+// as the Python engines of _inter do (a mismatch on one host is a MismatchError on all; the
+// multi-host communicator raises what the engine returns). gloo cannot cancel a collective in
+// flight (2.13's ProcessGroupGloo has no abort()): a call that gives up on one returns while
+// gloo may still hold the buffer until its timeout or until the peers exit; the group is dead
+// by then, and release() hands its last references to a thread of their own so that it never
+// blocks on gloo.
+#include <ATen/ATen.h>
+#include <torch/python.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <cxxabi.h>
+
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bindings/capi.h"
+#include "hier/engine.h"
+#include "torch/engines.h"
+
+namespace plait_torch {
+namespace {
+
+using Secs = std::chrono::duration<double>;
+constexpr double kFlagEvery = 0.05;  // seconds of waiting between looks at the job-wide flag
+constexpr int64_t kMarginMs = 100;   // gloo's own timeout ends this long after plait's deadline
+constexpr double kGraceS = 2.0;      // how long a call that gave up waits for gloo to let go
+const char* const kGlooIoException = "N4gloo11IoExceptionE";  // typeid(gloo::IoException).name()
+const char* const kFlagKey = "plait/engine-abort";
+const char* const kFlagMsgKey = "plait/engine-abort/msg";
+
+double now_s() { return Secs(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+void say(char* err, size_t errlen, const std::string& s) {
+  if (err != nullptr && errlen > 0) std::snprintf(err, errlen, "%s", s.c_str());
+}
+
+std::string first_line(const char* s) {
+  std::string t(s);
+  return t.substr(0, t.find('\n'));
+}
+
+const char* const kTypeNames[] = {"float16", "bfloat16", "float32", "float64", "int8",
+                                  "uint8",   "int32",    "int64",   "bool"};
+
+bool scalar_type(uint8_t d, at::ScalarType* t) {
+  static const at::ScalarType kTypes[] = {at::kHalf,   at::kBFloat16, at::kFloat,
+                                          at::kDouble, at::kChar,     at::kByte,
+                                          at::kInt,    at::kLong,     at::kBool};
+  if (d >= sizeof(kTypes) / sizeof(kTypes[0])) return false;
+  *t = kTypes[d];
+  return true;
+}
+
+const char* op_name(uint8_t op) {
+  static const char* kNames[] = {"sum", "prod", "min", "max", "avg"};
+  return op < 5 ? kNames[op] : "?";
+}
+
+// One op's end, signalled by gloo's thread (a Future callback) or by the send/recv helper.
+struct Waiter {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+  std::atomic<bool> ready{false};
+  void finish(std::exception_ptr e) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      error = std::move(e);
+      done = true;
+    }
+    ready.store(true, std::memory_order_release);
+    cv.notify_all();
+  }
+};
+
+// An op in flight (what allgather_start hands out as its request).
+struct Pending {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::shared_ptr<Waiter> w;
+  std::string what;
+  bool p2p = false;
+};
+
+// The send/recv helper's state, shared with its thread (which may outlive a dead group).
+struct P2pQueue {
+  std::mutex mu;
+  std::condition_variable cv;
+  c10::intrusive_ptr<c10d::Work> work;
+  std::chrono::milliseconds timeout{0};
+  std::shared_ptr<Waiter> w;
+  bool stop = false;
+
+  void loop() {
+    for (;;) {
+      c10::intrusive_ptr<c10d::Work> job;
+      std::shared_ptr<Waiter> w;
+      std::chrono::milliseconds to;
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait(lk, [&] { return stop || work; });
+        if (!work) return;
+        job = std::move(work);
+        w = std::move(this->w);
+        to = timeout;
+      }
+      std::exception_ptr e;
+      try {
+        if (!job->wait(to)) e = std::make_exception_ptr(std::runtime_error("aborted"));
+      } catch (...) {
+        e = std::current_exception();
+      }
+      w->finish(e);
+    }
+  }
+};
+
+class Gloo {
+ public:
+  Gloo(c10::intrusive_ptr<c10d::Backend> pg, c10::intrusive_ptr<c10d::Store> store,
+       std::string label)
+      : pg_(std::move(pg)), store_(std::move(store)), label_(std::move(label)) {
+    rank_ = pg_->getRank();
+    size_ = pg_->getSize();
+    // 100 us: bench/gloo_engine.py at 8 B, 0 / 100 / 1000 us of spin took 1.01 / 0.44 / 0.52x
+    // the time of torch's own wait on the same gloo (bench/RESULTS-hier.md, 2026-12-05).
+    const char* spin = std::getenv("PLAIT_ENGINE_SPIN_US");
+    spin_s_ = (spin != nullptr && *spin != '\0') ? std::atof(spin) * 1e-6 : 100e-6;
+    p2p_ = std::make_shared<P2pQueue>();
+  }
+  ~Gloo();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  plait_engine table{};  // what the capsule holds; freed with the group
+  uint32_t allreduce(void* buf, size_t count, uint8_t dtype, uint8_t op, double timeout_s,
+                     char* err, size_t errlen);
+  uint32_t allgather_start(const void* in, void* out, size_t bytes, void** req, char* err,
+                           size_t errlen);
+  uint32_t wait(void* req, double timeout_s, char* err, size_t errlen);
+  uint32_t broadcast(void* buf, size_t bytes, int root, double timeout_s, char* err, size_t errlen);
+  uint32_t alltoall(const void* in, void* out, size_t bytes, double timeout_s, char* err,
+                    size_t errlen);
+  uint32_t p2p(bool send, void* buf, size_t bytes, int peer, int tag, double timeout_s, char* err,
+               size_t errlen);
+  void fail(uint32_t kind, const char* msg);
+
+ private:
+  std::string where(const std::string& what) const {
+    return "gloo " + what + " on group '" + label_ + "' (rank " + std::to_string(rank_) + " of " +
+           std::to_string(size_) + ")";
+  }
+  // Nonzero (and the message) when the group is dead: failed, flagged or timed out before.
+  uint32_t dead(const std::string& what, char* err, size_t errlen);
+  // Records the group's first death; true if this one was it.
+  bool die(uint32_t kind, const std::string& msg);
+  // The job-wide flag: 0 not set, 1 set (kind and msg: the first failure's), 2 the store is
+  // unreachable (kind PEER_LOST, msg: so).
+  int flag(uint32_t* kind, std::string* msg);
+  void write_flag(uint32_t kind, const std::string& msg);
+  static std::chrono::milliseconds gloo_timeout(double timeout_s) {
+    if (std::isinf(timeout_s)) return c10d::kUnsetTimeout;
+    return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(timeout_s * 1e3)) + kMarginMs);
+  }
+  uint32_t issue(const std::string& what, const std::function<c10::intrusive_ptr<c10d::Work>()>& f,
+                 Pending* p, char* err, size_t errlen);
+  uint32_t finish(Pending& p, double timeout_s, char* err, size_t errlen);
+  at::Tensor view(const void* p, size_t n, at::ScalarType t = at::kByte) const {
+    return at::from_blob(const_cast<void*>(p), {static_cast<int64_t>(n)},
+                         at::TensorOptions().dtype(t));
+  }
+
+  c10::intrusive_ptr<c10d::Backend> pg_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string label_;
+  int rank_ = 0, size_ = 1;
+  double spin_s_ = 0;
+  std::shared_ptr<P2pQueue> p2p_;
+  std::thread p2p_thread_;
+  bool stuck_ = false;  // an op was given up on while gloo still ran it
+
+  std::mutex mu_;  // guards the fields below
+  std::atomic<bool> dead_{false};
+  uint32_t dead_kind_ = PLAIT_OK;
+  std::string dead_msg_;
+  std::shared_ptr<Waiter> current_;  // the op a call waits on now (fail() wakes it)
+  c10::intrusive_ptr<c10d::Work> current_p2p_;
+  std::atomic<bool> flag_written_{false};
+};
+
+Gloo::~Gloo() {
+  {
+    std::lock_guard<std::mutex> lk(p2p_->mu);
+    p2p_->stop = true;
+  }
+  p2p_->cv.notify_all();
+  if (p2p_thread_.joinable()) {
+    if (stuck_)
+      p2p_thread_.detach();  // it waits in gloo until gloo's timeout; its state is its own
+    else
+      p2p_thread_.join();
+  }
+  if (stuck_)  // ~ProcessGroupGloo waits for the ops it runs: drop the last references elsewhere
+    std::thread([pg = std::move(pg_), st = std::move(store_)]() mutable {
+      pg.reset();
+      st.reset();
+    }).detach();
+}
+
+bool Gloo::die(uint32_t kind, const std::string& msg) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (dead_.load()) return false;
+  dead_kind_ = kind;
+  dead_msg_ = msg;
+  dead_.store(true, std::memory_order_release);
+  return true;
+}
+
+uint32_t Gloo::dead(const std::string& what, char* err, size_t errlen) {
+  if (!dead_.load(std::memory_order_acquire)) return PLAIT_OK;
+  std::lock_guard<std::mutex> lk(mu_);
+  say(err, errlen, where(what) + ": " + dead_msg_);
+  return dead_kind_;
+}
+
+int Gloo::flag(uint32_t* kind, std::string* msg) {
+  *kind = PLAIT_E_PEER_LOST;
+  try {
+    if (store_->add(kFlagKey, 0) <= 0) return 0;
+    std::vector<uint8_t> v = store_->get(kFlagMsgKey);
+    std::string s(v.begin(), v.end());  // "kind|message"
+    const size_t bar = s.find('|');
+    const long k =
+        bar == std::string::npos ? 0 : std::strtol(s.substr(0, bar).c_str(), nullptr, 10);
+    if (k >= PLAIT_E_GENERIC && k <= PLAIT_E_PEER_LOST) *kind = uint32_t(k);
+    *msg = bar == std::string::npos ? s : s.substr(bar + 1);
+    return 1;
+  } catch (const std::exception& e) {
+    *msg = "the store holding the job-wide abort flag is unreachable (" + first_line(e.what()) +
+           "); the rank serving it is probably gone";
+    return 2;
+  }
+}
+
+void Gloo::write_flag(uint32_t kind, const std::string& msg) {
+  if (flag_written_.exchange(true)) return;
+  std::string value = std::to_string(kind) + "|" + msg;
+  auto landed = std::make_shared<std::promise<void>>();
+  std::future<void> f = landed->get_future();
+  // On a thread of its own: a dead store blocks for its whole timeout, fail() waits 2 s at most.
+  std::thread([st = store_, value, landed] {
+    try {
+      st->compareSet(kFlagMsgKey, std::vector<uint8_t>(),
+                     std::vector<uint8_t>(value.begin(), value.end()));
+      st->add(kFlagKey, 1);
+    } catch (const std::exception&) {  // the store is gone too: the peers see that instead
+    }
+    landed->set_value();
+  }).detach();
+  f.wait_for(std::chrono::seconds(2));
+}
+
+void Gloo::fail(uint32_t kind, const char* msg) {
+  std::string text = msg != nullptr ? msg : "";
+  if (text.rfind("rank ", 0) != 0) text = "rank " + std::to_string(rank_) + " failed: " + text;
+  die(kind == PLAIT_OK ? PLAIT_E_GENERIC : kind, text);
+  std::shared_ptr<Waiter> w;
+  c10::intrusive_ptr<c10d::Work> p2p;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    w = current_;
+    p2p = current_p2p_;
+  }
+  if (w) {
+    std::lock_guard<std::mutex> lk(w->mu);  // the waiter looks at dead_ under this lock
+    w->cv.notify_all();
+  }
+  try {
+    if (p2p) p2p->abort();  // gloo's send/recv waits do end on abort
+    pg_->abort();           // a no-op for 2.13's gloo; a later torch may end collectives too
+  } catch (const std::exception&) {
+  }
+  write_flag(kind == PLAIT_OK ? PLAIT_E_GENERIC : kind, text);
+}
+
+uint32_t Gloo::issue(const std::string& what,
+                     const std::function<c10::intrusive_ptr<c10d::Work>()>& f, Pending* p,
+                     char* err, size_t errlen) {
+  if (uint32_t k = dead(what, err, errlen)) return k;
+  p->what = what;
+  p->w = std::make_shared<Waiter>();
+  try {
+    p->work = f();
+  } catch (const std::exception& e) {  // gloo refused the arguments before sending anything
+    say(err, errlen, where(what) + ": " + first_line(e.what()));
+    return PLAIT_E_INVALID;
+  }
+  if (!p->p2p) {
+    std::shared_ptr<Waiter> w = p->w;
+    p->work->getFuture()->addCallback([w](c10::ivalue::Future& fut) {
+      w->finish(fut.hasError() ? fut.exception_ptr() : nullptr);
+    });
+  }
+  return PLAIT_OK;
+}
+
+uint32_t Gloo::finish(Pending& p, double timeout_s, char* err, size_t errlen) {
+  Waiter& w = *p.w;
+  const double start = now_s();
+  const double deadline = start + timeout_s;  // inf stays inf
+  while (!w.ready.load(std::memory_order_acquire) && now_s() - start < spin_s_)
+    std::this_thread::yield();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    current_ = p.w;
+  }
+  uint32_t kind = PLAIT_OK;
+  bool expired = false;  // this call's own deadline (not a failure elsewhere)
+  std::string why;
+  double next_flag = start + kFlagEvery;
+  std::unique_lock<std::mutex> lk(w.mu);
+  while (!w.done) {
+    if (dead_.load(std::memory_order_acquire)) {
+      std::lock_guard<std::mutex> g(mu_);
+      kind = dead_kind_;
+      why = dead_msg_;
+      break;
+    }
+    double t = now_s();
+    if (t >= deadline) {
+      kind = PLAIT_E_TIMEOUT;
+      expired = true;
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%.3g", timeout_s);
+      why = std::string("deadline passed (") + secs + " s) waiting for the group's other members";
+      break;
+    }
+    if (t >= next_flag) {
+      lk.unlock();
+      uint32_t flagged;
+      const bool set = flag(&flagged, &why) != 0;
+      lk.lock();
+      if (set) {
+        kind = flagged;
+        break;
+      }
+      next_flag = now_s() + kFlagEvery;
+      continue;
+    }
+    w.cv.wait_for(lk, Secs(std::min(deadline, next_flag) - t));
+  }
+  lk.unlock();
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    current_.reset();
+    current_p2p_.reset();
+  }
+  if (kind != PLAIT_OK) {
+    // Given up: gloo ends the op itself at its own timeout (just after ours), or at once for an
+    // aborted send/recv. Wait for that, so the caller's buffer is free when this returns.
+    if (p.p2p) p.work->abort();
+    double grace = expired ? kMarginMs * 1e-3 + kGraceS : p.p2p ? kGraceS : 0.0;
+    std::unique_lock<std::mutex> g(w.mu);
+    if (!w.cv.wait_for(g, Secs(grace), [&] { return w.done; })) stuck_ = true;
+    if (expired && w.done && !w.error) return PLAIT_OK;  // late, but complete
+    if (expired) {
+      die(kind, "an earlier " + p.what + " timed out: the group is unusable");
+    } else {
+      die(kind, why);  // a failure here or elsewhere: later calls fail at once
+    }
+    say(err, errlen, where(p.what) + ": " + why);
+    return kind;
+  }
+  if (!w.error) return PLAIT_OK;
+  // gloo's failures, by type: after plait's deadline, gloo's own timeout; before it, a lost or
+  // closed connection (torch's DistError family, or gloo's IoException, which torch passes on
+  // as it is: without gloo's headers its type is known by name only). Anything else is a bug.
+  const bool late = now_s() >= deadline;
+  uint32_t flagged;
+  if (flag(&flagged, &why) == 1) {  // the cause, where a peer failed first and closed its pairs
+    die(flagged, why);
+    say(err, errlen, where(p.what) + ": " + why);
+    return flagged;
+  }
+  kind = late ? PLAIT_E_TIMEOUT : PLAIT_E_PEER_LOST;
+  try {
+    std::rethrow_exception(w.error);
+  } catch (const c10::DistError& e) {
+    why = first_line(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    const std::type_info* t = abi::__cxa_current_exception_type();
+    why = first_line(e.what());
+    if (!late && (t == nullptr || std::strcmp(t->name(), kGlooIoException) != 0))
+      kind = PLAIT_E_GENERIC;
+  }
+  die(kind, "an earlier " + p.what + " failed: " + why);
+  say(err, errlen, where(p.what) + ": " + why);
+  return kind;
+}
+
+uint32_t Gloo::allreduce(void* buf, size_t count, uint8_t dtype, uint8_t op, double timeout_s,
+                         char* err, size_t errlen) {
+  at::ScalarType t;
+  std::string what = "allreduce";
+  if (!scalar_type(dtype, &t) || op > PLAIT_MAX) {
+    say(err, errlen,
+        where(what) + ": dtype code " + std::to_string(dtype) + " with op " + op_name(op) +
+            " is not one gloo reduces (supports() says which)");
+    return PLAIT_E_INVALID;
+  }
+  what += " of " + std::to_string(count) + " " + kTypeNames[dtype] + " (" + op_name(op) + ")";
+  if (count == 0 || size_ == 1) return dead(what, err, errlen);
+  static const c10d::ReduceOp::RedOpType kOps[] = {c10d::ReduceOp::SUM, c10d::ReduceOp::PRODUCT,
+                                                   c10d::ReduceOp::MIN, c10d::ReduceOp::MAX};
+  if (t == at::kBool) {  // gloo adds bools as bytes (1 + 1 = a bool byte of 2): or / and instead
+    t = at::kByte;
+    op = (op == PLAIT_SUM || op == PLAIT_MAX) ? PLAIT_MAX : PLAIT_MIN;
+  }
+  Pending p;
+  std::vector<at::Tensor> ts{view(buf, count, t)};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp(kOps[op]);
+  o.timeout = gloo_timeout(timeout_s);
+  if (uint32_t k = issue(what, [&] { return pg_->allreduce(ts, o); }, &p, err, errlen)) return k;
+  return finish(p, timeout_s, err, errlen);
+}
+
+uint32_t Gloo::allgather_start(const void* in, void* out, size_t bytes, void** req, char* err,
+                               size_t errlen) {
+  *req = nullptr;
+  auto p = std::make_unique<Pending>();
+  std::string what = "allgather of " + std::to_string(bytes) + " B";
+  if (bytes == 0 || size_ == 1) {
+    if (bytes != 0) std::memcpy(out, in, bytes);
+    if (uint32_t k = dead(what, err, errlen)) return k;
+    p->what = what;  // no work: wait() finds it finished
+    *req = p.release();
+    return PLAIT_OK;
+  }
+  at::Tensor o = view(out, bytes * size_), i = view(in, bytes);
+  c10d::AllgatherOptions opts;  // gloo's default timeout: wait() holds plait's deadline
+  if (uint32_t k =
+          issue(what, [&] { return pg_->_allgather_base(o, i, opts); }, p.get(), err, errlen))
+    return k;
+  *req = p.release();
+  return PLAIT_OK;
+}
+
+uint32_t Gloo::wait(void* req, double timeout_s, char* err, size_t errlen) {
+  std::unique_ptr<Pending> p(static_cast<Pending*>(req));
+  if (!p->work) return dead(p->what, err, errlen);
+  return finish(*p, timeout_s, err, errlen);
+}
+
+uint32_t Gloo::broadcast(void* buf, size_t bytes, int root, double timeout_s, char* err,
+                         size_t errlen) {
+  std::string what = "broadcast of " + std::to_string(bytes) + " B from " + std::to_string(root);
+  if (root < 0 || root >= size_) {
+    say(err, errlen, where(what) + ": root " + std::to_string(root) + " is not a member");
+    return PLAIT_E_INVALID;
+  }
+  if (bytes == 0 || size_ == 1) return dead(what, err, errlen);
+  Pending p;
+  std::vector<at::Tensor> ts{view(buf, bytes)};
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  o.timeout = gloo_timeout(timeout_s);
+  if (uint32_t k = issue(what, [&] { return pg_->broadcast(ts, o); }, &p, err, errlen)) return k;
+  return finish(p, timeout_s, err, errlen);
+}
+
+uint32_t Gloo::alltoall(const void* in, void* out, size_t bytes, double timeout_s, char* err,
+                        size_t errlen) {
+  std::string what = "alltoall of " + std::to_string(bytes) + " B a block";
+  if (bytes == 0 || size_ == 1) {
+    if (bytes != 0) std::memcpy(out, in, bytes);
+    return dead(what, err, errlen);
+  }
+  Pending p;
+  at::Tensor o = view(out, bytes * size_), i = view(in, bytes * size_);
+  c10d::AllToAllOptions opts;
+  opts.timeout = gloo_timeout(timeout_s);
+  std::vector<int64_t> even;
+  if (uint32_t k =
+          issue(what, [&] { return pg_->alltoall_base(o, i, even, even, opts); }, &p, err, errlen))
+    return k;
+  return finish(p, timeout_s, err, errlen);
+}
+
+uint32_t Gloo::p2p(bool send, void* buf, size_t bytes, int peer, int tag, double timeout_s,
+                   char* err, size_t errlen) {
+  std::string what = std::string(send ? "send of " : "recv of ") + std::to_string(bytes) + " B " +
+                     (send ? "to " : "from ") + std::to_string(peer) + " (tag " +
+                     std::to_string(tag) + ")";
+  if (peer < 0 || peer >= size_ || peer == rank_ || tag < 0) {
+    say(err, errlen, where(what) + ": the peer must be another member and the tag >= 0");
+    return PLAIT_E_INVALID;
+  }
+  if (bytes == 0) return dead(what, err, errlen);
+  Pending p;
+  p.p2p = true;
+  std::vector<at::Tensor> ts{view(buf, bytes)};
+  if (uint32_t k = issue(
+          what, [&] { return send ? pg_->send(ts, peer, tag) : pg_->recv(ts, peer, tag); }, &p, err,
+          errlen))
+    return k;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    current_p2p_ = p.work;
+  }
+  {
+    std::lock_guard<std::mutex> lk(p2p_->mu);
+    if (!p2p_thread_.joinable()) p2p_thread_ = std::thread([q = p2p_] { q->loop(); });
+    p2p_->work = p.work;
+    p2p_->w = p.w;
+    p2p_->timeout = std::isinf(timeout_s) ? ::kNoTimeout : gloo_timeout(timeout_s);
+  }
+  p2p_->cv.notify_one();
+  if (dead_.load()) p.work->abort();  // fail() came between issue and now
+  return finish(p, timeout_s, err, errlen);
+}
+
+// The C table: each entry casts ctx back and calls the member; no exception gets out.
+template <class F>
+uint32_t guarded(char* err, size_t errlen, F f) {
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    say(err, errlen, std::string("gloo engine: ") + first_line(e.what()));
+    return PLAIT_E_GENERIC;
+  }
+}
+
+Gloo* G(void* ctx) { return static_cast<Gloo*>(ctx); }
+
+plait_engine* make_table(Gloo* g) {
+  plait_engine* e = &g->table;
+  e->version = PLAIT_ENGINE_VERSION;
+  e->struct_size = sizeof(plait_engine);
+  e->name = "gloo";
+  e->rank = g->rank();
+  e->size = g->size();
+  e->ctx = g;
+  e->supports = [](void*, uint8_t dtype, uint8_t op) -> int {
+    at::ScalarType t;  // 2.13's gloo reduces every plait dtype with sum/prod/min/max
+    return scalar_type(dtype, &t) && op <= PLAIT_MAX ? 1 : 0;
+  };
+  e->allreduce = [](void* c, void* buf, size_t n, uint8_t dt, uint8_t op, double to, char* err,
+                    size_t el) {
+    return guarded(err, el, [&] { return G(c)->allreduce(buf, n, dt, op, to, err, el); });
+  };
+  e->allgather = [](void* c, const void* in, void* out, size_t bytes, double to, char* err,
+                    size_t el) {
+    return guarded(err, el, [&] {
+      void* req = nullptr;
+      uint32_t k = G(c)->allgather_start(in, out, bytes, &req, err, el);
+      return k != PLAIT_OK ? k : G(c)->wait(req, to, err, el);
+    });
+  };
+  e->allgather_start = [](void* c, const void* in, void* out, size_t bytes, void** req, char* err,
+                          size_t el) {
+    return guarded(err, el, [&] { return G(c)->allgather_start(in, out, bytes, req, err, el); });
+  };
+  e->wait = [](void* c, void* req, double to, char* err, size_t el) {
+    return guarded(err, el, [&] { return G(c)->wait(req, to, err, el); });
+  };
+  e->broadcast = [](void* c, void* buf, size_t bytes, int root, double to, char* err, size_t el) {
+    return guarded(err, el, [&] { return G(c)->broadcast(buf, bytes, root, to, err, el); });
+  };
+  e->alltoall = [](void* c, const void* in, void* out, size_t bytes, double to, char* err,
+                   size_t el) {
+    return guarded(err, el, [&] { return G(c)->alltoall(in, out, bytes, to, err, el); });
+  };
+  e->send = [](void* c, const void* buf, size_t bytes, int peer, int tag, double to, char* err,
+               size_t el) {
+    return guarded(err, el, [&] {
+      return G(c)->p2p(true, const_cast<void*>(buf), bytes, peer, tag, to, err, el);
+    });
+  };
+  e->recv = [](void* c, void* buf, size_t bytes, int peer, int tag, double to, char* err,
+               size_t el) {
+    return guarded(err, el, [&] { return G(c)->p2p(false, buf, bytes, peer, tag, to, err, el); });
+  };
+  e->fail = [](void* c, uint32_t kind, const char* msg) {
+    try {
+      G(c)->fail(kind, msg);
+    } catch (const std::exception&) {  // out of memory: the flag stays unwritten, nothing else
+    }
+  };
+  e->release = [](void* c) { delete G(c); };
+  return e;
+}
+
+}  // namespace
+
+void bind_gloo_engine(pybind11::module_& m) {
+  m.def(
+      "make_gloo_engine",
+      [](c10::intrusive_ptr<c10d::Backend> pg, c10::intrusive_ptr<c10d::Store> store,
+         const std::string& label) {
+        if (!pg || !store) throw std::invalid_argument("make_gloo_engine: pg and store are needed");
+        plait_engine* e = make_table(new Gloo(std::move(pg), std::move(store), label));
+        return pybind11::capsule(e, PLAIT_ENGINE_CAPSULE);
+      },
+      pybind11::arg("pg"), pybind11::arg("store"), pybind11::arg("label"),
+      "An engine between hosts (hier/engine.h) over a ProcessGroupGloo the caller created; its "
+      "job-wide abort flag is a key in store. The capsule has no destructor: hand it to one "
+      "communicator, which calls release() once.");
+}
+
+}  // namespace plait_torch
