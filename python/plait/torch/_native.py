@@ -10,9 +10,6 @@ When it cannot be built (no C++ compiler, no ninja, no Python headers, a cache d
 cannot be written), `import plait.torch` fails with one NativeBuildError naming each missing
 piece and how to get it, instead of running something else. While it compiles, stderr gets one
 line saying so (dots follow on a terminal).
-
-PLAIT_TORCH_NATIVE: unset or 1 = native or an error; 0 = the Python backend (kept only until
-multi-host groups and CUDA tensors reach the native one; they take the Python backend meanwhile).
 """
 
 import fcntl
@@ -160,24 +157,12 @@ def _build():
 
 
 def load():
-    """The compiled module, or None where the Python backend serves the groups (PLAIT_TORCH_NATIVE=0,
-    or a CUDA build with a visible GPU). Raises NativeBuildError when it cannot be built."""
+    """The compiled module. Raises NativeBuildError when it cannot be built."""
     global _module, _tried, _error
-    want = os.environ.get("PLAIT_TORCH_NATIVE", "")
-    if want == "0":
-        return None  # read at each group's creation, so a process may mix (tests do)
     if _tried:
         if _error is not None:
             raise NativeBuildError(str(_error))
         return _module
-    if not want:
-        import torch
-
-        import plait
-
-        if plait.build_info()["cuda"] and torch.cuda.is_available():
-            _tried = True
-            return None  # CUDA tensors take plait's GPU path, which only the Python backend has yet
     _tried = True
     try:
         _module = _build()
