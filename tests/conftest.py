@@ -203,22 +203,3 @@ def _no_shm_left_at_end():
     yield
     left = sorted(s for s in glob.glob(SHM_GLOB) if _creator(os.path.basename(s)) in _SESSION_PIDS)
     assert not left, "plait segments left in /dev/shm at the end of the session: %s" % left
-
-
-@pytest.fixture(params=["native", "python"])
-def torch_impl(request, monkeypatch):
-    """Runs a torch backend test on the native (C++) backend and on the Python one: the choice is
-    read when each group is created, from PLAIT_TORCH_NATIVE, which forked ranks inherit."""
-    if request.param == "native":
-        monkeypatch.delenv("PLAIT_TORCH_NATIVE", raising=False)
-        import plait.torch
-
-        # A native backend that cannot be built fails `import plait.torch` (NativeBuildError), so
-        # this half errors rather than skips; native() is False only where the Python backend is
-        # still the default (a CUDA build with a visible GPU).
-        if not plait.torch.native():
-            pytest.skip("CUDA build with a visible GPU: the Python backend serves CUDA tensors yet")
-        monkeypatch.setenv("PLAIT_TORCH_NATIVE", "1")
-    else:
-        monkeypatch.setenv("PLAIT_TORCH_NATIVE", "0")
-    return request.param

@@ -15,8 +15,6 @@ from datetime import timedelta
 import pytest
 
 torch = pytest.importorskip("torch")
-# every test runs on the native backend and on the Python one (conftest.torch_impl)
-pytestmark = pytest.mark.usefixtures("torch_impl")
 import torch.distributed as dist  # noqa: E402
 
 import plait  # noqa: E402
@@ -108,15 +106,12 @@ def _basics(rank, n, store_dir):
     pg.allreduce(v).wait()
     pg.allreduce([v], dist.ReduceOp.MAX).wait()
     assert torch.equal(v, torch.full((2,), float(n * (n - 1) // 2)))
-    if isinstance(pg, plait.torch.ProcessGroupPlait):
-        with pytest.raises(NotImplementedError, match="any source"):
-            dist.recv(torch.empty(1))
-    else:  # the native backend receives from any source (the sender is what dist.recv returns)
-        if rank == 1:
-            dist.send(torch.full((2,), 5.0), 0)
-        elif rank == 0:
-            got = torch.empty(2)
-            assert dist.recv(got) == 1 and torch.equal(got, torch.full((2,), 5.0))
+    # any-source receive: the sender is what dist.recv returns
+    if rank == 1:
+        dist.send(torch.full((2,), 5.0), 0)
+    elif rank == 0:
+        got = torch.empty(2)
+        assert dist.recv(got) == 1 and torch.equal(got, torch.full((2,), 5.0))
     dist.destroy_process_group()
     return True
 
@@ -236,11 +231,6 @@ def _errors(rank, n, store_dir):
         dist.all_reduce(torch.ones(2, dtype=torch.complex64), op=dist.ReduceOp.MAX)
     with pytest.raises(dist.DistBackendError, match="complex"):
         dist.group.WORLD.allreduce([torch.ones(2, dtype=torch.complex64)], _opts(dist.ReduceOp.MAX))
-    if not isinstance(dist.group.WORLD, plait.torch.ProcessGroupPlait):
-        pass  # the native backend splits (test_torch_native.py)
-    else:
-        with pytest.raises(NotImplementedError, match="split_group"):
-            dist.group.WORLD.split_group([[0]])
     t = torch.ones(1)
     dist.all_reduce(t)
     assert float(t) == n

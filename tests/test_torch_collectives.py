@@ -9,8 +9,6 @@ of stopping, so the ranks stay in step and a failure lists every wrong case.
 import pytest
 
 torch = pytest.importorskip("torch")
-# every test runs on the native backend and on the Python one (conftest.torch_impl)
-pytestmark = pytest.mark.usefixtures("torch_impl")
 import torch.distributed as dist  # noqa: E402
 
 from test_torch_backend import init_pg, run_torch  # noqa: E402

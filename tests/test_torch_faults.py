@@ -9,8 +9,6 @@ import time
 import pytest
 
 torch = pytest.importorskip("torch")
-# every test runs on the native backend and on the Python one (conftest.torch_impl)
-pytestmark = pytest.mark.usefixtures("torch_impl")
 import torch.distributed as dist  # noqa: E402
 
 import plait  # noqa: E402

@@ -1,7 +1,7 @@
 """The native (C++) torch backend: what only it does, and its build (one error when it cannot).
 
-Everything the two backends share runs on both in test_torch_backend.py, test_torch_collectives.py
-and test_torch_faults.py (conftest.torch_impl); these tests are about the native one.
+The collectives themselves are in test_torch_backend.py, test_torch_collectives.py and
+test_torch_faults.py; these tests are about what is particular to the C++ backend and its build.
 """
 
 import io
@@ -18,14 +18,7 @@ import torch.distributed as dist  # noqa: E402 - after the importorskip
 from test_run import _ENV  # noqa: E402 - after the importorskip
 from test_torch_backend import init_pg, run_torch  # noqa: E402 - after the importorskip
 
-# import plait.torch above fails when the backend cannot be built; native() is False only with
-# PLAIT_TORCH_NATIVE=0.
-pytestmark = pytest.mark.skipif(not plait.torch.native(), reason="PLAIT_TORCH_NATIVE=0")
-
-
-@pytest.fixture(autouse=True)
-def _native_only(monkeypatch):
-    monkeypatch.setenv("PLAIT_TORCH_NATIVE", "1")
+# import plait.torch above fails when the backend cannot be built: no skip hides that.
 
 
 def _identity(rank, n, store_dir):
@@ -109,18 +102,15 @@ def _build_error(p):
 def test_unwritable_cache_fails_import_with_one_message(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
-    for want in ("", "1"):
-        line = _build_error(_probe({"PLAIT_CACHE_DIR": str(blocker / "cache"), "PLAIT_TORCH_NATIVE": want}))
-        assert "writable cache directory" in line and "PLAIT_CACHE_DIR" in line, line
-        assert "compiler" not in line and "ninja" not in line, line  # only what is missing
-    p = _probe({"PLAIT_TORCH_NATIVE": "0"})
-    assert p.returncode == 0 and p.stdout.strip() == "python" and "plait.torch" not in p.stderr, p.stderr
+    line = _build_error(_probe({"PLAIT_CACHE_DIR": str(blocker / "cache")}))
+    assert "writable cache directory" in line and "PLAIT_CACHE_DIR" in line, line
+    assert "compiler" not in line and "ninja" not in line, line  # only what is missing
 
 
 def test_missing_compiler_and_ninja_are_named(tmp_path):
     empty = tmp_path / "bin"
     empty.mkdir()
-    env = {"PATH": str(empty), "PLAIT_CACHE_DIR": str(tmp_path / "cache"), "PLAIT_TORCH_NATIVE": ""}
+    env = {"PATH": str(empty), "PLAIT_CACHE_DIR": str(tmp_path / "cache")}
     line = _build_error(_probe(dict(env, CXX="")))
     assert "C++17 compiler" in line and "apt-get install g++" in line, line
     assert "ninja (not on PATH): pip install ninja" in line, line

@@ -19,13 +19,6 @@ from plait import _shm  # noqa: E402
 from plait.torch import _store as torch_store  # noqa: E402
 from test_rendezvous_faults import _arm, _die  # noqa: E402,F401
 
-pytestmark = pytest.mark.skipif(not plait.torch.native(), reason="the native torch backend did not build")
-
-
-@pytest.fixture(autouse=True)
-def _native(monkeypatch):
-    monkeypatch.setenv("PLAIT_TORCH_NATIVE", "1")
-
 
 def _world(rank, n, stamp):
     torch.set_num_threads(1)

@@ -5,21 +5,17 @@
     dist.init_process_group("plait")         # torchrun / plait-run, env://, tcp://, file://
 
 Every process group (the default one and each dist.new_group) gets its own plait communicator,
-rendezvoused through the store torch hands the backend. CUDA tensors (allreduce, reduce_scatter
-and all_gather of contiguous tensors, plait's dtypes and ops) run on plait's GPU path on torch's
-current stream; everything else takes CPU tensors.
+rendezvoused through the store torch hands the backend, and one native (C++) c10d backend
+(csrc/torch/, compiled at first import) drives it: on one host or many, CPU or CUDA tensors.
 Errors are torch.distributed.DistBackendError subclasses that are also plait's classes.
 `pg_options=plait.torch.Options(buffer_bytes=...)` sets a group's staging size.
 `plait.torch.empty(*size, dtype=None)` (alias `zeros`) gives a CPU tensor in plait shared memory
 (see plait.empty): collectives on it reach peers through mappings instead of kernel copies.
 `plait.torch.use_shared_buffers(model)` does the same for a DDP or FSDP2 model's communication
-buffers (native backend).
+buffers.
 """
 
-import atexit
-
 import torch.distributed as dist
-from torch._C._distributed_c10d import Backend as _CBackend
 
 from ._errors import (
     PlaitBackendError,
@@ -31,11 +27,10 @@ from ._errors import (
 )
 from . import _native
 from .. import _torch_autoload
-from ._group import Options, ProcessGroupPlait, shutdown_all
+from ._options import Options
 from ._shared_comm import is_shared, shared_allreduce_hook, use_shared_buffers
 
 __all__ = [
-    "ProcessGroupPlait",
     "Options",
     "BACKEND",
     "communicator",
@@ -76,45 +71,29 @@ zeros = empty
 
 
 def _create(opts, pg_options):
-    """c10d's creator (extended API): the native Backend for the group described by opts, or
-    a ProcessGroupPlait (the Python backend)."""
+    """c10d's creator (extended API): the native Backend for the group described by opts."""
     buffer_bytes = pg_options.buffer_bytes if isinstance(pg_options, Options) else None
-    comm = None
-    if _native.load() is not None:
-        made = _native.create(opts, buffer_bytes)
-        if isinstance(made, _CBackend):
-            return made
-        comm = made  # a communicator only the Python backend drives
-    return ProcessGroupPlait(
-        opts.store,
-        opts.group_rank,
-        opts.group_size,
-        opts.timeout,
-        group_id=opts.group_id,
-        options=pg_options,
-        comm=comm,
-    )
+    _native.load()
+    return _native.create(opts, buffer_bytes)
 
 
 def communicator(group=None):
     """The plait communicator under a "plait" process group (default: the world)."""
     pg = group if group is not None else dist.group.WORLD
     comm = _native._comms.get(pg.group_name)
-    if comm is not None:
-        return comm
-    import torch
-
-    return pg._get_backend(torch.device("cpu"))._comm
+    if comm is None:
+        raise PlaitInvalidArgument(f"plait.torch.communicator: group {pg.group_name!r} is not a plait group")
+    return comm
 
 
 def native():
-    """Whether new "plait" groups get the native (C++) backend."""
+    """Whether new "plait" groups get the native (C++) backend: always, once plait.torch imported
+    (kept for scripts that asked; the Python backend is gone)."""
     return _native.load() is not None
 
 
 _plugin = dist.Backend._plugins.get(BACKEND.upper())
 if _plugin is None or _plugin.creator_fn is _torch_autoload._create:  # replaces the autoload stub
     native()  # compiles the native backend now (NativeBuildError here when it cannot be)
-    # Both backends take CUDA tensors (the native one through plait's C API device buffers).
+    # CPU and CUDA tensors (CUDA through plait's C API device buffers).
     dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
-atexit.register(shutdown_all)

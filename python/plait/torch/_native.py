@@ -17,9 +17,6 @@ its GPU queue at the first CUDA tensor (attach_gpu), as plait's own first GPU ca
 Groups across hosts are native too: their communicator is _C.HierComm, which the C API drives
 like a flat one, and the module also hands the multi-host communicator its engine between hosts
 (make_gloo_engine: torch's own ProcessGroupGloo behind hier/engine.h).
-
-PLAIT_TORCH_NATIVE: unset or 1 = native or an error; 0 = the Python backend (kept only until it
-is deleted: the native backend serves every group now).
 """
 
 import fcntl
@@ -176,12 +173,8 @@ def _build():
 
 
 def load():
-    """The compiled module, or None where the Python backend serves the groups (PLAIT_TORCH_NATIVE=0).
-    Raises NativeBuildError when it cannot be built."""
+    """The compiled module. Raises NativeBuildError when it cannot be built."""
     global _module, _tried, _error
-    want = os.environ.get("PLAIT_TORCH_NATIVE", "")
-    if want == "0":
-        return None  # read at each group's creation, so a process may mix (tests do)
     if _tried:
         if _error is not None:
             raise NativeBuildError(str(_error))

@@ -4,12 +4,12 @@
     plait-run -n 4 -m plait.torch.overhead            # 4 ranks on a 2-core machine: oversubscribed
 
 1. plait directly: comm.allreduce on a 2-element float32 numpy array (the floor);
-2. dist.all_reduce on process groups of backend "plait", native (C++) and Python, sync and
+2. dist.all_reduce on a process group of backend "plait" (the native c10d backend), sync and
    async_op=True + wait() (what DDP and FSDP do);
 3. dist.all_reduce on gloo, and on torch's FakeProcessGroup, which does no work at all: the cost
    of torch's own layers (Python wrapper, dispatcher, Work), a floor no backend can go below;
 4. one DDP step and one FSDP2 step of a wide MLP with a small batch (communication-bound), on
-   gloo and on each plait backend, and on the native one with plait.torch.use_shared_buffers.
+   gloo and on plait, and on plait with plait.torch.use_shared_buffers.
 Prints the best and the median of 7 timed batches on rank 0, torch's floor (the fake group), and
 ratios of medians: plait native against the direct call, against torch's floor and against gloo.
 Each group's sync and async+wait batches alternate, and their ratio is also given as the median of
@@ -59,14 +59,6 @@ def _paired(sync, asyn, iters, batches=7):
         ta.append(_batch(asyn, iters))
     ratios = sorted(a / s for s, a in zip(ts, ta))
     return _best_median(ts), _best_median(ta), ratios[len(ratios) // 2]
-
-
-def _plait_group(native):
-    os.environ["PLAIT_TORCH_NATIVE"] = "1" if native else "0"
-    try:
-        return dist.new_group(backend=BACKEND)
-    finally:
-        del os.environ["PLAIT_TORCH_NATIVE"]
 
 
 def _fake_group():
@@ -154,10 +146,8 @@ def main():
     floor = _fake_group()
     if floor is not None:
         sync_and_async("fake", "fake (torch's floor)", floor)
-    groups = {}
-    if _native.load() is not None:
-        groups["native"] = _plait_group(True)
-    groups["python"] = _plait_group(False)
+    _native.load()
+    groups = {"native": dist.new_group(backend=BACKEND)}
     for impl, pg in groups.items():
         sync_and_async(f"plait {impl}", f"plait {impl}", pg)
     comm = communicator(next(iter(groups.values())))
