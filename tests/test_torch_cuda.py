@@ -405,3 +405,65 @@ def test_reduce_leaves_a_non_root_tensor_alone(tmp_path):
         assert log == [("reduce", "sum", 0, ptr, ptr if rank == 0 else 0)], log
         # the root divides what plait left (here its own values); a non-root has no output to divide
         assert x == ([(2 * i + 1) // 2 for i in range(6)] if rank == 0 else [2 * i + 1 for i in range(6)]), x
+
+
+# -- a group across hosts: CUDA tensors reach the one GPU queue of all ranks ---------------------
+def _across_hosts(rank, n, store_dir):
+    import os
+
+    os.environ["PLAIT_HOST_ID"] = f"host{rank}"  # one rank per simulated host
+    init_pg("plait", rank, n, store_dir)
+    mod = _native._module
+    mod._fake_cuda_install(_C._fake_gpu_clock)
+    mod._fake_cuda_set_stream(0, STREAM)
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)  # dist.broadcast asks (fp8)
+    comm = plait.torch.communicator()
+    out = {"hier": isinstance(comm._c, _C.HierComm)}
+    t = _cuda_like(mod, torch.arange(6, dtype=torch.int32) + rank)
+    _cuda.compiled = lambda: True
+    _cuda.device_count = lambda: 1
+    q = _C._FakeGpuQueue(comm.local._c, 0, "nccl", 30.0, "", rank=comm.rank, size=comm.size)
+    _C.gpu_attach(comm._c, q)
+    comm._gpu = q
+    dist.all_reduce(t)
+    w = dist.broadcast(t, src=1, async_op=True)
+    mod._fake_cuda_finish(-1)
+    w.wait()
+    out["log"] = [
+        {k: c[k] for k in ("coll", "count", "dtype", "op", "root", "stream", "in")} for c in q.log()
+    ]
+    out["ptr"] = t.data_ptr()
+    out["handle"] = mod._fake_cuda_stream_handle(STREAM)
+    try:
+        _C.gpu_attach(comm._c, q)
+    except plait.InvalidArgument as e:
+        out["twice"] = str(e)
+    dist.destroy_process_group()
+    return out
+
+
+def test_cuda_tensors_on_a_group_across_hosts_take_the_queue_of_all_ranks(tmp_path):
+    for rank, o in enumerate(run_torch(_across_hosts, 2, tmp_path, timeout=RUN_TIMEOUT)):
+        assert o["hier"], rank
+        ptr, h = o["ptr"], o["handle"]
+        assert o["log"] == [
+            {
+                "coll": "allreduce",
+                "count": 6,
+                "dtype": "int32",
+                "op": "sum",
+                "root": 0,
+                "stream": h,
+                "in": ptr,
+            },
+            {
+                "coll": "broadcast",  # as bytes, as on one host
+                "count": 24,
+                "dtype": "uint8",
+                "op": "sum",
+                "root": 1,
+                "stream": h,
+                "in": ptr,
+            },
+        ], (rank, o["log"])
+        assert "already has a GPU transport" in o["twice"], o

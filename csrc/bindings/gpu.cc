@@ -14,6 +14,7 @@
 #include "core/communicator.h"
 #include "core/device.h"
 #include "core/watchdog.h"
+#include "hier/hier_comm.h"
 
 #if PLAIT_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -301,12 +302,15 @@ void bind_gpu(py::module_& m) {
       });
   py::class_<FakeDeviceQueue, DeviceQueue, std::shared_ptr<FakeDeviceQueue>>(m, "_FakeGpuQueue")
       .def(py::init([](Communicator& cpu, int device, const std::string& transport, double timeout,
-                       const std::string& algo_override) {
-             return std::make_shared<FakeDeviceQueue>(cpu.rank(), cpu.size(), device, transport,
-                                                      timeout, algo_override, cpu_peers(&cpu));
+                       const std::string& algo_override, int rank, int size) {
+             // rank/size: of a queue spanning hosts (cpu is then the host's communicator)
+             return std::make_shared<FakeDeviceQueue>(
+                 rank < 0 ? cpu.rank() : rank, size < 0 ? cpu.size() : size, device, transport,
+                 timeout, algo_override, cpu_peers(&cpu));
            }),
            py::arg("cpu"), py::arg("device") = 0, py::arg("transport") = "nccl",
-           py::arg("timeout") = 300.0, py::arg("algo_override") = "", py::keep_alive<1, 2>())
+           py::arg("timeout") = 300.0, py::arg("algo_override") = "", py::arg("rank") = -1,
+           py::arg("size") = -1, py::keep_alive<1, 2>())
       .def(
           "record", [](FakeDeviceQueue&, uintptr_t, double) { return py::none(); },
           py::arg("stream"), py::arg("timeout"),
@@ -339,7 +343,11 @@ void bind_gpu(py::module_& m) {
       py::capsule(static_cast<void*>(&fake_gpu_clock()), "plait.fake_gpu_clock");
   m.def(
       "gpu_attach",
-      [](Communicator& cpu, std::shared_ptr<DeviceQueue> q) { cpu.attach_device(std::move(q)); },
+      [](Comm& c, std::shared_ptr<DeviceQueue> q) {
+        if (auto* flat = dynamic_cast<Communicator*>(&c)) return flat->attach_device(std::move(q));
+        if (auto* hier = dynamic_cast<HierComm*>(&c)) return hier->attach_device(std::move(q));
+        throw InvalidArgument("gpu_attach: not a plait communicator");
+      },
       py::arg("cpu"), py::arg("queue"),
       "Makes `queue` the communicator's GPU transport: its GPU calls are enqueued there.");
   m.def(

@@ -136,10 +136,27 @@ std::shared_ptr<Task> HierComm::call(Coll c, const Buffer& in, const Buffer& out
     }
   }
   const std::string who = "rank " + std::to_string(rank_) + ": " + coll_name(c) + ": ";
-  if ((in.present ? in : out).device == Device::cuda)
-    fail(ErrorKind::invalid, who +
-                                 "GPU arrays on a multi-host communicator take plait._gpu's "
-                                 "path (one NCCL communicator of all ranks), not this one");
+  if ((in.present ? in : out).device == Device::cuda) {
+    std::shared_ptr<DeviceQueue> q;
+    {
+      std::lock_guard<std::mutex> lk(dev_mu_);
+      q = dev_;
+    }
+    if (!q)
+      fail(ErrorKind::invalid, who +
+                                   "GPU arrays need this communicator's GPU transport, which the "
+                                   "first GPU call creates on every rank (plait._gpu)");
+    if (tag != 0)
+      fail(ErrorKind::invalid, who + "tag " + std::to_string(tag) +
+                                   ": GPU send/recv have no tags; they match in issue order per "
+                                   "pair of ranks (tag=0)");
+    // The queue spans every host (NCCL between them): its own errors reach every rank through it.
+    // No cross-host fingerprint for GPU calls: comparing them would cost an engine round trip
+    // on the host before each enqueue; the queue's watchdog bounds a mismatch by the deadline.
+    q->call(c, in, out, op, root, peer, algo, timeout_s.value_or(-1.0),
+            [](const CallArgs&, const char*) {});
+    return nullptr;
+  }
   if (c == Coll::recv && peer == kAnySource)
     fail(ErrorKind::invalid, who +
                                  "a receive from any rank (peer=-1) is not available across "
@@ -269,6 +286,15 @@ void HierComm::fail(ErrorKind kind, const std::string& msg) {
   }
   abort_everywhere(kind, msg);
   throw_error(kind, msg);
+}
+
+void HierComm::attach_device(std::shared_ptr<DeviceQueue> q) {
+  std::lock_guard<std::mutex> lk(dev_mu_);
+  if (dev_) throw InvalidArgument("this communicator already has a GPU transport");
+  if (!q || q->rank() != rank_ || q->size() != size_)
+    throw InvalidArgument("a GPU transport of rank " + std::to_string(rank_) + " of " +
+                          std::to_string(size_) + " ranks is needed");
+  dev_ = std::move(q);
 }
 
 void HierComm::finalize() {

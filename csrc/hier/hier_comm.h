@@ -132,6 +132,10 @@ class HierComm final : public Comm {
 
   const HierLayout& layout() const { return lay_; }
   std::string engine() const { return world_->engine(); }
+  // The GPU queue of all ranks (one NCCL communicator across the hosts, made by plait._gpu at the
+  // first GPU call): device buffers are enqueued there on their stream, as on a flat communicator.
+  // Attaching twice is refused.
+  void attach_device(std::shared_ptr<DeviceQueue> q);
   const std::shared_ptr<Communicator>& local() const { return local_; }
 
  private:
@@ -187,6 +191,8 @@ class HierComm final : public Comm {
   HierLayout lay_;
   std::unique_ptr<EngineGroup> inter_, world_;
   double timeout_s_;
+  std::mutex dev_mu_;
+  std::shared_ptr<DeviceQueue> dev_;  // GPU calls' queue; null until the first GPU call
   // Calls issued, in issue order: the fingerprints' call number. Atomic: threads may issue calls
   // (their order across threads is the caller's to keep the same on every rank, as on one host).
   std::atomic<uint64_t> seq_{0};

@@ -315,8 +315,7 @@ def _communicator(comm, device, timeout, head):
         if chosen != "nccl":
             raise _errors.PlaitError(f"{head}: no transport of this build connects these ranks' GPU arrays")
         g = _nccl_queue(comm, device, t, head)
-    if not hier:
-        _C.gpu_attach(comm._c, g)  # the communicator enqueues its GPU calls there
+    _C.gpu_attach(comm._c, g)  # the communicator (flat or C++ multi-host) enqueues its GPU calls there
     comm._gpu = g
     _LIVE.add(comm)
     return g

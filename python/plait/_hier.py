@@ -106,13 +106,33 @@ class HierCommunicator(_comm.Communicator):
     close = finalize
 
 
+_warned = set()
+
+
+def _gloo_module():
+    """The native torch module (compiled at its first use, as for `import plait.torch`), or None
+    where it cannot be built: the multi-host communicator then drives gloo through _inter's Python
+    group (_C._py_engine), said once on stderr."""
+    mod = getattr(sys.modules.get("plait.torch._native"), "_module", None)
+    if mod is not None:
+        return mod
+    try:
+        from .torch import _native  # noqa: PLC0415 - torch is there: gloo is torch's
+
+        return _native.load()
+    except ImportError as e:  # NativeBuildError is one
+        if "gloo" not in _warned:
+            _warned.add("gloo")
+            print(f"plait: no native gloo engine ({e}); using the Python one", file=sys.stderr)
+        return None
+
+
 def _native_engine(engine, group, store, label):
     """The native engine's capsule for an _inter group, or None where it is not built: gloo in the
-    native torch module (when that module is loaded), MPI in plait._mpi."""
+    native torch module, MPI in plait._mpi."""
     try:
         if engine == "gloo":
-            mod = getattr(sys.modules.get("plait.torch._native"), "_module", None)
-            make = getattr(mod, "make_gloo_engine", None)
+            make = getattr(_gloo_module(), "make_gloo_engine", None)
             return None if make is None else make(group._pg, store, label)
         from . import _mpi  # noqa: PLC0415 - optional extension, built where CMake finds MPI
 
