@@ -182,4 +182,15 @@ def create(client, prefix, rank, size, ids, *, timeout, init_timeout, buffer_byt
     except BaseException:
         local.finalize()
         raise
-    return HierCommunicator(native, lay, local, engine, timeout=timeout, ctx=ctx, keep=keep)
+    comm = HierCommunicator(native, lay, local, engine, timeout=timeout, ctx=ctx, keep=keep)
+    # No rank leaves init while another still connects its engine groups: a rank that failed its
+    # first call right away would otherwise close its connections under a peer's connect, which
+    # then fails its init with a closed connection instead of raising that call's error.
+    try:  # through the store: a barrier on comm would take its call #1
+        if client.add(f"{prefix}/engines-up", 1) == size:
+            client.set(f"{prefix}/engines-all-up", b"1")
+        client.get(f"{prefix}/engines-all-up", timeout=init_timeout)
+    except BaseException:
+        comm.finalize()
+        raise
+    return comm
