@@ -436,16 +436,7 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
   }
   CallArgs a = validate(c, in, out, op, root, peer, tag, algo, timeout_s);
   if (tl_inside_ == this) {  // a step of a closure task: exec_mu_ is held, the call runs now
-    try {
-      if (c == Coll::send || c == Coll::recv) {
-        std::vector<P2P> one{P2P{&a, nullptr}};
-        run_p2p(one);
-      } else {
-        run(a);
-      }
-    } catch (const PlaitError& e) {
-      rethrow(e);
-    }
+    run_now(a);
     return nullptr;
   }
   if (!async) {
@@ -455,16 +446,7 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
       ex.lock();
     }
     if (pending_.load(std::memory_order_acquire) == 0) {
-      try {
-        if (c == Coll::send || c == Coll::recv) {
-          std::vector<P2P> one{P2P{&a, nullptr}};
-          run_p2p(one);
-        } else {
-          run(a);
-        }
-      } catch (const PlaitError& e) {
-        rethrow(e);
-      }
+      run_now(a);
       return nullptr;
     }
   }
@@ -484,11 +466,36 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
   return nullptr;
 }
 
+void Communicator::run_now(CallArgs& a) {
+  try {
+    if (a.coll == Coll::send || a.coll == Coll::recv) {
+      std::vector<P2P> one{P2P{&a, nullptr}};
+      run_p2p(one);
+    } else {
+      run(a);
+    }
+  } catch (const PlaitError& e) {
+    rethrow(e);
+  }
+}
+
 thread_local const Communicator* Communicator::tl_inside_ = nullptr;
 
+// Marks the calling thread as running one of c's closure tasks until the scope ends (exceptions
+// included), so the calls the body makes run inline.
+class Communicator::InsideBody {
+ public:
+  explicit InsideBody(const Communicator* c) : prev_(tl_inside_) { tl_inside_ = c; }
+  ~InsideBody() { tl_inside_ = prev_; }
+  InsideBody(const InsideBody&) = delete;
+  InsideBody& operator=(const InsideBody&) = delete;
+
+ private:
+  const Communicator* prev_;
+};
+
 void Communicator::run_body(Task& t, ErrorKind* kind, std::string* msg) {
-  const Communicator* prev = tl_inside_;
-  tl_inside_ = this;
+  InsideBody inside(this);
   try {
     t.body();
   } catch (const PlaitError& e) {
@@ -498,7 +505,6 @@ void Communicator::run_body(Task& t, ErrorKind* kind, std::string* msg) {
     *kind = ErrorKind::generic;
     *msg = "rank " + std::to_string(rank_) + ": " + e.what();
   }
-  tl_inside_ = prev;
 }
 
 std::shared_ptr<Task> Communicator::submit(const CallArgs& a, std::function<void()> body,
@@ -513,15 +519,8 @@ std::shared_ptr<Task> Communicator::submit(const CallArgs& a, std::function<void
       ex.lock();
     }
     if (pending_.load(std::memory_order_acquire) == 0) {
-      const Communicator* prev = tl_inside_;
-      tl_inside_ = this;
-      try {
-        body();
-      } catch (...) {
-        tl_inside_ = prev;
-        throw;
-      }
-      tl_inside_ = prev;
+      InsideBody inside(this);
+      body();
       return nullptr;
     }
   }

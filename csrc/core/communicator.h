@@ -148,7 +148,11 @@ class Communicator final : public Comm {
   // A closure task's body, marked as running here for calls it makes (exec_mu_ held); its error
   // as (kind, message).
   void run_body(Task& t, ErrorKind* kind, std::string* msg);
+  // One validated call on this thread, which holds exec_mu_ (a sync call with nothing queued, or
+  // a step of a closure task); its error is raised as rethrow raises it.
+  void run_now(CallArgs& a);
   static thread_local const Communicator* tl_inside_;
+  class InsideBody;
   void run_local(const CallArgs& a);
   void run_p2p(std::vector<P2P>& ops);
   bool p2p_step(P2P& op);

@@ -190,16 +190,7 @@ void HierComm::mismatch(EngineGroup& g, const Fingerprint& mine, const uint8_t* 
     m << "sent something that is not a plait call frame";
   } else {
     const Fingerprint& f = t.fp;
-    std::string diff;
-    auto add = [&](bool differs, const char* name) {
-      if (differs) diff += (diff.empty() ? "" : ", ") + std::string(name);
-    };
-    add(f.seq != mine.seq, "call number");
-    add(f.coll != mine.coll, "collective");
-    add(f.count != mine.count, "count");
-    add(f.dtype != mine.dtype, "dtype");
-    add(f.op != mine.op, "op");
-    add(f.root != mine.root, "root");
+    const std::string diff = fingerprint_diff(f, mine, false);
     m << "called " << describe(f) << " (they differ in " << (diff.empty() ? "payload size" : diff)
       << ")";
   }

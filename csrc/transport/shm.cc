@@ -295,6 +295,21 @@ std::string ShmTransport::describe_call() const {
                   algo_name_);
 }
 
+std::string fingerprint_diff(const Fingerprint& a, const Fingerprint& b, bool with_algo) {
+  std::string diff;
+  auto field = [&](bool differs, const char* name) {
+    if (differs) diff += (diff.empty() ? "" : ", ") + std::string(name);
+  };
+  field(a.seq != b.seq, "call number");
+  field(a.coll != b.coll, "collective");
+  field(a.dtype != b.dtype, "dtype");
+  field(a.count != b.count, "count");
+  field(a.op != b.op, "op");
+  field(a.root != b.root, "root");
+  field(with_algo && a.algo != b.algo, "algorithm");
+  return diff;
+}
+
 void ShmTransport::verify(int peer) {
   const Fingerprint mine = seg_.ctl(rank_)->post0[seq_ & 1].fp;
   Fingerprint f;
@@ -303,18 +318,8 @@ void ShmTransport::verify(int peer) {
     verified_[size_t(peer)] = 1;
     return;
   }
-  std::ostringstream diff;
-  auto field = [&](bool differs, const char* name) {
-    if (differs) diff << (diff.tellp() > 0 ? ", " : "") << name;
-  };
-  field(f.seq != mine.seq, "call number");
-  field(f.coll != mine.coll, "collective");
-  field(f.dtype != mine.dtype, "dtype");
-  field(f.count != mine.count, "count");
-  field(f.op != mine.op, "op");
-  field(f.root != mine.root, "root");
-  field(f.algo != mine.algo, "algorithm");
-  if (diff.tellp() == 0) {
+  const std::string diff = fingerprint_diff(f, mine, true);
+  if (diff.empty()) {
     verified_[size_t(peer)] = 1;
     return;
   }
@@ -330,7 +335,7 @@ void ShmTransport::verify(int peer) {
     << " but rank " << rank_ << " called "
     << describe(mine.seq, Coll(mine.coll), DType(mine.dtype), mine.count, RedOp(mine.op), mine.root,
                 algo_of(mine.coll, mine.algo))
-    << "; they differ in " << diff.str();
+    << "; they differ in " << diff;
   fail(ErrorKind::mismatch, m.str());
 }
 

@@ -33,6 +33,10 @@ struct Fingerprint {
 };
 static_assert(sizeof(Fingerprint) == 24, "fingerprint must stay on the post line");
 
+// The fields two fingerprints differ in, as "call number, count" ("" when none do); algo is
+// compared only when with_algo (the multi-host check's frames carry no algorithm).
+std::string fingerprint_diff(const Fingerprint& a, const Fingerprint& b, bool with_algo);
+
 // What ranks must agree on for one GPU call (its work is enqueued on a stream, not run through
 // this segment): each rank publishes its calls in its own ring of kGpuPrints slots, slot
 // seq % kGpuPrints, and compares with what peers published for the same call number
