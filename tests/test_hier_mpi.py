@@ -52,62 +52,9 @@ with open(os.path.join(sys.argv[2], f"checks-{{comm.rank}}"), "w") as f:  # not 
 """
 
 
-# A mismatched call under MPI: every rank raises MismatchError (no MPI error, no hang), then the
-# job ends normally.
-MISMATCH = """
-import os, sys, time
-import numpy as np
-hosts, case = sys.argv[1].split(","), sys.argv[3]
-rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
-os.environ["PLAIT_HOST_ID"] = hosts[rank]
-import plait
-comm = plait.init(timeout=60)
-odd = rank == comm.size - 1
-start = time.monotonic()
-try:
-    if case == "count":
-        comm.allreduce(np.ones(7 if odd else 8, dtype=np.float32))
-    else:  # one rank's payload rides in the call's frame, the other ranks' do not
-        comm.allgather(np.ones(3001 if odd else 3, dtype=np.float32))
-    got = "no error"
-except plait.PlaitError as e:
-    got = f"{type(e).__name__} {time.monotonic() - start:.1f} {e}"
-comm.finalize()
-with open(os.path.join(sys.argv[2], f"got-{rank}"), "w") as f:
-    f.write(got)
-"""
-
-
-# A wrong argument on one rank under MPI: that rank raises InvalidArgument, and the engines'
-# job-wide flag (a message on the MPI engine's private communicator) ends the call that every
-# other rank is waiting in, on every host, with InvalidArgument naming it; then the job ends
-# normally.
-BAD_ARGUMENT = """
-import os, sys, time
-import numpy as np
-hosts = sys.argv[1].split(",")
-rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
-os.environ["PLAIT_HOST_ID"] = hosts[rank]
-import plait
-comm = plait.init(timeout=60)
-bad = rank == comm.size - 1
-start = time.monotonic()
-try:
-    comm.allreduce(np.arange(5, dtype=np.int64), op="bogus" if bad else "sum")
-    got = "no error"
-except plait.PlaitError as e:
-    got = f"{type(e).__name__} {time.monotonic() - start:.1f} {e}"
-comm.finalize()
-with open(os.path.join(sys.argv[2], f"got-{rank}"), "w") as f:
-    f.write(got)
-"""
-
-
-# kill -9 of a rank that shares its host with another: that host's rank notices through the local
-# communicator, and the engines' job-wide flag carries it to every rank of every host, also to
-# those waiting in an engine group the failing rank is not in (shard groups: [0, 2] and [1, 3]).
-# mpirun --enable-recovery keeps the job running after the death (its default ends the job).
-KILLED = """
+# The fault jobs' common parts: rank and simulated host from mpirun, plait's world, the last
+# rank as the odd one out; attempt(fn) says how the call ended; each rank's outcome to a file.
+_START = """
 import os, signal, sys, time
 import numpy as np
 hosts = sys.argv[1].split(",")
@@ -115,23 +62,73 @@ rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
 os.environ["PLAIT_HOST_ID"] = hosts[rank]
 import plait
 comm = plait.init(timeout=60)
-comm.allreduce(np.ones(4))
-if rank == comm.size - 1:
-    time.sleep(0.5)
-    os.kill(os.getpid(), signal.SIGKILL)
-start = time.monotonic()
-try:
-    comm.allreduce(np.ones(4))
-    got = "no error"
-except plait.PlaitError as e:
-    got = f"{type(e).__name__} {time.monotonic() - start:.1f} {e}"
+odd = rank == comm.size - 1
+
+
+def attempt(fn):
+    start = time.monotonic()
+    try:
+        fn()
+        return "no error"
+    except plait.PlaitError as e:
+        return f"{type(e).__name__} {time.monotonic() - start:.1f} {e}"
+"""
+_REPORT = """
 comm.finalize()
 with open(os.path.join(sys.argv[2], f"got-{rank}"), "w") as f:
     f.write(got)
+"""
+
+
+# A mismatched call under MPI: every rank raises MismatchError (no MPI error, no hang), then the
+# job ends normally.
+MISMATCH = (
+    _START
+    + """
+def call():
+    if sys.argv[3] == "count":
+        comm.allreduce(np.ones(7 if odd else 8, dtype=np.float32))
+    else:  # one rank's payload rides in the call's frame, the other ranks' do not
+        comm.allgather(np.ones(3001 if odd else 3, dtype=np.float32))
+got = attempt(call)
+"""
+    + _REPORT
+)
+
+
+# A wrong argument on one rank under MPI: that rank raises InvalidArgument, and the engines'
+# job-wide flag (a message on the MPI engine's private communicator) ends the call that every
+# other rank is waiting in, on every host, with InvalidArgument naming it; then the job ends
+# normally.
+BAD_ARGUMENT = (
+    _START
+    + """
+got = attempt(lambda: comm.allreduce(np.arange(5, dtype=np.int64), op="bogus" if odd else "sum"))
+"""
+    + _REPORT
+)
+
+
+# kill -9 of a rank that shares its host with another: that host's rank notices through the local
+# communicator, and the engines' job-wide flag carries it to every rank of every host, also to
+# those waiting in an engine group the failing rank is not in (shard groups: [0, 2] and [1, 3]).
+# mpirun --enable-recovery keeps the job running after the death (its default ends the job).
+KILLED = (
+    _START
+    + """
+comm.allreduce(np.ones(4))
+if odd:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+got = attempt(lambda: comm.allreduce(np.ones(4)))
+"""
+    + _REPORT
+    + """
 # Not MPI_Finalize: after a process died, Open MPI (without ULFM) may wait in it for the dead
 # process (seen: 1 run in 6 hung there after every rank had raised and finalized plait).
 os._exit(0)
 """
+)
 
 
 def _mpirun(tmp_path, hosts, program=PROGRAM, extra=(), mpirun_args=()):

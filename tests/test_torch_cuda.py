@@ -52,7 +52,9 @@ def _group(rank, n, store_dir, queue=True):
     if queue:
         _cuda.compiled = lambda: True
         _cuda.device_count = lambda: 1
-        q = _C._FakeGpuQueue(comm._c, 0, "nccl", 30.0, "")
+        # across hosts the queue spans every host; its CPU side is this host's communicator
+        cpu = getattr(comm, "local", comm)._c
+        q = _C._FakeGpuQueue(cpu, 0, "nccl", 30.0, "", rank=comm.rank, size=comm.size)
         _C.gpu_attach(comm._c, q)
         comm._gpu = q
     return mod, q
@@ -412,19 +414,10 @@ def _across_hosts(rank, n, store_dir):
     import os
 
     os.environ["PLAIT_HOST_ID"] = f"host{rank}"  # one rank per simulated host
-    init_pg("plait", rank, n, store_dir)
-    mod = _native._module
-    mod._fake_cuda_install(_C._fake_gpu_clock)
-    mod._fake_cuda_set_stream(0, STREAM)
-    torch.cuda.get_device_capability = lambda device=None: (9, 0)  # dist.broadcast asks (fp8)
+    mod, q = _group(rank, n, store_dir)
     comm = plait.torch.communicator()
     out = {"hier": isinstance(comm._c, _C.HierComm)}
     t = _cuda_like(mod, torch.arange(6, dtype=torch.int32) + rank)
-    _cuda.compiled = lambda: True
-    _cuda.device_count = lambda: 1
-    q = _C._FakeGpuQueue(comm.local._c, 0, "nccl", 30.0, "", rank=comm.rank, size=comm.size)
-    _C.gpu_attach(comm._c, q)
-    comm._gpu = q
     dist.all_reduce(t)
     w = dist.broadcast(t, src=1, async_op=True)
     mod._fake_cuda_finish(-1)
