@@ -91,13 +91,15 @@ void HierComm::allreduce_pieces(const CallArgs& a, const Fingerprint& fp, const 
   const RedOp op = a.op, red = op == RedOp::avg ? RedOp::sum : op;
   const bool last = lay_.i == L - 1;
   const auto* xb = static_cast<const uint8_t*>(x);
-  // Pieces of pe elements (a multiple of L: only the last piece has a remainder), one when the
-  // engine cannot start an allreduce and return. The piece size is in the checked frame (the
-  // fingerprint's algorithm field, unused across hosts otherwise), so hosts that cut the payload
-  // differently (PLAIT_HIER_PIECE_BYTES set unevenly) raise a mismatch before any payload moves.
+  // Pieces of pe elements (a multiple of L: only the last piece has a remainder); one piece
+  // when there is no local step to overlap (L = 1: pieces would only add engine round trips)
+  // or the engine cannot start an allreduce and return. The piece size is in the checked frame
+  // (the fingerprint's algorithm field, unused across hosts otherwise), so hosts that cut the
+  // payload differently (PLAIT_HIER_PIECE_BYTES set unevenly) raise a mismatch before any
+  // payload moves.
   int64_t pe = n;
   Fingerprint checked_fp = fp;
-  if (piece_log2_ > 0 && inter_->can_start(dt, red)) {
+  if (piece_log2_ > 0 && L > 1 && inter_->can_start(dt, red)) {
     pe = std::max<int64_t>(L, int64_t((size_t(1) << piece_log2_) / es) / L * L);
     checked_fp.algo = uint8_t(piece_log2_);
   }
