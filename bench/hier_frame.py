@@ -79,7 +79,8 @@ def main(argv=None):
         for size, iters, room, m in rows:
             ad, fx, gl = m["adaptive"], m["fixed 2 KiB"], m["gloo"]
             print(
-                f"| {size} | {iters} | {room} | {ad:.0f} | {fx:.0f} | {gl:.0f} | {ad / fx:.2f} | {ad / gl:.2f} |"
+                f"| {size} | {iters} | {room} | {ad:.0f} | {fx:.0f} | {gl:.0f} "
+                f"| {ad / fx:.2f} | {ad / gl:.2f} |"
             )
     fixed.finalize()
     adaptive.finalize()
