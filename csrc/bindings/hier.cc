@@ -51,7 +51,9 @@ void bind_hier(py::module_& m) {
            py::arg("world"), py::arg("timeout"), py::arg("label") = "")
       .def_property_readonly("engine", &HierComm::engine)
       .def_property_readonly("hosts", [](const HierComm& c) { return c.layout().hosts; })
-      .def_property_readonly("uniform", [](const HierComm& c) { return c.layout().uniform; });
+      .def_property_readonly("uniform", [](const HierComm& c) { return c.layout().uniform; })
+      // tests: the cross-host frame's room now (hier_comm.h), read between calls
+      .def_property_readonly("_frame_room", &HierComm::frame_room);
 }
 
 }  // namespace plait

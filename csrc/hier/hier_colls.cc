@@ -47,8 +47,9 @@ void HierComm::allreduce(const CallArgs& a, const Fingerprint& fp, const void* x
   const int L = local_->size();
   const RedOp op = a.op, red = op == RedOp::avg ? RedOp::sum : op;
   auto* o = static_cast<uint8_t*>(out);
+  wants(bytes);
   if (lay_.uniform) {
-    if (bytes <= kRoom) {
+    if (fits(bytes)) {
       // The input is the frame's payload: local rank i reduces its shard group's inputs (the
       // same bytes on every host), then the host's ranks reduce those in place.
       std::memcpy(inter_->room(), x, bytes);
@@ -65,7 +66,7 @@ void HierComm::allreduce(const CallArgs& a, const Fingerprint& fp, const void* x
     return;
   }
   // Leaders: local reduce to the leader, leaders' allreduce, local broadcast.
-  const bool leader = lay_.i == 0, small = inter_ && bytes <= kRoom;
+  const bool leader = lay_.i == 0, small = inter_ && fits(bytes);
   Posted checked;
   if (!small) checked = post(inter_.get(), fp, 0, true, deadline);  // the leaders' check
   local(Coll::reduce, x, bytes, out, bytes, dt, red, 0, deadline, leader);
@@ -200,7 +201,8 @@ void HierComm::reduce_scatter(const CallArgs& a, const Fingerprint& fp, double d
   }
   const int H = lay_.nhosts();
   const size_t zb = size_t(H) * mb;
-  const bool small = zb <= kRoom;
+  wants(zb);
+  const bool small = fits(zb);
   Posted checked;
   if (!small) checked = post(inter_.get(), fp, 0, true, deadline);
   // y block (i * H + h) = the block of rank (h, i): hosts interleaved in rank order need no copy
@@ -239,11 +241,12 @@ void HierComm::allgather(const Fingerprint& fp, const uint8_t* x, uint8_t* out, 
     return;
   }
   if (lay_.uniform) {
+    wants(n);
     std::vector<uint8_t> av(size_t(H) * n);
-    if (n <= kRoom) {
+    if (fits(n)) {
       std::memcpy(inter_->room(), x, n);
       const uint8_t* rows = exchange(inter_.get(), fp, n, deadline);
-      for (int h = 0; h < H; ++h) std::memcpy(av.data() + size_t(h) * n, rows + h * kFrame, n);
+      for (int h = 0; h < H; ++h) std::memcpy(av.data() + size_t(h) * n, rows + h * stride_, n);
     } else {
       exchange(inter_.get(), fp, 0, deadline, /*check_only=*/true);
       inter_->allgather(x, av.data(), n, deadline);  // av[h] = x of rank (h, i)
@@ -263,7 +266,8 @@ void HierComm::allgather(const Fingerprint& fp, const uint8_t* x, uint8_t* out, 
   for (const auto& m : lay_.hosts) lmax = std::max(lmax, m.size());
   const size_t slot = lmax * n, mn = size_t(L) * n;
   std::vector<uint8_t> every(size_t(H) * slot);
-  const bool leader = lay_.i == 0, small = leader && slot <= kRoom;
+  wants(slot);
+  const bool leader = lay_.i == 0, small = leader && fits(slot);
   std::vector<uint8_t> mv;
   uint8_t* mine = small    ? inter_->room()
                   : leader ? (mv.resize(slot), mv.data())
@@ -276,7 +280,7 @@ void HierComm::allgather(const Fingerprint& fp, const uint8_t* x, uint8_t* out, 
     if (small) {
       const uint8_t* rows = exchange(inter_.get(), fp, slot, deadline);
       for (int h = 0; h < H; ++h)
-        std::memcpy(every.data() + size_t(h) * slot, rows + h * kFrame, slot);
+        std::memcpy(every.data() + size_t(h) * slot, rows + h * stride_, slot);
     } else {
       finish(checked, deadline);
       inter_->allgather(mine, every.data(), slot, deadline);
@@ -293,10 +297,10 @@ void HierComm::allgather(const Fingerprint& fp, const uint8_t* x, uint8_t* out, 
 
 void HierComm::inter_broadcast(const Fingerprint& fp, uint8_t* out, size_t k, int hr,
                                double deadline) {
-  if (k <= kRoom) {
+  if (fits(k)) {
     if (lay_.h == hr) std::memcpy(inter_->room(), out, k);
     const uint8_t* rows = exchange(inter_.get(), fp, k, deadline);
-    if (lay_.h != hr) std::memcpy(out, rows + size_t(hr) * kFrame, k);
+    if (lay_.h != hr) std::memcpy(out, rows + size_t(hr) * stride_, k);
   } else {
     exchange(inter_.get(), fp, 0, deadline, /*check_only=*/true);
     inter_->broadcast(out, k, hr, deadline);
@@ -306,6 +310,7 @@ void HierComm::inter_broadcast(const Fingerprint& fp, uint8_t* out, size_t k, in
 void HierComm::broadcast(const Fingerprint& fp, const uint8_t* x, uint8_t* out, size_t k, int root,
                          double deadline) {
   const int hr = lay_.host_of[size_t(root)], ir = lay_.local_of[size_t(root)];
+  wants(k);
   if (rank_ == root && out != x) std::memmove(out, x, k);
   auto lbcast = [&](int from) {
     local(Coll::broadcast, out, k, out, k, DType::u8, RedOp::sum, from, deadline);
@@ -334,12 +339,13 @@ void HierComm::broadcast(const Fingerprint& fp, const uint8_t* x, uint8_t* out, 
 void HierComm::alltoall(const Fingerprint& fp, const uint8_t* x, uint8_t* out, size_t blk,
                         double deadline) {
   const size_t total = blk * size_t(size_);
-  if (total <= kRoom) {
+  wants(total);
+  if (fits(total)) {
     // every rank's whole input in its frame; this rank keeps its block of each
     std::memcpy(world_->room(), x, total);
     const uint8_t* rows = exchange(world_.get(), fp, total, deadline);
     for (int j = 0; j < size_; ++j)
-      std::memcpy(out + size_t(j) * blk, rows + size_t(j) * kFrame + size_t(rank_) * blk, blk);
+      std::memcpy(out + size_t(j) * blk, rows + size_t(j) * stride_ + size_t(rank_) * blk, blk);
     return;
   }
   exchange(world_.get(), fp, 0, deadline, /*check_only=*/true);

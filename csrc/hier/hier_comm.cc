@@ -103,6 +103,8 @@ HierComm::HierComm(std::shared_ptr<Communicator> local, int rank, int size,
                           ": only a host's leader has an inter-host group in the leaders layout");
   const char* chk = getenv("PLAIT_HIER_CHECK");
   check_ = !(chk && std::string(chk) == "0");
+  const char* adaptive = getenv("PLAIT_HIER_FRAME_ADAPT");
+  adaptive_ = !(adaptive && std::string(adaptive) == "0");
   if (const char* pb = getenv("PLAIT_HIER_PIECE_BYTES"); pb && *pb) {
     const unsigned long long v = std::strtoull(pb, nullptr, 10);
     piece_log2_ = 0;
@@ -246,10 +248,11 @@ void HierComm::run_call(CallArgs& a, const Fingerprint& fp) {
       case Coll::send:
       case Coll::recv:
         p2p(a, deadline);
-        break;
+        return;  // only some ranks make it: the frame's room stays (adapt)
       default:
         throw InvalidArgument("unknown collective");
     }
+    adapt();
   } catch (const PlaitError& e) {
     if (e.kind() == ErrorKind::peer_lost) {
       // A lost engine peer or flag store is often the echo of a failure this host recorded

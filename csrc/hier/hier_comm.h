@@ -12,13 +12,21 @@
 // Hosts are ordered by their lowest global rank; a host's ranks need not be contiguous.
 //
 // The cross-host check: every call's first exchange on an engine group is an allgather of one
-// fixed-size frame per member (kFrame bytes): a header (magic, the core's Fingerprint from
-// transport/shm.h, payload bytes) that every member compares with every other's, and, when the
-// call's engine payload fits (kRoom bytes), the payload itself. Frames never depend on the call's
-// size, so members that make different calls still exchange them, and a mismatch is a
-// MismatchError naming both calls and hosts, never wrong data or a hang. A small call costs one
-// engine message, check included; a larger one a header-only frame (overlapped with its first
-// local step where it can be), then its data.
+// frame per member: a header (magic, the core's Fingerprint from transport/shm.h, payload bytes)
+// that every member compares with every other's, and, when the call's engine payload fits the
+// frame's room, the payload itself. A frame's size never depends on the call being made, so
+// members that make different calls still exchange them, and a mismatch is a MismatchError naming
+// both calls and hosts, never wrong data or a hang. A small call costs one engine message, check
+// included; a larger one a header-only frame (overlapped with its first local step where it can
+// be), then its data.
+//
+// The room follows the calls (kMinRoom..kRoom bytes): it grows at once to the next power of two
+// above a call's payload that would fit kRoom, and after kShrinkAfter calls in a row that would
+// all have fitted half of it, shrinks to the largest of their needs (engine messages cost more with
+// size: a 2 KiB frame took ~100 us more than a 128-byte one in a gloo allgather here). Every rank
+// updates it the same way from its own collective calls (send/recv, which only some ranks make,
+// leave it alone), so the members of every engine group agree on it whenever their earlier calls
+// matched, which the check ensures.
 //
 // Allreduce, uniform layout (Horovod's and NCCL's pattern), N elements, f = N / L, r = N % L:
 //   small  the frame carries the input; local rank i reduces its shard group's inputs in host
@@ -39,6 +47,7 @@
 // the engines' job-wide flag (every other host) and is raised here; later calls raise
 // "communicator aborted after an earlier error".
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -67,7 +76,8 @@ struct HierLayout {
 };
 
 // The frame every call's first engine message is (see above).
-constexpr size_t kFrame = 2048, kFrameHead = 64, kRoom = kFrame - kFrameHead;
+constexpr size_t kFrame = 2048, kFrameHead = 64, kRoom = kFrame - kFrameHead, kMinRoom = 64;
+constexpr int kShrinkAfter = 16;
 constexpr uint64_t kFrameMagic = 0x706C616974;  // "plait"
 
 // The uniform layout's large allreduce goes in pieces of 2^kPieceLog2 bytes, so that one piece's
@@ -107,7 +117,7 @@ class EngineGroup {
   void recv(void* buf, size_t bytes, int peer, int tag, double deadline);
   void fail(ErrorKind kind, const std::string& msg);
 
-  // This rank's frame: the payload area (kRoom bytes) to fill before exchange/post.
+  // This rank's frame: the payload area (up to kRoom bytes) to fill before exchange/post.
   uint8_t* room() { return send_.data() + kFrameHead; }
   std::vector<uint8_t>& sent() { return send_; }
   std::vector<uint8_t>& got() { return recv_; }
@@ -117,7 +127,7 @@ class EngineGroup {
   plait_engine* e_;
   std::string label_;
   std::vector<int> ranks_;
-  std::vector<uint8_t> send_, recv_;  // kFrame, size * kFrame
+  std::vector<uint8_t> send_, recv_;  // kFrame, size * kFrame (frames use a prefix of each slot)
 };
 
 class HierComm final : public Comm {
@@ -151,6 +161,7 @@ class HierComm final : public Comm {
   // Attaching twice is refused.
   void attach_device(std::shared_ptr<DeviceQueue> q);
   const std::shared_ptr<Communicator>& local() const { return local_; }
+  size_t frame_room() const { return room_; }  // between calls only (the progress thread sets it)
 
  private:
   void run_call(CallArgs& a, const Fingerprint& fp);
@@ -162,7 +173,7 @@ class HierComm final : public Comm {
   // The frame exchange (hier_frames.cc): post starts the allgather of this rank's frame (header +
   // the first nbytes of its room; check_only: the header alone, not sent at all when the check
   // is off: PLAIT_HIER_CHECK=0) and finish waits and compares
-  // every header, returning the members' payloads (kFrame apart). No group: nothing happens.
+  // every header, returning the members' payloads (stride_ apart). No group: nothing happens.
   struct Posted {
     EngineGroup* g = nullptr;
     void* req = nullptr;
@@ -177,7 +188,7 @@ class HierComm final : public Comm {
   const uint8_t* exchange(EngineGroup* g, const Fingerprint& fp, size_t nbytes, double deadline,
                           bool check_only = false);
   [[noreturn]] void mismatch(EngineGroup& g, const Fingerprint& mine, const uint8_t* theirs, int j);
-  // out = the op over the members' payload rows (each kFrame apart, at byte offset off), in
+  // out = the op over the members' payload rows (each stride_ apart, at byte offset off), in
   // group order; avg divides by the world size in the same pass.
   void combine(void* out, const uint8_t* rows, int n, size_t off, int64_t count, DType dt,
                RedOp op);
@@ -203,6 +214,12 @@ class HierComm final : public Comm {
   void barrier(const Fingerprint& fp, double deadline);
   void divide(void* buf, int64_t count, DType dt);
 
+  // The frame's room (see above): whether a payload of `bytes` rides in the next frame; wants()
+  // records what a call would carry (every rank, leader or not), adapt() applies it after the call.
+  bool fits(size_t bytes) const { return bytes <= room_; }
+  void wants(size_t bytes) { want_ = std::max(want_, bytes); }
+  void adapt();
+
   std::shared_ptr<Communicator> local_;
   int rank_, size_;
   HierLayout lay_;
@@ -215,6 +232,10 @@ class HierComm final : public Comm {
   std::atomic<uint64_t> seq_{0};
   bool closed_ = false;
   bool check_ = true;  // header-only frames (PLAIT_HIER_CHECK=0 skips them)
+  // The frame's room and its history (on the progress thread only: calls run one at a time).
+  size_t room_ = kRoom, want_ = 0, stride_ = kFrame, shrink_to_ = kMinRoom;
+  int shrink_run_ = 0;
+  bool adaptive_ = true;  // PLAIT_HIER_FRAME_ADAPT=0: the room stays kRoom (for A/B measurements)
   // log2 of the large allreduce's piece bytes (PLAIT_HIER_PIECE_BYTES, rounded down to a power
   // of two in [4 KiB, 1 GiB]; 0 there: one piece)
   int piece_log2_ = kPieceLog2;

@@ -1,5 +1,7 @@
 // The engine groups and the cross-host check (hier/hier_comm.h): every call's first engine
-// message is one kFrame-byte frame per member, header compared by every member.
+// message is one frame per member (kFrameHead + the room, hier_comm.h), header compared by every
+// member.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <sstream>
@@ -165,6 +167,7 @@ void EngineGroup::fail(ErrorKind kind, const std::string& msg) {
 
 void HierComm::head(EngineGroup& g, const Fingerprint& fp, size_t nbytes) {
   FrameHead h{kFrameMagic, fp, int64_t(nbytes)};
+  stride_ = kFrameHead + room_;  // every member's frame is this size (see hier_comm.h)
   std::memset(g.sent().data(), 0, kFrameHead);
   std::memcpy(g.sent().data(), &h, sizeof h);
 }
@@ -176,7 +179,7 @@ HierComm::Posted HierComm::post(EngineGroup* g, const Fingerprint& fp, size_t nb
   head(*g, fp, check_only ? 0 : nbytes);
   p.g = g;
   p.fp = &fp;
-  p.req = g->allgather_start(g->sent().data(), g->got().data(), kFrame);
+  p.req = g->allgather_start(g->sent().data(), g->got().data(), stride_);
   return p;
 }
 
@@ -192,8 +195,8 @@ const uint8_t* HierComm::finish(Posted& p, double deadline) {
 const uint8_t* HierComm::compare(EngineGroup& g, const Fingerprint& fp) {
   const uint8_t* got = g.got().data();
   for (int j = 0; j < g.size(); ++j)
-    if (std::memcmp(got + size_t(j) * kFrame, g.sent().data(), sizeof(FrameHead)) != 0)
-      mismatch(g, fp, got + size_t(j) * kFrame, j);
+    if (std::memcmp(got + size_t(j) * stride_, g.sent().data(), sizeof(FrameHead)) != 0)
+      mismatch(g, fp, got + size_t(j) * stride_, j);
   return got + kFrameHead;
 }
 
@@ -202,7 +205,7 @@ const uint8_t* HierComm::exchange(EngineGroup* g, const Fingerprint& fp, size_t 
   // Nothing to overlap: one blocking allgather (one engine call, not a start and a wait).
   if (!g || (check_only && !check_)) return nullptr;
   head(*g, fp, check_only ? 0 : nbytes);
-  g->allgather(g->sent().data(), g->got().data(), kFrame, deadline);
+  g->allgather(g->sent().data(), g->got().data(), stride_, deadline);
   return compare(*g, fp);
 }
 
@@ -229,8 +232,30 @@ void HierComm::combine(void* out, const uint8_t* rows, int n, size_t off, int64_
                        RedOp op) {
   if (count == 0) return;
   std::vector<const void*> srcs;
-  for (int j = 0; j < n; ++j) srcs.push_back(rows + size_t(j) * kFrame + off);
+  for (int j = 0; j < n; ++j) srcs.push_back(rows + size_t(j) * stride_ + off);
   reduce(dt, op, out, srcs.data(), n, size_t(count), op == RedOp::avg ? size_ : 0);
+}
+
+void HierComm::adapt() {
+  const size_t want = want_;
+  want_ = 0;
+  if (!adaptive_) return;
+  size_t need = kMinRoom;  // the room this call's payload wanted (kMinRoom: none, or too big)
+  if (want <= kRoom)
+    while (need < want) need *= 2;
+  need = std::min(need, kRoom);
+  if (need > room_ / 2) {  // grows at once, or stays
+    room_ = std::max(room_, need);
+    shrink_run_ = 0;
+    shrink_to_ = kMinRoom;
+    return;
+  }
+  shrink_to_ = std::max(shrink_to_, need);
+  if (++shrink_run_ >= kShrinkAfter) {  // kShrinkAfter calls in a row fitted half the room
+    room_ = shrink_to_;
+    shrink_run_ = 0;
+    shrink_to_ = kMinRoom;
+  }
 }
 
 void HierComm::divide(void* buf, int64_t count, DType dt) {

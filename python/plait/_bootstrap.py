@@ -150,7 +150,7 @@ def _timeouts(timeout, init_timeout):
 # Settings read after the rendezvous (by the native communicator, the GPU queue, the reduction
 # kernels): each value is checked here, before any rank waits on this one. A switch is on unless
 # it is "0", so a stray "off" or "false" would silently mean on: only 0 and 1 are taken.
-_SWITCHES = ("PLAIT_FLIGHT", "PLAIT_SINGLE_COPY", "PLAIT_HIER_CHECK")
+_SWITCHES = ("PLAIT_FLIGHT", "PLAIT_SINGLE_COPY", "PLAIT_HIER_CHECK", "PLAIT_HIER_FRAME_ADAPT")
 _CHOICES = {
     "PLAIT_INTER": ("gloo", "mpi"),
     "PLAIT_GPU_TRANSPORT": ("auto", "nccl", "ipc"),
