@@ -5,10 +5,13 @@ smallest piece) makes small counts run many pieces, so one piece, several pieces
 modulo the ranks per host and a last short piece are all exercised on exact integer data from
 hier_checks.py; the same calls with pieces off (PLAIT_HIER_PIECE_BYTES=0: one engine call) give
 the same bytes. Piece sizes that differ across hosts are a MismatchError on every rank before any
-payload reaches the engine.
+payload reaches the engine. A rank killed while pieces are in flight is a PeerLostError on every
+other rank within seconds.
 """
 
 import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -92,3 +95,34 @@ def test_piece_sizes_that_differ_across_hosts_are_a_mismatch_everywhere():
     for r, (small, got) in enumerate(run_ranks(_uneven_pieces, 4, timeout=90, args=(hosts,))):
         assert small == [4] * 8, (r, small)
         assert got[0] == "MismatchError" and got[1].startswith(f"rank {r}: "), (r, got)
+
+
+def _killed(rank, n, addr, hosts, victim):
+    os.environ["PLAIT_HOST_ID"] = hosts[rank]
+    os.environ["PLAIT_HIER_PIECE_BYTES"] = str(PIECE)
+    comm = plait.init(timeout=60)
+    x = np.ones(5 * PIECE // 4 + 3, dtype=np.int32)  # 6 pieces: engine steps always in flight
+    for i in range(1000000):
+        if rank == victim and i == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            got = comm.allreduce(x, async_op=i % 2 == 1)
+            got = got.wait() if i % 2 == 1 else got
+            assert (got == n).all(), (rank, i)
+        except plait.PlaitError as e:
+            return type(e).__name__, time.monotonic(), str(e)
+    return "no error", time.monotonic(), ""
+
+
+@pytest.mark.parametrize("victim", [0, 3])
+def test_rank_killed_during_pieces_is_peer_lost_everywhere(victim):
+    start = time.monotonic()
+    hosts = LAYOUTS["2x2"]
+    res = run_ranks(_killed, 4, timeout=90, args=(hosts, victim), may_die=(victim,))
+    for r, got in enumerate(res):
+        if r == victim:
+            assert got is None
+            continue
+        kind, when, msg = got
+        # never the 60 s deadline: the segment or the engine sees the death mid-pipeline
+        assert kind == "PeerLostError" and when - start < 25, (r, kind, when - start, msg)
