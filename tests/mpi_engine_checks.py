@@ -66,6 +66,14 @@ def exact(eng):
                 want = expected_reduction(dtype, op, count, n)
                 assert a.dtype == want.dtype and np.array_equal(a, want), (dtype, op, count, a[:8], want[:8])
                 checks += 1
+            # allreduce_start: every op of this dtype in flight at once, then waited in turn
+            started = [(op, member_data(dtype, op, count, r)) for op in OPS]
+            reqs = [eng.allreduce_start(a, op) for op, a in started]
+            for req, (op, a) in zip(reqs, started):
+                eng.wait(req)
+                want = expected_reduction(dtype, op, count, n)
+                assert np.array_equal(a, want), ("allreduce_start", dtype, op, count, a[:8], want[:8])
+            checks += 1
             mine = block(dtype, r, 0, count)
             out = np.zeros(n * count, dtype=mine.dtype)
             eng.allgather(mine, out)

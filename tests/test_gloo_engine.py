@@ -272,3 +272,63 @@ def test_capsule_is_an_engine_table():
     assert _C is not None and hasattr(mod, "make_gloo_engine")
     with pytest.raises(ValueError, match="not an engine capsule"):
         mod._engine_info(_C._capi)
+
+
+def _started(rank, n, _addr, store_dir):
+    """allreduce_start: several in flight at once, each waited in turn, exact in every dtype."""
+    mod, eng, _ = _setup(rank, n, store_dir)
+    try:
+        bufs, reqs = [], []
+        for name in DTYPES:
+            for op in ("sum", "max"):
+                for count in (1, 7, 1 << 14):
+                    a = _as([_value(rank, i, name) for i in range(count)], name)
+                    reqs.append(mod._engine_allreduce_start(eng, a, CODES[name], OPS[op], 30.0))
+                    bufs.append((name, op, count, a))
+        for req, (name, op, count, a) in zip(reqs, bufs):
+            mod._engine_wait(eng, req, 30.0)
+            assert a.tobytes() == _expected(name, op, n, count).tobytes(), (name, op, count)
+        none = np.zeros(0, np.int32)
+        mod._engine_wait(eng, mod._engine_allreduce_start(eng, none, CODES["int32"], 0, 30.0), 30.0)
+        with pytest.raises(plait.InvalidArgument, match="not one gloo reduces"):
+            mod._engine_allreduce_start(eng, np.ones(2, np.float32), CODES["float32"], 4, 30.0)
+        return len(reqs)
+    finally:
+        mod._engine_release(eng)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_allreduce_start_in_flight_together(ranks, tmp_path, n):
+    assert ranks(_started, n, timeout=180, args=(str(tmp_path),)) == [54] * n
+
+
+def _started_ends(rank, n, _addr, store_dir, how):
+    """A started allreduce that its peer never joins: wait's deadline, or fail() from another
+    thread, ends it with its kind; the group refuses later starts."""
+    mod, eng, store = _setup(rank, n, store_dir)
+    try:
+        if rank == 1:
+            store.wait(["done"], timedelta(seconds=60))
+            return None
+        a = np.ones(16, np.int64)
+        limit = 0.4 if how == "deadline" else 30.0  # gloo's own timeout follows the call's
+        req = mod._engine_allreduce_start(eng, a, CODES["int64"], 0, limit)
+        if how == "fail":
+            threading.Timer(0.3, mod._engine_fail, (eng, 3, "mismatch elsewhere")).start()
+        want = plait.TimeoutError if how == "deadline" else plait.MismatchError
+        t0 = time.monotonic()
+        with pytest.raises(want, match="gloo allreduce of 16 int64"):
+            mod._engine_wait(eng, req, limit)
+        took = time.monotonic() - t0
+        with pytest.raises(want):
+            mod._engine_allreduce_start(eng, a, CODES["int64"], 0, 30.0)
+        store.set("done", b"1")
+        return took
+    finally:
+        mod._engine_release(eng)
+
+
+@pytest.mark.parametrize("how", ["deadline", "fail"])
+def test_allreduce_start_ends_on_deadline_or_fail(ranks, tmp_path, how):
+    took = ranks(_started_ends, 2, timeout=90, args=(str(tmp_path), how))[0]
+    assert 0.3 <= took < 3.0, took

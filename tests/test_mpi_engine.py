@@ -62,9 +62,10 @@ def test_every_function_exact(tmp_path, n, chunk):
     """Every function and supported (dtype, op), counts 0/1/7/3001; with 40-byte pieces every
     count above a few elements takes the multi-piece path that counts past 2^31 take."""
     checks = _mpirun(tmp_path, "exact", n, {"PLAIT_MPI_CHUNK_BYTES": chunk} if chunk else {})
-    # 45 supports(), 4 counts x 7 dtypes x (4 ops + allgather twice + alltoall + n broadcasts),
-    # 2 point-to-point per count, 5 refused arguments, and rank 1's two mismatched receives
-    base = 45 + 4 * 7 * (7 + n) + 4 * 2 + 5
+    # 45 supports(), 4 counts x 7 dtypes x (4 ops + the 4 started together + allgather twice +
+    # alltoall + n broadcasts), 2 point-to-point per count, 5 refused arguments, and rank 1's two
+    # mismatched receives
+    base = 45 + 4 * 7 * (8 + n) + 4 * 2 + 5
     assert checks == [base + 2 * (r == 1) for r in range(n)], checks
 
 

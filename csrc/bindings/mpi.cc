@@ -166,6 +166,16 @@ class EngineForTests {
       return en.allgather(en.ctx, i, o, size_t(in.nbytes()), t, err, n);
     });
   }
+  uintptr_t allreduce_start(py::array a, const std::string& op, double t) {
+    void* p = data(a, true, "allreduce");
+    const uint8_t d = dtype_code(a), o = op_code(op);
+    if (!PLAIT_ENGINE_HAS(&e(), allreduce_start)) raise(PLAIT_E_INVALID, "no allreduce_start");
+    void* req = nullptr;
+    call([&](const plait_engine& en, char* err, size_t n) {
+      return en.allreduce_start(en.ctx, p, size_t(a.size()), d, o, t, &req, err, n);
+    });
+    return reinterpret_cast<uintptr_t>(req);  // the test keeps a alive until wait
+  }
   uintptr_t allgather_start(py::array in, py::array out) {
     const void* i = data(in, false, "allgather in");
     void* o = data(out, true, "allgather out");
@@ -247,6 +257,8 @@ PYBIND11_MODULE(_mpi, m) {
       .def("allgather", &EngineForTests::allgather, py::arg("a"), py::arg("out"),
            py::arg("timeout") = inf)
       .def("allgather_start", &EngineForTests::allgather_start)
+      .def("allreduce_start", &EngineForTests::allreduce_start, py::arg("a"), py::arg("op"),
+           py::arg("timeout") = inf)
       .def("wait", &EngineForTests::wait, py::arg("req"), py::arg("timeout") = inf)
       .def("broadcast", &EngineForTests::broadcast, py::arg("a"), py::arg("root"),
            py::arg("timeout") = inf)

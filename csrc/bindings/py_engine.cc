@@ -215,6 +215,8 @@ void bind_py_engine(py::module_& m) {
         e.recv = e_recv;
         e.fail = e_fail;
         e.release = e_release;
+        // allreduce_start stays NULL: a started call would hold the GIL in Python's wait anyway,
+        // so the communicator calls allreduce, unpipelined.
         return py::capsule(static_cast<void*>(&e), PLAIT_ENGINE_CAPSULE);
       },
       py::arg("group"),

@@ -56,7 +56,8 @@ typedef struct plait_engine {
   uint32_t (*allgather)(void* ctx, const void* in, void* out, size_t bytes, double timeout_s,
                         char* err, size_t errlen);
   /* allgather in two halves: start returns a request (in and out untouched by the caller until
-   * wait returns); wait finishes it (or fails) and frees it. Every started request is waited. */
+   * wait returns); wait finishes it (or fails) and frees it, as it does allreduce_start's
+   * (below). Every started request is waited. */
   uint32_t (*allgather_start)(void* ctx, const void* in, void* out, size_t bytes, void** req,
                               char* err, size_t errlen);
   uint32_t (*wait)(void* ctx, void* req, double timeout_s, char* err, size_t errlen);
@@ -79,7 +80,24 @@ typedef struct plait_engine {
    * communicator the capsule is handed to owns the engine and calls this once (hand a capsule to
    * one communicator only). */
   void (*release)(void* ctx);
+
+  /* Appended after version 1's first table: an engine built before it has a smaller struct_size
+   * (PLAIT_ENGINE_HAS(e, allreduce_start) is 0), and an engine may leave it NULL; then the
+   * communicator calls allreduce. allreduce in two halves, as allgather_start: start issues it
+   * and returns a request (buf untouched by the caller until wait returns), wait finishes it and
+   * frees it; every started request is waited. timeout_s is the call's time left when it starts
+   * (the engine may give the operation its own timeout from it); wait's timeout_s bounds the
+   * wait. Errors, the job-wide flag and fail() behave as for allreduce; a start that fails
+   * returns no request. */
+  uint32_t (*allreduce_start)(void* ctx, void* buf, size_t count, uint8_t dtype, uint8_t op,
+                              double timeout_s, void** req, char* err, size_t errlen);
 } plait_engine;
+
+/* 1 when engine e (a plait_engine*) was built with member m and sets it. */
+#define PLAIT_ENGINE_HAS(e, m) \
+  ((e)->struct_size >= offsetof(plait_engine, m) + sizeof((e)->m) && (e)->m != NULL)
+/* The size of version 1's first table (before allreduce_start): the least an engine may have. */
+#define PLAIT_ENGINE_MIN_SIZE offsetof(plait_engine, allreduce_start)
 
 #ifdef __cplusplus
 }

@@ -1,6 +1,7 @@
 // The collectives of the multi-host communicator (steps in hier/hier_comm.h). Local steps run
 // inline on this thread (the call is one closure task of the local communicator); engine steps
 // go to the inter group (or the world group for alltoall and send/recv between hosts).
+#include <algorithm>
 #include <cstring>
 
 #include "core/wait.h"
@@ -61,28 +62,7 @@ void HierComm::allreduce(const CallArgs& a, const Fingerprint& fp, const void* x
       if (op == RedOp::avg) divide(out, n, dt);
       return;
     }
-    Posted checked = post(inter_.get(), fp, 0, true, deadline);  // waited for after the local step
-    const int64_t f = n / L, r = n % L;
-    int64_t lo = lay_.i * f, hi = (lay_.i + 1) * f;
-    const auto* xb = static_cast<const uint8_t*>(x);
-    if (f)
-      local(Coll::reduce_scatter, xb, size_t(L * f) * es, o + size_t(lo) * es, size_t(f) * es, dt,
-            red, 0, deadline);
-    if (r) {
-      const bool last = lay_.i == L - 1;
-      local(Coll::reduce, xb + size_t(L * f) * es, size_t(r) * es, o + size_t(L * f) * es,
-            size_t(r) * es, dt, red, L - 1, deadline, last);
-      if (last) hi = n;
-    }
-    finish(checked, deadline);
-    inter_->allreduce(o + size_t(lo) * es, hi - lo, dt, red, deadline);
-    if (op == RedOp::avg) divide(o + size_t(lo) * es, hi - lo, dt);
-    if (f)
-      local(Coll::allgather, o + size_t(lay_.i * f) * es, size_t(f) * es, o, size_t(L * f) * es, dt,
-            red, 0, deadline);
-    if (r)
-      local(Coll::broadcast, o + size_t(L * f) * es, size_t(r) * es, o + size_t(L * f) * es,
-            size_t(r) * es, dt, red, L - 1, deadline);
+    allreduce_pieces(a, fp, x, o, deadline);
     return;
   }
   // Leaders: local reduce to the leader, leaders' allreduce, local broadcast.
@@ -102,6 +82,101 @@ void HierComm::allreduce(const CallArgs& a, const Fingerprint& fp, const void* x
     }
   }
   local(Coll::broadcast, out, bytes, out, bytes, dt, red, 0, deadline);
+}
+
+void HierComm::allreduce_pieces(const CallArgs& a, const Fingerprint& fp, const void* x, uint8_t* o,
+                                double deadline) {
+  const int64_t n = a.count, L = local_->size();
+  const DType dt = a.dtype;
+  const size_t es = dtype_size(dt);
+  const RedOp op = a.op, red = op == RedOp::avg ? RedOp::sum : op;
+  const bool last = lay_.i == L - 1;
+  const auto* xb = static_cast<const uint8_t*>(x);
+  // Pieces of pe elements (a multiple of L: only the last piece has a remainder); one piece
+  // when there is no local step to overlap (L = 1: pieces would only add engine round trips)
+  // or the engine cannot start an allreduce and return. The piece size is in the checked frame
+  // (the fingerprint's algorithm field, unused across hosts otherwise), so hosts that cut the
+  // payload differently (PLAIT_HIER_PIECE_BYTES set unevenly) raise a mismatch before any
+  // payload moves.
+  int64_t pe = n;
+  Fingerprint checked_fp = fp;
+  if (piece_log2_ > 0 && L > 1 && inter_->can_start(dt, red)) {
+    pe = std::max<int64_t>(L, int64_t((size_t(1) << piece_log2_) / es) / L * L);
+    checked_fp.algo = uint8_t(piece_log2_);
+  }
+  const int64_t pieces = std::max<int64_t>(1, (n + pe - 1) / pe);
+  struct Piece {
+    int64_t s, f, r, lo, hi;  // first element, block, remainder, this rank's owned [lo, hi)
+  };
+  auto piece = [&](int64_t k) {
+    Piece p;
+    p.s = k * pe;
+    const int64_t c = std::min(pe, n - p.s);
+    p.f = c / L;
+    p.r = c % L;
+    p.lo = p.s + lay_.i * p.f;
+    p.hi = (p.r && last) ? p.s + c : p.lo + p.f;
+    return p;
+  };
+  // 1. local reduce_scatter of the piece's L blocks (the remainder reduced to the last rank)
+  auto scatter = [&](int64_t k) {
+    const Piece p = piece(k);
+    const size_t tail = size_t(p.s + L * p.f) * es;
+    if (p.f)
+      local(Coll::reduce_scatter, xb + size_t(p.s) * es, size_t(L * p.f) * es,
+            o + size_t(p.lo) * es, size_t(p.f) * es, dt, red, 0, deadline);
+    if (p.r)
+      local(Coll::reduce, xb + tail, size_t(p.r) * es, o + tail, size_t(p.r) * es, dt, red,
+            int(L - 1), deadline, last);
+  };
+  // 2. the engine's allreduce of what this rank owns, across the hosts (started, then waited)
+  auto start = [&](int64_t k) {
+    const Piece p = piece(k);
+    return inter_->allreduce_start(o + size_t(p.lo) * es, p.hi - p.lo, dt, red, deadline);
+  };
+  // 3. local allgather of the owned blocks in place; broadcast of the remainder
+  auto gather = [&](int64_t k) {
+    const Piece p = piece(k);
+    const size_t tail = size_t(p.s + L * p.f) * es;
+    if (op == RedOp::avg) divide(o + size_t(p.lo) * es, p.hi - p.lo, dt);
+    if (p.f)
+      local(Coll::allgather, o + size_t(p.lo) * es, size_t(p.f) * es, o + size_t(p.s) * es,
+            size_t(L * p.f) * es, dt, red, 0, deadline);
+    if (p.r)
+      local(Coll::broadcast, o + tail, size_t(p.r) * es, o + tail, size_t(p.r) * es, dt, red,
+            int(L - 1), deadline);
+  };
+  // Piece k's engine step runs while this thread gathers piece k - 1 and scatters piece k + 1.
+  Posted checked = post(inter_.get(), checked_fp, 0, true, deadline);  // beside the first scatter
+  void* req = nullptr;
+  try {
+    scatter(0);
+    finish(checked, deadline);  // no payload goes to the engine before the hosts agree
+    req = start(0);
+    if (pieces > 1) scatter(1);
+    for (int64_t k = 0; k < pieces; ++k) {
+      void* r = req;
+      req = nullptr;
+      inter_->wait(r, deadline);
+      if (k + 1 < pieces) req = start(k + 1);
+      gather(k);
+      if (k + 2 < pieces) scatter(k + 2);
+    }
+  } catch (const PlaitError& e) {
+    if (req) {
+      // A local step failed with an engine step in flight: end it (the engine keeps the first
+      // failure it is told, so the same message on_error gives) before the buffer is let go.
+      std::string msg = e.what();
+      const std::string me = "rank " + std::to_string(rank_) + ": ";
+      if (msg.compare(0, me.size(), me) != 0) msg = head(a) + ": " + msg;
+      inter_->fail(e.kind(), msg);
+      try {
+        inter_->wait(req, deadline);
+      } catch (const PlaitError&) {  // the failure above, as the engine reports it
+      }
+    }
+    throw;
+  }
 }
 
 void HierComm::reduce_scatter(const CallArgs& a, const Fingerprint& fp, double deadline) {

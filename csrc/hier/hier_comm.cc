@@ -51,7 +51,7 @@ void check_engine(const plait_engine* e, const char* what, int rank, int want_ra
   m << "rank " << rank << ": the " << what << " engine ";
   if (!e) {
     m << "is missing";
-  } else if (e->version != PLAIT_ENGINE_VERSION || e->struct_size < sizeof(plait_engine)) {
+  } else if (e->version != PLAIT_ENGINE_VERSION || e->struct_size < PLAIT_ENGINE_MIN_SIZE) {
     m << "is version " << e->version << " (" << e->struct_size << " bytes); plait needs version "
       << PLAIT_ENGINE_VERSION;
   } else if (e->rank != want_rank || e->size != want_size) {
@@ -105,6 +105,14 @@ HierComm::HierComm(std::shared_ptr<Communicator> local, int rank, int size,
   check_ = !(chk && std::string(chk) == "0");
   const char* adaptive = getenv("PLAIT_HIER_FRAME_ADAPT");
   adaptive_ = !(adaptive && std::string(adaptive) == "0");
+  if (const char* pb = getenv("PLAIT_HIER_PIECE_BYTES"); pb && *pb) {
+    const unsigned long long v = std::strtoull(pb, nullptr, 10);
+    piece_log2_ = 0;
+    if (v) {
+      while (piece_log2_ < 30 && (1ull << (piece_log2_ + 1)) <= v) ++piece_log2_;
+      piece_log2_ = std::max(piece_log2_, 12);
+    }
+  }
   world_ = std::move(keep_world);
   inter_ = std::move(keep_inter);
 }

@@ -35,6 +35,10 @@
 //      left over are reduced to the last local rank, which owns them too
 //   2. inter allreduce of what rank i owns across the H hosts (shard group i)
 //   3. local allgather of the owned blocks in place in the output; broadcast of the r left over
+//   Past the frame's room this goes piece by piece (kPieceLog2; every piece but the last a
+//   multiple of L elements): piece k's engine allreduce is started (engine.h allreduce_start)
+//   and runs while this rank gathers piece k-1 and scatters piece k+1. Integer results are the
+//   same bits as in one piece; the check frame is waited for before the first piece's payload.
 // Avg sums, then divides once by the world size. Leaders layout: local reduce to the leader,
 // leaders' allreduce, local broadcast. Element types or ops an engine lacks (engine->supports)
 // are allgathered and reduced on plait's kernels in host order, so every rank gets the same bytes.
@@ -76,6 +80,11 @@ constexpr size_t kFrame = 2048, kFrameHead = 64, kRoom = kFrame - kFrameHead, kM
 constexpr int kShrinkAfter = 16;
 constexpr uint64_t kFrameMagic = 0x706C616974;  // "plait"
 
+// The uniform layout's large allreduce goes in pieces of 2^kPieceLog2 bytes, so that one piece's
+// engine step overlaps the next one's local reduce_scatter and the last one's local allgather
+// (hier_colls.cc). Measured with bench/hier_torch.py (bench/RESULTS-hier.md, 2026-12-05).
+constexpr int kPieceLog2 = 22;
+
 // One engine group as the communicator drives it: owns the plait_engine (releases it once),
 // turns its error returns into typed errors naming the group, and keeps the group's frames.
 class EngineGroup {
@@ -94,9 +103,14 @@ class EngineGroup {
 
   // In place; falls back to allgather + plait's kernels for (dtype, op) the engine lacks.
   void allreduce(void* buf, int64_t count, DType dt, RedOp op, double deadline);
+  // True when allreduce_start returns before the op ends (the engine has it, for this dtype/op).
+  bool can_start(DType dt, RedOp op) const;
+  // allreduce in two halves: a request for wait(), or null when it ran to its end here (nothing
+  // to do, or an engine without allreduce_start or without this dtype/op).
+  void* allreduce_start(void* buf, int64_t count, DType dt, RedOp op, double deadline);
   void allgather(const void* in, void* out, size_t bytes, double deadline);
   void* allgather_start(const void* in, void* out, size_t bytes);
-  void wait(void* req, double deadline);
+  void wait(void* req, double deadline);  // either start's request; null: nothing
   void broadcast(void* buf, size_t bytes, int root, double deadline);
   void alltoall(const void* in, void* out, size_t block_bytes, double deadline);
   void send(const void* buf, size_t bytes, int peer, int tag, double deadline);
@@ -187,6 +201,9 @@ class HierComm final : public Comm {
   // The collectives (hier_colls.cc); byte-moving ones take bytes.
   void allreduce(const CallArgs& a, const Fingerprint& fp, const void* x, void* out,
                  double deadline);
+  // The uniform layout's allreduce past the frame's room, in pieces (see hier_colls.cc).
+  void allreduce_pieces(const CallArgs& a, const Fingerprint& fp, const void* x, uint8_t* out,
+                        double deadline);
   void reduce_scatter(const CallArgs& a, const Fingerprint& fp, double deadline);
   void allgather(const Fingerprint& fp, const uint8_t* x, uint8_t* out, size_t n, double deadline);
   void broadcast(const Fingerprint& fp, const uint8_t* x, uint8_t* out, size_t k, int root,
@@ -218,7 +235,10 @@ class HierComm final : public Comm {
   // The frame's room and its history (on the progress thread only: calls run one at a time).
   size_t room_ = kRoom, want_ = 0, stride_ = kFrame, shrink_to_ = kMinRoom;
   int shrink_run_ = 0;
-  bool adaptive_ = true;   // PLAIT_HIER_FRAME_ADAPT=0: the room stays kRoom (for A/B measurements)
+  bool adaptive_ = true;  // PLAIT_HIER_FRAME_ADAPT=0: the room stays kRoom (for A/B measurements)
+  // log2 of the large allreduce's piece bytes (PLAIT_HIER_PIECE_BYTES, rounded down to a power
+  // of two in [4 KiB, 1 GiB]; 0 there: one piece)
+  int piece_log2_ = kPieceLog2;
   mutable std::mutex mu_;  // first_error_, label_
   std::string first_error_;
   std::string label_;

@@ -90,6 +90,33 @@ void EngineGroup::allreduce(void* buf, int64_t count, DType dt, RedOp op, double
   reduce(dt, op, buf, srcs.data(), size(), size_t(count), 0);
 }
 
+bool EngineGroup::can_start(DType dt, RedOp op) const {
+  if (!PLAIT_ENGINE_HAS(e_, allreduce_start)) return false;
+  if (dt == DType::boolean) {
+    dt = DType::u8;
+    op = (op == RedOp::sum || op == RedOp::max) ? RedOp::max : RedOp::min;
+  }
+  return e_->supports(e_->ctx, uint8_t(dt), uint8_t(op)) != 0;
+}
+
+void* EngineGroup::allreduce_start(void* buf, int64_t count, DType dt, RedOp op, double deadline) {
+  if (count == 0 || size() == 1) return nullptr;
+  if (!can_start(dt, op)) {
+    allreduce(buf, count, dt, op, deadline);
+    return nullptr;
+  }
+  if (dt == DType::boolean) {  // as allreduce does it: or is max, and is min, over bytes
+    dt = DType::u8;
+    op = (op == RedOp::sum || op == RedOp::max) ? RedOp::max : RedOp::min;
+  }
+  char err[1024] = "";
+  void* req = nullptr;
+  check(e_->allreduce_start(e_->ctx, buf, size_t(count), uint8_t(dt), uint8_t(op), left(deadline),
+                            &req, err, sizeof err),
+        "allreduce", err);
+  return req;
+}
+
 void EngineGroup::allgather(const void* in, void* out, size_t bytes, double deadline) {
   if (bytes == 0) return;
   char err[1024] = "";
@@ -104,8 +131,9 @@ void* EngineGroup::allgather_start(const void* in, void* out, size_t bytes) {
 }
 
 void EngineGroup::wait(void* req, double deadline) {
+  if (!req) return;
   char err[1024] = "";
-  check(e_->wait(e_->ctx, req, left(deadline), err, sizeof err), "allgather", err);
+  check(e_->wait(e_->ctx, req, left(deadline), err, sizeof err), "wait", err);
 }
 
 void EngineGroup::broadcast(void* buf, size_t bytes, int root, double deadline) {

@@ -66,6 +66,43 @@ uint32_t allreduce(void* ctx, void* buf, size_t count, uint8_t dtype, uint8_t op
       err, errlen);
 }
 
+// Every piece's Iallreduce at once (a buffer needs several only past `chunk` bytes), waited by
+// wait() as allgather_start's are.
+uint32_t allreduce_start(void* ctx, void* buf, size_t count, uint8_t dtype, uint8_t op, double,
+                         void** req, char* err, size_t errlen) {
+  Engine* e = static_cast<Engine*>(ctx);
+  *req = nullptr;
+  auto what = [&] {
+    return "allreduce of " + std::to_string(count) + " " + dtype_name(dtype) + " (" + op_name(op) +
+           ")";
+  };
+  MPI_Datatype type;
+  MPI_Op mop;
+  size_t es;
+  if (!mpi_reduction(dtype, op, &type, &mop, &es))
+    return say(err, errlen, PLAIT_E_INVALID,
+               where(e, what()) + ": MPI does not reduce this dtype and op (ask supports())");
+  if (uint32_t k = refused(e, err, errlen)) return k;
+  auto p = std::make_unique<Pending>();
+  p->bytes = count * es;
+  p->what = what();
+  char* b = static_cast<char*>(buf);
+  int rc = MPI_SUCCESS;
+  const size_t step = piece(e, es);
+  for (size_t off = 0; e->size > 1 && off < p->bytes && rc == MPI_SUCCESS; off += step) {
+    const size_t len = std::min(step, p->bytes - off);
+    MPI_Request r = MPI_REQUEST_NULL;
+    rc = MPI_Iallreduce(MPI_IN_PLACE, b + off, int(len / es), type, mop, e->data, &r);
+    if (rc == MPI_SUCCESS) p->reqs.push_back(r);
+  }
+  if (rc != MPI_SUCCESS) {
+    abandon(e, *p, p->what);
+    return mpi_error(e, p->what, rc, err, errlen);
+  }
+  *req = p.release();
+  return PLAIT_OK;
+}
+
 uint32_t allgather_start(void* ctx, const void* in, void* out, size_t bytes, void** req, char* err,
                          size_t errlen) {
   Engine* e = static_cast<Engine*>(ctx);
@@ -74,6 +111,7 @@ uint32_t allgather_start(void* ctx, const void* in, void* out, size_t bytes, voi
   if (uint32_t k = refused(e, err, errlen)) return k;
   auto p = std::make_unique<Pending>();
   p->bytes = bytes;
+  p->what = what();
   if (e->size == 1 || bytes == 0) {
     if (bytes) memcpy(out, in, bytes);
     *req = p.release();
@@ -109,8 +147,7 @@ uint32_t wait(void* ctx, void* req, double timeout_s, char* err, size_t errlen) 
   Engine* e = static_cast<Engine*>(ctx);
   std::unique_ptr<Pending> p(static_cast<Pending*>(req));
   if (!p) return PLAIT_OK;
-  auto what = [&] { return "allgather of " + nbytes(p->bytes); };
-  return finish(e, *p, deadline_of(timeout_s), timeout_s, what, err, errlen);
+  return finish(e, *p, deadline_of(timeout_s), timeout_s, [&] { return p->what; }, err, errlen);
 }
 
 uint32_t allgather(void* ctx, const void* in, void* out, size_t bytes, double timeout_s, char* err,
@@ -313,6 +350,7 @@ plait_engine* mpi_engine_create(MPI_Comm comm, const char* label, size_t chunk_b
   t.allreduce = allreduce;
   t.allgather = allgather;
   t.allgather_start = allgather_start;
+  t.allreduce_start = allreduce_start;
   t.wait = wait;
   t.broadcast = broadcast;
   t.alltoall = alltoall;

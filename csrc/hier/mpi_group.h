@@ -67,6 +67,7 @@ struct Pending {
   std::vector<MPI_Request> reqs;
   bool p2p = false, recv = false;
   size_t bytes = 0, moved = 0;
+  std::string what;  // a started request's call, for wait's messages
 };
 
 const char* dtype_name(uint8_t d);

@@ -91,6 +91,19 @@ void bind_engine_calls(py::module_& m) {
     if (o.bytes != i.bytes * static_cast<size_t>(e->size)) throw py::value_error("out: size * in");
     call([&](char* err) { return e->allgather(e->ctx, i.ptr, o.ptr, i.bytes, to, err, kErrLen); });
   });
+  // Returns the request; buf must stay alive until _engine_wait returns.
+  m.def("_engine_allreduce_start", [](py::capsule c, py::buffer buf, int dtype, int op, double to) {
+    plait_engine* e = engine(c);
+    if (!PLAIT_ENGINE_HAS(e, allreduce_start)) throw py::value_error("no allreduce_start");
+    Bytes b = bytes_of(buf, true);
+    size_t item = py::buffer(buf).request().itemsize;
+    void* req = nullptr;
+    call([&](char* err) {
+      return e->allreduce_start(e->ctx, b.ptr, b.bytes / item, static_cast<uint8_t>(dtype),
+                                static_cast<uint8_t>(op), to, &req, err, kErrLen);
+    });
+    return py::capsule(req, kReqCapsule);
+  });
   // Returns the request; in and out must stay alive until _engine_wait returns.
   m.def("_engine_allgather_start", [](py::capsule c, py::buffer in, py::buffer out) {
     plait_engine* e = engine(c);

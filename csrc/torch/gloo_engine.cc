@@ -165,6 +165,8 @@ class Gloo {
   plait_engine table{};  // what the capsule holds; freed with the group
   uint32_t allreduce(void* buf, size_t count, uint8_t dtype, uint8_t op, double timeout_s,
                      char* err, size_t errlen);
+  uint32_t allreduce_start(void* buf, size_t count, uint8_t dtype, uint8_t op, double timeout_s,
+                           void** req, char* err, size_t errlen);
   uint32_t allgather_start(const void* in, void* out, size_t bytes, void** req, char* err,
                            size_t errlen);
   uint32_t wait(void* req, double timeout_s, char* err, size_t errlen);
@@ -430,6 +432,16 @@ uint32_t Gloo::finish(Pending& p, double timeout_s, char* err, size_t errlen) {
 
 uint32_t Gloo::allreduce(void* buf, size_t count, uint8_t dtype, uint8_t op, double timeout_s,
                          char* err, size_t errlen) {
+  void* req = nullptr;
+  if (uint32_t k = allreduce_start(buf, count, dtype, op, timeout_s, &req, err, errlen)) return k;
+  return wait(req, timeout_s, err, errlen);
+}
+
+// Issues the op and returns at once: gloo runs it on its own threads and the Future's callback
+// marks it done; wait() (finish) holds plait's deadline and the flag, as a blocking call does.
+uint32_t Gloo::allreduce_start(void* buf, size_t count, uint8_t dtype, uint8_t op, double timeout_s,
+                               void** req, char* err, size_t errlen) {
+  *req = nullptr;
   at::ScalarType t;
   std::string what = "allreduce";
   if (!scalar_type(dtype, &t) || op > PLAIT_MAX) {
@@ -439,20 +451,27 @@ uint32_t Gloo::allreduce(void* buf, size_t count, uint8_t dtype, uint8_t op, dou
     return PLAIT_E_INVALID;
   }
   what += " of " + std::to_string(count) + " " + kTypeNames[dtype] + " (" + op_name(op) + ")";
-  if (count == 0 || size_ == 1) return dead(what, err, errlen);
+  auto p = std::make_unique<Pending>();
+  if (count == 0 || size_ == 1) {
+    if (uint32_t k = dead(what, err, errlen)) return k;
+    p->what = what;  // no work: wait() finds it finished
+    *req = p.release();
+    return PLAIT_OK;
+  }
   static const c10d::ReduceOp::RedOpType kOps[] = {c10d::ReduceOp::SUM, c10d::ReduceOp::PRODUCT,
                                                    c10d::ReduceOp::MIN, c10d::ReduceOp::MAX};
   if (t == at::kBool) {  // gloo adds bools as bytes (1 + 1 = a bool byte of 2): or / and instead
     t = at::kByte;
     op = (op == PLAIT_SUM || op == PLAIT_MAX) ? PLAIT_MAX : PLAIT_MIN;
   }
-  Pending p;
   std::vector<at::Tensor> ts{view(buf, count, t)};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp(kOps[op]);
   o.timeout = gloo_timeout(timeout_s);
-  if (uint32_t k = issue(what, [&] { return pg_->allreduce(ts, o); }, &p, err, errlen)) return k;
-  return finish(p, timeout_s, err, errlen);
+  if (uint32_t k = issue(what, [&] { return pg_->allreduce(ts, o); }, p.get(), err, errlen))
+    return k;
+  *req = p.release();
+  return PLAIT_OK;
 }
 
 uint32_t Gloo::allgather_start(const void* in, void* out, size_t bytes, void** req, char* err,
@@ -578,6 +597,11 @@ plait_engine* make_table(Gloo* g) {
   e->allreduce = [](void* c, void* buf, size_t n, uint8_t dt, uint8_t op, double to, char* err,
                     size_t el) {
     return guarded(err, el, [&] { return G(c)->allreduce(buf, n, dt, op, to, err, el); });
+  };
+  e->allreduce_start = [](void* c, void* buf, size_t n, uint8_t dt, uint8_t op, double to,
+                          void** req, char* err, size_t el) {
+    return guarded(err, el,
+                   [&] { return G(c)->allreduce_start(buf, n, dt, op, to, req, err, el); });
   };
   e->allgather = [](void* c, const void* in, void* out, size_t bytes, double to, char* err,
                     size_t el) {
