@@ -24,6 +24,7 @@ void broadcast_single_copy(Ctx&);
 void reduce_single_copy(Ctx&);
 void alltoall_single_copy(Ctx&);
 void allreduce_shared_or_staged(Ctx&);
+void allreduce_staged_parts(Ctx&);
 void allgather_shared_or_staged(Ctx&);
 
 #if PLAIT_WITH_CUDA
@@ -70,6 +71,7 @@ const std::vector<Algorithm>& algorithm_table() {
       {Coll::allreduce, "tree", kHost, allreduce_tree},
       {Coll::allreduce, "single_copy", kSingleCopy, allreduce_single_copy},
       {Coll::allreduce, "shared_or_staged", kSingleCopy, allreduce_shared_or_staged},
+      {Coll::allreduce, "staged_parts", kHost, allreduce_staged_parts},
       {Coll::reduce_scatter, "direct", kHost, reduce_scatter_direct},
       {Coll::reduce_scatter, "ring", kHost, reduce_scatter_ring},
       {Coll::reduce_scatter, "single_copy", kSingleCopy, reduce_scatter_single_copy},
@@ -196,8 +198,11 @@ int select_algorithm(Coll c, const std::string& asked, const AlgoOverride& ov, C
 // pages peers read with plain loads, and stages the others): 2-rank allreduce
 // ring 143-155 us at 2 MiB against single copy 205-233 (DeepSpeed's shared-memory allreduce 153),
 // allgather direct 49 us against 82 at 2 MiB; single copy keeps 64-128 KiB (allreduce) and 32-128
-// KiB per rank (allgather), and from 8 MiB (allreduce) and 4 MiB per rank (allgather), where
-// numpy's arrays sit on huge pages and the kernel copy runs at memcpy speed; below 16 KiB the
+// KiB per rank (allgather), and from 32 MiB (allreduce) and 4 MiB per rank (allgather), where
+// numpy's arrays sit on huge pages and the kernel copy runs at memcpy speed. From 256 KiB the
+// staged allreduce is "staged_parts" (2026-12-05: it stages only the parts peers reduce; 5-15%
+// faster than the ring up to 16 MiB, and than single copy at 8-16 MiB: 16 MiB in place 3.9-4.4
+// vs 4.4-5.3 ms; at 32-64 MiB single copy won, 14.3-14.5 vs 18.4-23.3 ms). Below 16 KiB the
 // allreduce ring beats one_shot from 2 KiB (8 KiB: 2.0-2.1 vs 2.3 us). Those crossovers hold
 // for two ranks; larger worlds keep single copy throughout (no measurement here: a 2-core VM has no
 // un-oversubscribed world above 2). Broadcast and reduce were once thought no better with single
@@ -236,8 +241,8 @@ const char* auto_algorithm(Coll c, const AutoInputs& in) {
   }
   if (sc && in.world == 2 && bytes >= 2 * K) {
     if (bytes < 16 * K) return "ring";
-    return (bytes >= 64 * K && bytes < 256 * K) || bytes >= 8 * M ? "single_copy"
-                                                                  : "shared_or_staged";
+    return (bytes >= 64 * K && bytes < 256 * K) || bytes >= 32 * M ? "single_copy"
+                                                                   : "shared_or_staged";
   }
   if (sc && bytes >= 16 * K) return "single_copy";
   const size_t one_shot_max = in.world <= 2 ? 64 * K : 16 * K;
