@@ -116,9 +116,7 @@ def _old_auto(coll, nbytes, world, staging, single_copy, oversubscribed):
     """auto_select as table.cc's comment gives it (index into the host table), written out again."""
     sc = single_copy and not oversubscribed
     k, m = 1024, 1 << 20
-    # the 2-rank crossovers measured on the AMD VM (RESULTS.md 2026-12-04; allreduce's single copy
-    # from 32 MiB instead of 8 since 2026-12-05, when staged_parts took 256 KiB-32 MiB of private
-    # buffers inside shared_or_staged)
+    # the 2-rank crossovers measured on the AMD VM (RESULTS.md 2026-12-04)
     two = sc and world == 2
     if coll == "reduce_scatter":
         i = 2 if sc and nbytes >= 16 * k else 0
@@ -131,7 +129,7 @@ def _old_auto(coll, nbytes, world, staging, single_copy, oversubscribed):
     elif coll == "reduce":
         i = 1 if sc and 16 * k <= nbytes < (64 << 20) else 0
     elif coll == "allreduce" and two and nbytes >= 2 * k:
-        i = 2 if nbytes < 16 * k else 4 if 64 * k <= nbytes < 256 * k or nbytes >= 32 * m else 5
+        i = 2 if nbytes < 16 * k else 4 if 64 * k <= nbytes < 256 * k or nbytes >= 8 * m else 5
     elif coll == "allreduce":
         one_shot_max = 64 * k if world <= 2 else 16 * k
         if sc and nbytes >= 16 * k:

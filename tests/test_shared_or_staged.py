@@ -85,8 +85,8 @@ def _auto(rank, n, store):
         for coll, nbytes in (
             ("allreduce", 2 << 20),
             ("allreduce", 128 << 10),
-            ("allreduce", 16 << 20),
-            ("allreduce", 32 << 20),
+            ("allreduce", 4 << 20),
+            ("allreduce", 8 << 20),
             ("allgather", 1 << 20),
         ):
             x = _x(rank, nbytes // 4, "float32")
@@ -106,7 +106,7 @@ def test_auto_takes_it_in_the_middle_sizes_at_two_ranks():
     assert picks == {
         "allreduce 2097152": ("shared_or_staged", True),
         "allreduce 131072": ("single_copy", True),
-        "allreduce 16777216": ("shared_or_staged", True),
-        "allreduce 33554432": ("single_copy", True),
+        "allreduce 4194304": ("shared_or_staged", True),
+        "allreduce 8388608": ("single_copy", True),
         "allgather 1048576": ("shared_or_staged", True),
     }

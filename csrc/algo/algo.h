@@ -181,8 +181,9 @@ constexpr size_t kGatherStreamMin = size_t(8) << 20;
 
 // From this many bytes "shared_or_staged" allreduce falls back to "staged_parts" rather than the
 // ring: on the AMD EPYC VM, 2 ranks, private buffers, in one interleaved job (2026-12-05,
-// RESULTS.md) staged_parts ran 256 KiB-16 MiB 5-15% faster than the ring (4 MiB in place 291-307 vs
-// 329-346 us, out of place 472 vs 511-568); below 256 KiB the two were within noise.
+// RESULTS.md) staged_parts ran 256 KiB-4 MiB 5-20% faster than the ring (4 MiB in place 291-307 vs
+// 329-346 us, out of place 472 vs 511-568; plait-bench 1 MiB 62 vs 75 us, 2 MiB 125 vs 153);
+// below 256 KiB the two were within noise.
 constexpr size_t kStagedPartsMin = size_t(256) << 10;
 
 // The single-copy reductions' inner step: reads `len` elements at byte offset `off` of every

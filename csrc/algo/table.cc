@@ -198,11 +198,13 @@ int select_algorithm(Coll c, const std::string& asked, const AlgoOverride& ov, C
 // pages peers read with plain loads, and stages the others): 2-rank allreduce
 // ring 143-155 us at 2 MiB against single copy 205-233 (DeepSpeed's shared-memory allreduce 153),
 // allgather direct 49 us against 82 at 2 MiB; single copy keeps 64-128 KiB (allreduce) and 32-128
-// KiB per rank (allgather), and from 32 MiB (allreduce) and 4 MiB per rank (allgather), where
+// KiB per rank (allgather), and from 8 MiB (allreduce) and 4 MiB per rank (allgather), where
 // numpy's arrays sit on huge pages and the kernel copy runs at memcpy speed. From 256 KiB the
-// staged allreduce is "staged_parts" (2026-12-05: it stages only the parts peers reduce; 5-15%
-// faster than the ring up to 16 MiB, and than single copy at 8-16 MiB: 16 MiB in place 3.9-4.4
-// vs 4.4-5.3 ms; at 32-64 MiB single copy won, 14.3-14.5 vs 18.4-23.3 ms). Below 16 KiB the
+// staged allreduce is "staged_parts" (2026-12-05: it stages only the parts peers reduce; 10-20%
+// faster than the ring at 1-2 MiB, even at 4 MiB). It also beat single copy at 8-16 MiB in one
+// harness on a quieter VM, but under load (plait-bench, ranks pinned, load 5-10) its two
+// synchronisations per 1 MiB round cost 2-3x against single copy's two per call, so single copy
+// keeps 8 MiB and up (RESULTS.md 2026-12-05). Below 16 KiB the
 // allreduce ring beats one_shot from 2 KiB (8 KiB: 2.0-2.1 vs 2.3 us). Those crossovers hold
 // for two ranks; larger worlds keep single copy throughout (no measurement here: a 2-core VM has no
 // un-oversubscribed world above 2). Broadcast and reduce were once thought no better with single
@@ -241,8 +243,8 @@ const char* auto_algorithm(Coll c, const AutoInputs& in) {
   }
   if (sc && in.world == 2 && bytes >= 2 * K) {
     if (bytes < 16 * K) return "ring";
-    return (bytes >= 64 * K && bytes < 256 * K) || bytes >= 32 * M ? "single_copy"
-                                                                   : "shared_or_staged";
+    return (bytes >= 64 * K && bytes < 256 * K) || bytes >= 8 * M ? "single_copy"
+                                                                  : "shared_or_staged";
   }
   if (sc && bytes >= 16 * K) return "single_copy";
   const size_t one_shot_max = in.world <= 2 ? 64 * K : 16 * K;
