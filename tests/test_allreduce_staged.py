@@ -2,7 +2,11 @@
 branch of "shared_or_staged" from 256 KiB: exact results for every dtype and op, in and out of
 place, at counts that end a round early or split it unevenly (a shorter last round places its parts
 where a peer may still read the round before: the case that once went wrong at 3 ranks), over
-several staging sizes and world sizes 2-4, identical bytes on every rank."""
+several staging sizes and world sizes 1-4 and 8 (oversubscribed here), identical bytes on every
+rank."""
+
+import os
+import time
 
 import numpy as np
 import pytest
@@ -48,7 +52,7 @@ def _cases(rank, n, store, staging):
     return wrong, digests
 
 
-@pytest.mark.parametrize("n", (2, 3, 4), ids=lambda n: "n%d" % n)
+@pytest.mark.parametrize("n", (1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)), ids=lambda n: "n%d" % n)
 @pytest.mark.parametrize("staging", (8192, 24576), ids=("8KiB", "24KiB"))
 def test_exact_every_dtype_and_op(n, staging):
     results = run_ranks(_cases, n, timeout=300, args=(staging,))
@@ -86,3 +90,26 @@ def test_large_private_buffers(n, algo):
     for staging in (None, 8192):
         for rank, wrong in enumerate(run_ranks(_large, n, timeout=300, args=(staging, algo))):
             assert not wrong, "rank %d staging %s: %s" % (rank, staging, wrong[:10])
+
+
+def _peer_dies(rank, n, store):
+    """Rank 1 leaves after one call; rank 0's next staged_parts call (many rounds of an 8 KiB
+    staging) must end in PeerLostError naming rank 1, not hang."""
+    comm = plait.init(rank, n, store=store, timeout=30, buffer_bytes=8192)
+    x = np.ones(100_003, np.float32)
+    comm.allreduce(x, algorithm="staged_parts")
+    if rank == 1:
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        comm.allreduce(x, algorithm="staged_parts")
+    except plait.PeerLostError as e:
+        return ("PeerLostError", str(e), time.monotonic() - t0)
+    return ("no error", "", time.monotonic() - t0)
+
+
+def test_peer_lost_mid_call():
+    kind, msg, took = run_ranks(_peer_dies, 2, timeout=60, may_die=(1,))[0]
+    assert kind == "PeerLostError", msg
+    assert "rank 1" in msg and "allreduce" in msg, msg
+    assert took < 10, "noticed after %.1f s" % took
