@@ -1,12 +1,13 @@
 // allreduce "staged_parts": a reduce-scatter and an allgather through shared memory that stage
 // only what peers need, for large private (non-shared) buffers.
-// Per round (a chunk of up to half the staging, cut into n parts; rank q owns part q): a rank
-// copies the n-1 parts of its input that peers reduce into the same places of its staging and
-// posts; reduces its own part from its own input, read in place, and the peers' staged copies of
-// that part, straight into its output, then copies the finished part into its staging (at its own
-// part's place, which it never staged) and posts again; last it copies every peer's finished part
-// from the peer's staging into its output. It stages round k+1 before waiting for round k's
-// results, so a peer still reducing is waited for while this rank copies.
+// Per round (a chunk that fills one of two staging slots, a quarter of buffer_bytes, cut into n
+// parts; rank q owns part q): a rank copies the n-1 parts of its input that peers reduce into the
+// same places of its staging and posts; reduces its own part from its own input, read in place,
+// and the peers' staged copies of that part, straight into its output, then copies the finished
+// part into its staging (at its own part's place, which it never staged) and posts again; last
+// it copies every peer's finished part from the peer's staging into its output. It stages round
+// k+1 before waiting for round k's results, so a peer still reducing is waited for while this
+// rank copies.
 // Two synchronisations per round. Per rank, of S bytes: (n-1)/n*S staged, S/n reduced from n
 // sources, S/n copied to staging, (n-1)/n*S copied out: at n = 2 about 4S of memory traffic
 // (two_shot: 5S; the ring: 4.5S with 2(n-1) hand-offs per round). One rank computes each
@@ -23,7 +24,7 @@ namespace plait {
 
 namespace {
 // The finished part is copied to staging in pieces this large right after reducing each, while
-// the piece is still in L1/L2.
+// the piece is still in L2 (1 MiB per core here). Not tuned: any size well inside L2 should do.
 constexpr size_t kFinishPiece = size_t(64) << 10;
 }  // namespace
 
