@@ -24,7 +24,7 @@ COLLS = [
     "recv",
 ]
 HOST = {
-    "allreduce": ["one_shot", "two_shot", "ring", "tree", "single_copy", "shared_or_staged"],
+    "allreduce": ["one_shot", "two_shot", "ring", "tree", "single_copy", "shared_or_staged", "staged_parts"],
     "reduce_scatter": ["direct", "ring", "single_copy"],
     "allgather": ["direct", "ring", "single_copy", "shared_or_staged"],
     "broadcast": ["direct", "single_copy"],
@@ -116,7 +116,8 @@ def _old_auto(coll, nbytes, world, staging, single_copy, oversubscribed):
     """auto_select as table.cc's comment gives it (index into the host table), written out again."""
     sc = single_copy and not oversubscribed
     k, m = 1024, 1 << 20
-    two = sc and world == 2  # the 2-rank crossovers measured on the AMD VM (RESULTS.md 2026-12-04)
+    # the 2-rank crossovers measured on the AMD VM (RESULTS.md 2026-12-04)
+    two = sc and world == 2
     if coll == "reduce_scatter":
         i = 2 if sc and nbytes >= 16 * k else 0
     elif coll == "allgather" and two and nbytes >= 8 * k:
@@ -160,6 +161,9 @@ SIZES = [
     (4 << 20) - 1,
     4 << 20,
     8 << 20,
+    16 << 20,
+    (32 << 20) - 1,
+    32 << 20,
     (64 << 20) - 1,
     64 << 20,
     1 << 30,

@@ -1,7 +1,8 @@
 """The "shared_or_staged" rows (allreduce, allgather): single copy when every rank's buffers are
-plait shared buffers, else the staged ring (allreduce) or direct (allgather), chosen alike on every
-rank. Exact results over private, shared and mixed buffers, in and out of place, over several
-staging rounds; mapped_bytes says which branch ran; auto picks the row where table.cc says."""
+plait shared buffers, else the staged ring (allreduce; "staged_parts" from 256 KiB) or direct
+(allgather), chosen alike on every rank. Exact results over private, shared and mixed buffers, in
+and out of place, over several staging rounds; mapped_bytes says which branch ran; auto picks the
+row where table.cc says."""
 
 import os
 
@@ -11,7 +12,8 @@ import pytest
 import plait
 from conftest import run_ranks
 
-COUNTS = (1, 37, 20_001, 300_001)  # 300_001 float32: several rounds of an 8 KiB staging area
+# 20_001 float32: the ring branch; 300_001: staged_parts, several rounds of an 8 KiB staging area
+COUNTS = (1, 37, 20_001, 300_001)
 
 
 def _x(rank, count, dtype):
@@ -80,7 +82,13 @@ def _auto(rank, n, store):
         if not comm.single_copy:
             return None
         picks = {}
-        for coll, nbytes in (("allreduce", 2 << 20), ("allreduce", 128 << 10), ("allgather", 1 << 20)):
+        for coll, nbytes in (
+            ("allreduce", 2 << 20),
+            ("allreduce", 128 << 10),
+            ("allreduce", 4 << 20),
+            ("allreduce", 8 << 20),
+            ("allgather", 1 << 20),
+        ):
             x = _x(rank, nbytes // 4, "float32")
             if coll == "allreduce":
                 ok = np.array_equal(comm.allreduce(x), _sum(n, x.size, "float32"))
@@ -98,5 +106,7 @@ def test_auto_takes_it_in_the_middle_sizes_at_two_ranks():
     assert picks == {
         "allreduce 2097152": ("shared_or_staged", True),
         "allreduce 131072": ("single_copy", True),
+        "allreduce 4194304": ("shared_or_staged", True),
+        "allreduce 8388608": ("single_copy", True),
         "allgather 1048576": ("shared_or_staged", True),
     }

@@ -179,6 +179,13 @@ constexpr size_t kStreamOutMin = size_t(8) << 20;
 // 2.23-2.47 ms; 64 MiB 5.5-5.9 vs 7.0-7.4 ms).
 constexpr size_t kGatherStreamMin = size_t(8) << 20;
 
+// From this many bytes "shared_or_staged" allreduce falls back to "staged_parts" rather than the
+// ring: on the AMD EPYC VM, 2 ranks, private buffers, in one interleaved job (2026-12-05,
+// RESULTS.md) staged_parts ran 256 KiB-4 MiB 5-20% faster than the ring (4 MiB in place 291-307 vs
+// 329-346 us, out of place 472 vs 511-568; plait-bench 1 MiB 62 vs 75 us, 2 MiB 125 vs 153);
+// below 256 KiB the two were within noise.
+constexpr size_t kStagedPartsMin = size_t(256) << 10;
+
 // The single-copy reductions' inner step: reads `len` elements at byte offset `off` of every
 // peer's input (Transport::read_peer) into scratch `tmp` (n-1 slots of `stride` bytes) and
 // reduces them with this rank's `own` elements, in rank order, into dst. Peers are read in an
@@ -223,6 +230,9 @@ inline void reduce_range_from_peers(Ctx& c, char* dst, int64_t first, int64_t co
 // Parts of algorithms that shared_or_staged runs too (each defined in its algorithm's file).
 // allreduce "ring" numbering its steps from first_step + 1 (0: a call of its own).
 void allreduce_ring_steps(Ctx& c, int64_t first_step);
+// allreduce "staged_parts" numbering its channel-0 steps from first_step + 1 (0: a call of its
+// own); its channel-1 steps count from 1.
+void allreduce_staged_parts_rounds(Ctx& c, int64_t first_step);
 // allgather "direct" numbering its rounds from first_round + 1 (0: a call of its own).
 void allgather_direct_rounds(Ctx& c, int64_t first_round);
 // The single-copy algorithms once this rank has exposed its buffers and posted channel-0 step 1.

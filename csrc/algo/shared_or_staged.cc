@@ -1,8 +1,9 @@
 // allreduce and allgather "shared_or_staged": single copy when every rank's buffers are plait
 // shared buffers that every peer maps, else the staged algorithm that won in the middle sizes
-// (allreduce "ring", allgather "direct"). What "auto" runs where a kernel copy of private pages
-// is slower than two copies through the cache-resident staging, but plain loads and stores of a
-// mapped peer buffer are faster than both (table.cc, bench/RESULTS.md 2026-12-04).
+// (allreduce "ring", from kStagedPartsMin "staged_parts"; allgather "direct"). What "auto" runs
+// where a kernel copy of private pages is slower than copies through the cache-resident staging,
+// but plain loads and stores of a mapped peer buffer are faster than both (table.cc,
+// bench/RESULTS.md 2026-12-04 and 2026-12-05).
 // Steps: every rank exposes its buffers (channel-0 step 1), says on its post line whether it
 // maps every peer's buffers (step 2), and all ranks take the same branch from the AND of those
 // answers; 2 synchronisations more than single copy, which costs ~0.2 us against calls of tens
@@ -42,6 +43,7 @@ void allreduce_shared_or_staged(Ctx& c) {
   const size_t bytes = size_t(c.a.count) * c.esize;
   if (all_buffers_mapped(c, bytes, bytes)) return allreduce_single_copy_exposed(c);
   c.tp.ack(0, 2);  // steps 1 and 2 used no staging
+  if (bytes >= kStagedPartsMin) return allreduce_staged_parts_rounds(c, 2);
   allreduce_ring_steps(c, 2);
 }
 

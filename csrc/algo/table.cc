@@ -24,6 +24,7 @@ void broadcast_single_copy(Ctx&);
 void reduce_single_copy(Ctx&);
 void alltoall_single_copy(Ctx&);
 void allreduce_shared_or_staged(Ctx&);
+void allreduce_staged_parts(Ctx&);
 void allgather_shared_or_staged(Ctx&);
 
 #if PLAIT_WITH_CUDA
@@ -70,6 +71,7 @@ const std::vector<Algorithm>& algorithm_table() {
       {Coll::allreduce, "tree", kHost, allreduce_tree},
       {Coll::allreduce, "single_copy", kSingleCopy, allreduce_single_copy},
       {Coll::allreduce, "shared_or_staged", kSingleCopy, allreduce_shared_or_staged},
+      {Coll::allreduce, "staged_parts", kHost, allreduce_staged_parts},
       {Coll::reduce_scatter, "direct", kHost, reduce_scatter_direct},
       {Coll::reduce_scatter, "ring", kHost, reduce_scatter_ring},
       {Coll::reduce_scatter, "single_copy", kSingleCopy, reduce_scatter_single_copy},
@@ -197,7 +199,12 @@ int select_algorithm(Coll c, const std::string& asked, const AlgoOverride& ov, C
 // ring 143-155 us at 2 MiB against single copy 205-233 (DeepSpeed's shared-memory allreduce 153),
 // allgather direct 49 us against 82 at 2 MiB; single copy keeps 64-128 KiB (allreduce) and 32-128
 // KiB per rank (allgather), and from 8 MiB (allreduce) and 4 MiB per rank (allgather), where
-// numpy's arrays sit on huge pages and the kernel copy runs at memcpy speed; below 16 KiB the
+// numpy's arrays sit on huge pages and the kernel copy runs at memcpy speed. From 256 KiB the
+// staged allreduce is "staged_parts" (2026-12-05: it stages only the parts peers reduce; 10-20%
+// faster than the ring at 1-2 MiB, even at 4 MiB). It also beat single copy at 8-16 MiB in one
+// harness on a quieter VM, but under load (plait-bench, ranks pinned, load 5-10) its two
+// synchronisations per 1 MiB round cost 2-3x against single copy's two per call, so single copy
+// keeps 8 MiB and up (RESULTS.md 2026-12-05). Below 16 KiB the
 // allreduce ring beats one_shot from 2 KiB (8 KiB: 2.0-2.1 vs 2.3 us). Those crossovers hold
 // for two ranks; larger worlds keep single copy throughout (no measurement here: a 2-core VM has no
 // un-oversubscribed world above 2). Broadcast and reduce were once thought no better with single
