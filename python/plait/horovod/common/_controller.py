@@ -180,13 +180,6 @@ class Controller:
             with self._lock:
                 if self.broken is not None:
                     return
-                # Blocked on the lock while a waiting thread ran a cycle (a long op: a 4 MiB
-                # allreduce): when that cycle left nothing to send, an idle one now would only add
-                # an exchange, and a thread switch, before the caller's next op.
-                with self._cv:
-                    idle = not self._queue and not self._stop
-                if idle and (time.monotonic() - self._last_cycle < self.cycle_s or self._idle_alone()):
-                    continue
                 try:
                     if self._cycle():
                         return
