@@ -187,9 +187,12 @@ def test_native_copies_check_what_they_touch():
     assert got.tolist() == [3, -3]  # truncated toward zero, as Horovod's ScaleBuffer
     with pytest.raises(ValueError, match=r"hold 20 bytes, the fusion span 24"):
         grp.gather(torch.zeros(6), 1.0)
-    ts[1].resize_(3)  # a member changed after the layout was made: refused, not overrun
-    with pytest.raises(ValueError, match=r"hold 24 bytes, the fusion span 20"):
-        grp.scatter(out, 1.0)
+    a = nat._hvd_meta(ts)
+    ts[1].resize_(3)  # changed after the layout was made: lookup sees it (a new layout is built)
+    ts[1].fill_(9)
+    assert nat._hvd_meta(ts) != a
+    grp.scatter(torch.arange(20, 25, dtype=torch.float32), 1.0)  # the old group stays in bounds
+    assert ts[1].tolist() == [23, 24, 9]
     with pytest.raises(ValueError, match=r"tensor 1 of the group \(Double, 2 elements"):
         nat._HvdGroup([ts[0], torch.zeros(2, dtype=torch.float64)]).scatter(out, 1.0)
     with pytest.raises(ValueError, match=r"tensor 0 of the group .*contiguous"):
@@ -353,3 +356,26 @@ def test_native_module_loads_only_at_the_first_group():
     from plait.horovod.common import _fusion
 
     assert lines[1] == str(_fusion.native() is not None), out.stdout
+
+
+def _unbuildable(rank, n, _addr):
+    import sys
+
+    # As where plait.torch cannot compile its module (NativeBuildError is an ImportError):
+    # plait.horovod takes its numpy path, with the same results.
+    sys.modules["plait.torch"] = None
+    hvd = _hvd()
+    from plait.horovod.common import _fusion
+
+    g = [torch.full((k + 1,), float(rank + 1)) for k in range(5)]
+    for _ in range(2):
+        hvd.grouped_allreduce_(g, op=hvd.Sum, postscale_factor=2.0, name="nb")
+    tri = n * (n + 1) // 2
+    assert [t.tolist() for t in g] == [[2 * (n * 2 * tri)] * (k + 1) for k in range(5)]
+    used = _fusion.native()
+    hvd.shutdown()
+    return used is None
+
+
+def test_group_without_native_module(ranks):
+    assert ranks(_unbuildable, 2, timeout=90) == [True, True]

@@ -25,7 +25,6 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include <utility>
 #include <vector>
 
 namespace plait_torch {
@@ -112,7 +111,13 @@ py::bytes meta(const std::vector<at::Tensor>& ts) {
 // list conversion per call: the layout is built once, its copies run every step.
 class Group {
  public:
-  explicit Group(std::vector<at::Tensor> ts) : ts_(std::move(ts)) {}
+  // Detached here (sharing storage and version counter) rather than by a Python call per tensor.
+  // They must not be the caller's own tensors: holding those from C++ would keep their Python
+  // objects alive, and the layout is dropped when one of those objects is freed.
+  explicit Group(const std::vector<at::Tensor>& ts) {
+    ts_.reserve(ts.size());
+    for (const at::Tensor& t : ts) ts_.push_back(t.detach());
+  }
 
   void gather(at::Tensor out, double f) const {
     std::vector<size_t> at_byte = offsets("gather", ts_, out);
@@ -156,7 +161,7 @@ class Group {
 void bind_horovod(py::module_& m) {
   m.def("_hvd_meta", &meta, "every tensor's address, dtype, device and shape, as bytes");
   py::class_<Group>(m, "_HvdGroup", "one dtype's tensors of a plait.horovod group layout")
-      .def(py::init<std::vector<at::Tensor>>())
+      .def(py::init<const std::vector<at::Tensor>&>())
       .def("gather", &Group::gather, "the tensors' elements, in order, into out, times f")
       .def("scatter", &Group::scatter, "src back into the tensors, times f; bumps their versions");
 }

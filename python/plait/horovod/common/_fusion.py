@@ -81,14 +81,17 @@ class Part:
         self.idx = idx  # positions in the group
         self.dtype = tensors[0].dtype
         self.device = _device.layer.index(tensors[0])
-        self.flat = [t.detach().view(-1) for t in tensors]
         self.shapes = shapes_text(t.shape for t in tensors)
-        self.sizes = [f.numel() for f in self.flat]
-        self.total = sum(self.sizes)
         self.nat = nat if self.device < 0 else None  # CUDA tensors: torch's copies
-        self.grp = self.nat._HvdGroup(self.flat) if self.nat is not None else None
-        self._dst = None
-        if self.nat is None:
+        self.flat = self.grp = self._dst = None
+        if self.nat is not None:  # C++ detaches them: no views made here, one call for the group
+            self.grp = self.nat._HvdGroup(tensors)
+            self.sizes = None
+            self.total = sum(map(torch.Tensor.numel, tensors))
+        else:
+            self.flat = [t.detach().view(-1) for t in tensors]
+            self.sizes = [f.numel() for f in self.flat]
+            self.total = sum(self.sizes)
             try:
                 self._dst = [f.numpy() for f in self.flat]
             except (TypeError, RuntimeError):  # bfloat16 and friends: torch copies instead
@@ -98,10 +101,10 @@ class Part:
     def gather(self, piece, scale=1.0):
         """The tensors' elements, in order, into piece (1-D, total elements, contiguous). Only the
         native path scales (scale != 1.0 is passed only when self.nat is set)."""
-        if not self.flat:
-            return
         if self.nat is not None:
             self.grp.gather(piece, scale)
+        elif not self.flat:
+            return
         elif self._dst is not None and piece.is_cpu:  # numpy: a quarter cheaper than torch.cat
             np.concatenate(self._dst, out=piece.numpy())
         else:
