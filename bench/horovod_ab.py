@@ -7,7 +7,8 @@ noisy machine can still compare (each round runs both, in alternating order).
 The baseline package is loaded under another name (its imports are relative, so it runs on the
 installed plait core); the installed plait.horovod is "new". Cases: allreduce_ of 8 B and 4 MiB,
 grouped_allreduce_ of 100 x 1 KiB, allreduce_ of 100 KiB, and plait's direct allreduce of 100 KiB
-and 4 MiB for the ratios the issue asks for.
+and 4 MiB for the ratios the issue asks for. With --numpy, the new package also runs a turn with
+PLAIT_HOROVOD_NATIVE=0 ("numpy": its path where plait's native torch module cannot be built).
 """
 
 import argparse
@@ -43,12 +44,15 @@ def main():
         help="time the calling thread's CPU instead of the wall clock (steadier on a loaded machine; "
         "with 2+ ranks it includes spinning in plait's collectives while waiting for a peer)",
     )
+    p.add_argument("--numpy", action="store_true", help="also time the new package without its native copies")
     args = p.parse_args()
     direct = plait.init(set_default=False)
     impls = {
         "old": _load(os.path.abspath(args.baseline)),
         "new": importlib.import_module("plait.horovod.torch"),
     }
+    if args.numpy:
+        impls["numpy"] = impls["new"]
     small, big = torch.ones(2), torch.ones(1 << 20)
     group, flat = [torch.ones(256) for _ in range(100)], torch.ones(256 * 100)
     out, big_out = torch.empty_like(flat), torch.empty_like(big)
@@ -65,8 +69,10 @@ def main():
 
     times = {}
     for r in range(args.rounds):
-        for name in ("old", "new") if r % 2 else ("new", "old"):
+        order = list(impls) if r % 2 else list(impls)[::-1]
+        for name in order:
             hvd = impls[name]
+            os.environ["PLAIT_HOROVOD_NATIVE"] = "0" if name == "numpy" else "1"
             hvd.init()
             cases = {
                 "allreduce_ 8 B": (lambda h=hvd: h.allreduce_(small, name="b8"), 1000),
@@ -90,7 +96,7 @@ def main():
         )
         for (impl, case), v in med.items():
             print(f"{impl:>7}  {case:<32} {v * 1e6:10.1f} us")
-        for impl in ("old", "new"):
+        for impl in impls:
             g = med[(impl, "grouped_allreduce_ 100 x 1 KiB")] / med[("direct", "100 KiB")]
             m = med[(impl, "allreduce_ 4 MiB")] / med[("direct", "4 MiB")]
             print(f"{impl}: grouped / direct 100 KiB = {g:.2f}; allreduce_ 4 MiB / direct 4 MiB = {m:.3f}")
@@ -100,7 +106,8 @@ def main():
             "grouped_allreduce_ 100 x 1 KiB",
             "allreduce_ 100 KiB",
         ):
-            print(f"new / old  {case:<32} {med[('new', case)] / med[('old', case)]:.3f}")
+            for impl in list(impls)[1:]:
+                print(f"{impl + ' / old':>11}  {case:<32} {med[(impl, case)] / med[('old', case)]:.3f}")
     direct.finalize()
 
 

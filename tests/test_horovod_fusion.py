@@ -1,6 +1,8 @@
 """plait.horovod's grouped allreduce layout kept across calls (common/_fusion.py): repeated groups
 stay exact, a tensor whose storage or shape changed is seen, strided tensors and dtypes numpy lacks
-take the slow path, autograd sees the in-place write, and group shape mismatches still fail."""
+take the slow path, autograd sees the in-place write, and group shape mismatches still fail. Each
+runs on the native copies (csrc/torch/horovod.cc) and on the numpy path (PLAIT_HOROVOD_NATIVE=0,
+what a machine that cannot build plait's torch module gets)."""
 
 import pytest
 
@@ -66,13 +68,20 @@ def _repeat(rank, n, _addr):
     _settle(lambda: len(_fusion._cache) == before + 1)
     del fresh
     _settle(lambda: len(_fusion._cache) == before)
+    used = _fusion.native() is not None
     hvd.shutdown()
     assert not _fusion._cache  # shutdown drops the layouts (they hold fusion buffer views)
+    return used
 
 
-def test_repeated_group_is_exact(ranks):
-    ranks(_repeat, 2, timeout=90)
-    ranks(_repeat, 3, timeout=120)
+NATIVE = [pytest.param("1", id="native"), pytest.param("0", id="numpy")]
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_repeated_group_is_exact(ranks, native):
+    env = {"PLAIT_HOROVOD_NATIVE": native}
+    assert ranks(_repeat, 2, env=env, timeout=90) == [native == "1"] * 2
+    assert ranks(_repeat, 3, env=env, timeout=120) == [native == "1"] * 3
 
 
 def _changed(rank, n, _addr):
@@ -114,8 +123,84 @@ def _changed(rank, n, _addr):
     hvd.shutdown()
 
 
-def test_changed_tensors_are_seen(ranks):
-    ranks(_changed, 2, timeout=90)
+@pytest.mark.parametrize("native", NATIVE)
+def test_changed_tensors_are_seen(ranks, native):
+    ranks(_changed, 2, env={"PLAIT_HOROVOD_NATIVE": native}, timeout=90)
+
+
+def _scaled(rank, n, _addr):
+    """Scale factors and Average on a repeated group: folded into the native copies, or passes of
+    their own on the numpy path; the same results either way (Horovod's ScaleBuffer: integers
+    truncate)."""
+    hvd = _hvd()
+    tri = n * (n - 1) // 2
+    f32 = [torch.zeros(k + 1) for k in range(6)]
+    f64 = [torch.zeros(3, 2, dtype=torch.float64) for _ in range(3)]
+    f16 = [torch.zeros(5, dtype=torch.float16) for _ in range(2)]
+    i32 = [torch.zeros(4, dtype=torch.int32) for _ in range(3)]
+    for step in range(3):  # the first call makes the layouts, the next ones reuse them
+        for g in (f32, f64, f16, i32):
+            for i, t in enumerate(g):
+                t.fill_(4 * (i + step + rank))
+        hvd.grouped_allreduce_(f32, op=hvd.Sum, prescale_factor=0.5, postscale_factor=0.25, name="f32")
+        for i, t in enumerate(f32):
+            assert t.tolist() == [(n * (i + step) + tri) / 2] * (i + 1), (step, i, t)
+        hvd.grouped_allreduce_(f64 + f16, op=hvd.Average, name="mixed")  # two dtypes: two parts
+        for i, t in enumerate(f64):
+            assert t.flatten().tolist() == [4 * (i + step) + 4 * tri / n] * 6, (step, i)
+        for i, t in enumerate(f16):
+            assert t.tolist() == [4 * (i + step) + 4 * tri / n] * 5, (step, i)
+        hvd.grouped_allreduce_(i32, op=hvd.Sum, prescale_factor=0.3, postscale_factor=1.5, name="i32")
+        for i, t in enumerate(i32):
+            s = sum(int(4 * (i + step + r) * 0.3) for r in range(n))  # each rank's truncated
+            assert t.tolist() == [int(s * 1.5)] * 4, (step, i, t)
+        outs = hvd.grouped_allreduce(f32, op=hvd.Average, name="oop")  # out of place
+        for t, o in zip(f32, outs):
+            assert o.tolist() == t.tolist() and o.data_ptr() != t.data_ptr()
+    hvd.shutdown()
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_group_scale_factors(ranks, native):
+    ranks(_scaled, 2, env={"PLAIT_HOROVOD_NATIVE": native}, timeout=90)
+    ranks(_scaled, 3, env={"PLAIT_HOROVOD_NATIVE": native}, timeout=120)
+
+
+def test_native_copies_check_what_they_touch():
+    """The native copies refuse, with the tensor and sizes named, what would write out of bounds."""
+    from plait.horovod.common import _fusion
+
+    nat = _fusion.native()
+    if nat is None:
+        pytest.skip("plait's native torch module cannot be built here")
+    ts = [torch.arange(3, dtype=torch.float32), torch.tensor([[0.0, 1.0]])]
+    grp = nat._HvdGroup(ts)
+    out = torch.zeros(5)
+    grp.gather(out, 2.0)
+    assert out.tolist() == [0, 2, 4, 0, 2]
+    v = ts[1]._version
+    grp.scatter(torch.arange(10, 15, dtype=torch.float32), 0.5)
+    assert ts[0].tolist() == [5, 5.5, 6] and ts[1].tolist() == [[6.5, 7]]
+    assert ts[1]._version > v
+    got = torch.zeros(2, dtype=torch.int64)
+    nat._HvdGroup([torch.tensor([7, -7], dtype=torch.int64)]).gather(got, 0.5)
+    assert got.tolist() == [3, -3]  # truncated toward zero, as Horovod's ScaleBuffer
+    with pytest.raises(ValueError, match=r"hold 20 bytes, the fusion span 24"):
+        grp.gather(torch.zeros(6), 1.0)
+    a = nat._hvd_meta(ts)
+    ts[1].resize_(3)  # changed after the layout was made: lookup sees it (a new layout is built)
+    ts[1].fill_(9)
+    assert nat._hvd_meta(ts) != a
+    grp.scatter(torch.arange(20, 25, dtype=torch.float32), 1.0)  # the old group stays in bounds
+    assert ts[1].tolist() == [23, 24, 9]
+    with pytest.raises(ValueError, match=r"tensor 1 of the group \(Double, 2 elements"):
+        nat._HvdGroup([ts[0], torch.zeros(2, dtype=torch.float64)]).scatter(out, 1.0)
+    with pytest.raises(ValueError, match=r"tensor 0 of the group .*contiguous"):
+        nat._HvdGroup([torch.zeros(2, 3).t()]).gather(torch.zeros(6), 1.0)
+    a = nat._hvd_meta(ts)  # the layout check: address, dtype, device, shape, contiguity
+    assert a == nat._hvd_meta(list(ts)) and a != nat._hvd_meta([ts[0], ts[1].view(1, 3)])
+    sq = torch.zeros(3, 3)
+    assert a != nat._hvd_meta([ts[0], ts[1].double()]) and nat._hvd_meta([sq]) != nat._hvd_meta([sq.t()])
 
 
 def _one_thread():
@@ -245,3 +330,52 @@ def test_autotune_log_says_what_plait_keeps(ranks, tmp_path):
     ]
     env.update(HOROVOD_AUTOTUNE_LOG=log, HOROVOD_CACHE_CAPACITY="0")
     assert ranks(_autotune_log, 1, args=(log,), env=env) == [[head, "0,0,0,2.5,64,0"]]
+
+
+def test_native_module_loads_only_at_the_first_group():
+    """Scripts that never group never load (nor compile) plait's native torch module."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "import plait.horovod.torch as hvd\n"
+        "hvd.init()\n"
+        "x = torch.ones(3)\n"
+        "hvd.allreduce_(x, op=hvd.Sum)\n"
+        "print('plait.torch' in sys.modules)\n"
+        "hvd.grouped_allreduce_([x, torch.ones(2)], op=hvd.Sum)\n"
+        "from plait.horovod.common import _fusion\n"
+        "print(_fusion.native() is not None and 'plait.torch' in sys.modules)\n"
+        "hvd.shutdown()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split()
+    assert lines[0] == "False", out.stdout
+    from plait.horovod.common import _fusion
+
+    assert lines[1] == str(_fusion.native() is not None), out.stdout
+
+
+def _unbuildable(rank, n, _addr):
+    import sys
+
+    # As where plait.torch cannot compile its module (NativeBuildError is an ImportError):
+    # plait.horovod takes its numpy path, with the same results.
+    sys.modules["plait.torch"] = None
+    hvd = _hvd()
+    from plait.horovod.common import _fusion
+
+    g = [torch.full((k + 1,), float(rank + 1)) for k in range(5)]
+    for _ in range(2):
+        hvd.grouped_allreduce_(g, op=hvd.Sum, postscale_factor=2.0, name="nb")
+    tri = n * (n + 1) // 2
+    assert [t.tolist() for t in g] == [[2 * (n * 2 * tri)] * (k + 1) for k in range(5)]
+    used = _fusion.native()
+    hvd.shutdown()
+    return used is None
+
+
+def test_group_without_native_module(ranks):
+    assert ranks(_unbuildable, 2, timeout=90) == [True, True]

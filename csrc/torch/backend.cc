@@ -276,7 +276,8 @@ namespace py = pybind11;
 
 namespace plait_torch {
 void bind_testing(py::module_& m);  // testing.cc: the recording CUDA device of CPU tests
-}
+void bind_horovod(py::module_& m);  // horovod.cc: plait.horovod's grouped copies
+}  // namespace plait_torch
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module_::import("torch.distributed");
@@ -284,6 +285,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("CAPI_VERSION") = PLAIT_CAPI_VERSION;
   plait_torch::bind_gloo_engine(m);
   plait_torch::bind_engine_calls(m);
+  plait_torch::bind_horovod(m);
   // Moves a CPU tensor's storage into plait shared memory in place, as Tensor.share_memory_()
   // moves one into torch's: every tensor and view on the storage then sees the new memory, and
   // plait's peers map it. The old memory is freed: a raw pointer to it taken earlier (a numpy

@@ -39,6 +39,7 @@ _SOURCES = (
     "torch/testing.cc",
     "torch/gloo_engine.cc",
     "torch/engine_calls.cc",
+    "torch/horovod.cc",
 )
 _HEADERS = ("torch/backend.h", "torch/engines.h", "bindings/capi.h", "hier/engine.h")
 _module = None

@@ -11,9 +11,17 @@ A layout holds views of its tensors (their storage) but only weak references to 
 objects: when one of them is freed (a gradient set to None, a list dropped) its layout goes too,
 so a loop that makes new tensors every step keeps nothing alive. At most _MAX layouts are kept,
 and clear() (at hvd.shutdown) drops them all, with their views of the fusion buffer.
+
+Where plait's native torch module is built (plait.torch compiles it: csrc/torch/horovod.cc), a CPU
+group's layout check, copy-in (with the prescale factor), copy-out (with the postscale factor or
+the average's 1/size) and version bump are one C++ call each over the whole list instead of a
+dispatch per tensor. The module is loaded at the first group, never at import, so scripts that do
+not group pay nothing for it; where it cannot be built (plait.torch raises NativeBuildError), or
+with PLAIT_HOROVOD_NATIVE=0 (read at hvd.init), the numpy path below does the same work.
 """
 
 import json
+import os
 import weakref
 
 import numpy as np
@@ -23,6 +31,22 @@ from . import _device
 
 _MAX = 32  # groups kept; the oldest is dropped first
 _cache = {}  # tuple of the tensors' ids -> GroupLayout
+_NATIVE = []  # [module or None] once decided; emptied by clear() (hvd.shutdown)
+
+
+def native():
+    """plait's native torch module when it is (or can be) built and not turned off, else None."""
+    if not _NATIVE:
+        mod = None
+        if os.environ.get("PLAIT_HOROVOD_NATIVE", "1") != "0":
+            try:
+                from plait.torch import _native
+
+                mod = _native.load()
+            except ImportError:  # NativeBuildError (no compiler, headers, ninja): numpy's path
+                mod = None
+        _NATIVE.append(mod)
+    return _NATIVE[0]
 
 
 def shapes_text(shapes):
@@ -38,33 +62,60 @@ def _meta(tensors):
 class Part:
     """One dtype's tensors of a group (one request): flat views to gather from, in order."""
 
-    __slots__ = ("idx", "dtype", "device", "flat", "shapes", "sizes", "total", "_dst", "_src_at", "_src")
+    __slots__ = (
+        "idx",
+        "dtype",
+        "device",
+        "flat",
+        "shapes",
+        "sizes",
+        "total",
+        "nat",
+        "grp",
+        "_dst",
+        "_src_at",
+        "_src",
+    )
 
-    def __init__(self, idx, tensors):
+    def __init__(self, idx, tensors, nat):
         self.idx = idx  # positions in the group
         self.dtype = tensors[0].dtype
         self.device = _device.layer.index(tensors[0])
-        self.flat = [t.detach().view(-1) for t in tensors]
         self.shapes = shapes_text(t.shape for t in tensors)
-        self.sizes = [f.numel() for f in self.flat]
-        self.total = sum(self.sizes)
-        try:
-            self._dst = [f.numpy() for f in self.flat]
-        except (TypeError, RuntimeError):  # bfloat16 and friends: torch copies instead
-            self._dst = None
+        self.nat = nat if self.device < 0 else None  # CUDA tensors: torch's copies
+        self.flat = self.grp = self._dst = None
+        if self.nat is not None:  # C++ detaches them: no views made here, one call for the group
+            self.grp = self.nat._HvdGroup(tensors)
+            self.sizes = None
+            self.total = sum(map(torch.Tensor.numel, tensors))
+        else:
+            self.flat = [t.detach().view(-1) for t in tensors]
+            self.sizes = [f.numel() for f in self.flat]
+            self.total = sum(self.sizes)
+            try:
+                self._dst = [f.numpy() for f in self.flat]
+            except (TypeError, RuntimeError):  # bfloat16 and friends: torch copies instead
+                self._dst = None
         self._src_at, self._src = None, None
 
-    def gather(self, piece):
-        """The tensors' elements, in order, into piece (1-D, total elements, contiguous)."""
-        if not self.flat:
+    def gather(self, piece, scale=1.0):
+        """The tensors' elements, in order, into piece (1-D, total elements, contiguous). Only the
+        native path scales (scale != 1.0 is passed only when self.nat is set)."""
+        if self.nat is not None:
+            self.grp.gather(piece, scale)
+        elif not self.flat:
             return
-        if self._dst is not None and piece.is_cpu:  # numpy: a quarter cheaper than torch.cat
+        elif self._dst is not None and piece.is_cpu:  # numpy: a quarter cheaper than torch.cat
             np.concatenate(self._dst, out=piece.numpy())
         else:
             torch.cat(self.flat, out=piece)
 
-    def scatter(self, buffer, offset, piece):
-        """piece (the reduced elements: buffer's view at element offset) back into the tensors."""
+    def scatter(self, buffer, offset, piece, scale=1.0):
+        """piece (the reduced elements: buffer's view at element offset) back into the tensors,
+        times scale (native path only, as in gather)."""
+        if self.nat is not None:
+            self.grp.scatter(piece, scale)  # bumps the versions too
+            return
         if self._dst is None:
             with torch.no_grad():
                 torch._foreach_copy_(self.flat, list(piece.split(self.sizes)))
@@ -81,11 +132,11 @@ class Part:
 
 
 class GroupLayout:
-    __slots__ = ("refs", "ptrs", "sizes", "parts")
+    __slots__ = ("refs", "meta", "parts")
 
-    def __init__(self, key, tensors, by_dtype):
-        self.ptrs, self.sizes = _meta(tensors)
-        self.parts = [Part(idx, [tensors[i] for i in idx]) for idx in by_dtype]
+    def __init__(self, key, tensors, by_dtype, nat):
+        self.meta = nat._hvd_meta(tensors) if nat is not None else _meta(tensors)
+        self.parts = [Part(idx, [tensors[i] for i in idx], nat) for idx in by_dtype]
 
         def forget(_ref, key=key):
             _cache.pop(key, None)
@@ -95,12 +146,14 @@ class GroupLayout:
 
 
 def lookup(tensors):
-    """The layout of this group if it was seen before and its tensors are unchanged, else None."""
+    """The layout of this group if it was seen before and its tensors are unchanged (the same
+    storage, dtype, device, shape and contiguity: one native call, else two Python lists), else
+    None."""
     lay = _cache.get(tuple(map(id, tensors)))
     if lay is None:
         return None
-    ptrs, sizes = _meta(tensors)
-    if ptrs != lay.ptrs or sizes != lay.sizes:
+    nat = native()
+    if (nat._hvd_meta(tensors) if nat is not None else _meta(tensors)) != lay.meta:
         return None
     return lay
 
@@ -108,7 +161,7 @@ def lookup(tensors):
 def remember(tensors, by_dtype):
     """A new layout for a group of contiguous tensors (by_dtype: the positions of each dtype)."""
     key = tuple(map(id, tensors))
-    lay = GroupLayout(key, tensors, by_dtype)
+    lay = GroupLayout(key, tensors, by_dtype, native())
     if len(_cache) >= _MAX:
         _cache.pop(next(iter(_cache)), None)
     _cache[key] = lay
@@ -117,3 +170,4 @@ def remember(tensors, by_dtype):
 
 def clear():
     _cache.clear()
+    _NATIVE.clear()  # the next hvd.init reads PLAIT_HOROVOD_NATIVE again

@@ -67,6 +67,7 @@ def init(comm=None, process_sets=None):
         return
     import plait
 
+    _fusion.clear()  # PLAIT_HOROVOD_NATIVE is read again (a forked process may have decided)
     world = None
     if _rendezvous.enabled():
         if comm is not None:

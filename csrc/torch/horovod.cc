@@ -1,0 +1,169 @@
+// plait.horovod's grouped allreduce, the per-tensor part (python/plait/horovod/common/_fusion.py).
+//
+// A group of many small tensors (DistributedOptimizer's gradients, a grouped_allreduce_ of a
+// fixed list) is reduced as one span of the fusion buffer. In Python, the per-tensor work around
+// that one reduction (a layout check of every tensor, the copy in, the copy out, the autograd
+// version bump) cost about three times the reduction of 100 x 1 KiB itself, one dispatch per
+// tensor each. Here each step is one call over the whole list:
+//   _hvd_meta(tensors)  -> bytes: every tensor's address, dtype, device, shape and contiguity;
+//                          equal bytes mean the cached layout (request, shapes text) still holds
+//   _HvdGroup(tensors)  one dtype's tensors of a layout, kept with it; then, every step:
+//     .gather(out, f)   copies the tensors' elements, in order, into out, times f
+//     .scatter(src, f)  copies src back into the tensors, times f, and bumps each tensor's
+//                       autograd version (an in-place write, as copy_ would be)
+// Each step checks what it touches (CPU, contiguous, one dtype, element counts adding up to
+// the span) and raises ValueError naming the tensor, so a tensor changed since its layout was
+// cached can never make it write out of bounds. Scaling follows Horovod's ScaleBuffer: floating
+// types multiply in their own precision (float32/float64 inside the copy loop), integers multiply
+// in double precision and truncate.
+#include <ATen/ATen.h>
+#include <pybind11/pybind11.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/python.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace plait_torch {
+namespace {
+
+namespace py = pybind11;
+
+constexpr size_t kReleaseGilBytes = 256 << 10;  // below this a copy is shorter than a GIL handoff
+
+std::string where(const char* call, size_t i, const at::Tensor& t) {
+  return std::string("plait.horovod ") + call + ": tensor " + std::to_string(i) +
+         " of the group (" + std::string(c10::toString(t.scalar_type())) + ", " +
+         std::to_string(t.numel()) + " elements, " + t.device().str() + ")";
+}
+
+// Checks the group against the span and returns the byte offset of each tensor in it.
+std::vector<size_t> offsets(const char* call, const std::vector<at::Tensor>& ts,
+                            const at::Tensor& span) {
+  if (!span.device().is_cpu() || !span.is_contiguous())
+    throw py::value_error(std::string("plait.horovod ") + call +
+                          ": the fusion span must be a contiguous CPU tensor");
+  std::vector<size_t> at_byte(ts.size());
+  size_t bytes = 0, item = span.element_size();
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor& t = ts[i];
+    if (!t.device().is_cpu() || !t.is_contiguous() || t.scalar_type() != span.scalar_type())
+      throw py::value_error(where(call, i, t) + ": expected a contiguous CPU tensor of " +
+                            std::string(c10::toString(span.scalar_type())));
+    at_byte[i] = bytes;
+    bytes += static_cast<size_t>(t.numel()) * item;
+  }
+  if (bytes != static_cast<size_t>(span.numel()) * item)
+    throw py::value_error(std::string("plait.horovod ") + call + ": the group's " +
+                          std::to_string(ts.size()) + " tensors hold " + std::to_string(bytes) +
+                          " bytes, the fusion span " + std::to_string(span.numel() * item));
+  return at_byte;
+}
+
+template <class T>
+void copy_scaled(T* dst, const T* src, int64_t n, double f) {
+  const T s = static_cast<T>(f);
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * s;
+}
+
+// dst = src * f over n elements of type st (dst and src do not overlap).
+void copy_one(char* dst, const char* src, int64_t n, at::ScalarType st, double f) {
+  if (f == 1.0 || n == 0) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * c10::elementSize(st));
+  } else if (st == at::kFloat) {
+    copy_scaled(reinterpret_cast<float*>(dst), reinterpret_cast<const float*>(src), n, f);
+  } else {
+    copy_scaled(reinterpret_cast<double*>(dst), reinterpret_cast<const double*>(src), n, f);
+  }
+}
+
+// Horovod's ScaleBuffer for the dtypes the copy loop does not scale, in place.
+void scale_in_place(at::Tensor& t, double f) {
+  if (f == 1.0 || t.numel() == 0) return;
+  if (at::isFloatingType(t.scalar_type())) {
+    t.mul_(f);
+  } else {
+    t.copy_(t.to(at::kDouble).mul_(f).trunc_());
+  }
+}
+
+bool fused_scale(at::ScalarType st) { return st == at::kFloat || st == at::kDouble; }
+
+py::bytes meta(const std::vector<at::Tensor>& ts) {
+  std::vector<int64_t> out;
+  out.reserve(ts.size() * 5);
+  for (const at::Tensor& t : ts) {
+    out.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
+    out.push_back(static_cast<int64_t>(t.scalar_type()) |
+                  (static_cast<int64_t>(t.device().type()) << 8) |
+                  (static_cast<int64_t>(t.device().index() + 1) << 16) |
+                  (static_cast<int64_t>(t.is_contiguous()) << 32));
+    out.push_back(t.dim());
+    for (int64_t s : t.sizes()) out.push_back(s);
+  }
+  return py::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
+}
+
+// One dtype's tensors of a cached group layout, held here so that the copies in and out take no
+// list conversion per call: the layout is built once, its copies run every step.
+class Group {
+ public:
+  // Detached here (sharing storage and version counter) rather than by a Python call per tensor.
+  // They must not be the caller's own tensors: holding those from C++ would keep their Python
+  // objects alive, and the layout is dropped when one of those objects is freed.
+  explicit Group(const std::vector<at::Tensor>& ts) {
+    ts_.reserve(ts.size());
+    for (const at::Tensor& t : ts) ts_.push_back(t.detach());
+  }
+
+  void gather(at::Tensor out, double f) const {
+    std::vector<size_t> at_byte = offsets("gather", ts_, out);
+    const at::ScalarType st = out.scalar_type();
+    const bool fuse = fused_scale(st);
+    char* base = static_cast<char*>(out.data_ptr());
+    {
+      std::unique_ptr<py::gil_scoped_release> nogil;
+      if (out.nbytes() >= kReleaseGilBytes) nogil = std::make_unique<py::gil_scoped_release>();
+      for (size_t i = 0; i < ts_.size(); ++i)
+        copy_one(base + at_byte[i], static_cast<const char*>(ts_[i].data_ptr()), ts_[i].numel(), st,
+                 fuse ? f : 1.0);
+    }
+    if (!fuse) scale_in_place(out, f);
+  }
+
+  void scatter(at::Tensor src, double f) const {
+    std::vector<size_t> at_byte = offsets("scatter", ts_, src);
+    const at::ScalarType st = src.scalar_type();
+    const bool fuse = fused_scale(st);
+    if (!fuse) scale_in_place(src, f);
+    const char* base = static_cast<const char*>(src.data_ptr());
+    {
+      std::unique_ptr<py::gil_scoped_release> nogil;
+      if (src.nbytes() >= kReleaseGilBytes) nogil = std::make_unique<py::gil_scoped_release>();
+      for (size_t i = 0; i < ts_.size(); ++i)
+        copy_one(static_cast<char*>(ts_[i].data_ptr()), base + at_byte[i], ts_[i].numel(), st,
+                 fuse ? f : 1.0);
+    }
+    // An in-place write, as far as autograd is concerned: a tensor saved for backward before
+    // is reported modified (views share their base's counter, as in torch's own in-place ops).
+    for (const at::Tensor& t : ts_) torch::autograd::impl::bump_version(t);
+  }
+
+ private:
+  std::vector<at::Tensor> ts_;
+};
+
+}  // namespace
+
+void bind_horovod(py::module_& m) {
+  m.def("_hvd_meta", &meta, "every tensor's address, dtype, device and shape, as bytes");
+  py::class_<Group>(m, "_HvdGroup", "one dtype's tensors of a plait.horovod group layout")
+      .def(py::init<const std::vector<at::Tensor>&>())
+      .def("gather", &Group::gather, "the tensors' elements, in order, into out, times f")
+      .def("scatter", &Group::scatter, "src back into the tensors, times f; bumps their versions");
+}
+
+}  // namespace plait_torch
