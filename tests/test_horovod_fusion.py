@@ -213,7 +213,7 @@ def _one_thread():
 def _large(rank, n, _addr):
     _one_thread()
     hvd = _hvd()
-    base = torch.arange(16, dtype=torch.float32).repeat(1 << 14)  # 1 MiB: via the fusion buffer
+    base = torch.arange(16, dtype=torch.float32).repeat(1 << 14)  # 1 MiB: in place, not fused
     x = base + rank
     tri = n * (n - 1) / 2
     y = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
@@ -221,13 +221,19 @@ def _large(rank, n, _addr):
     z = (base * 2 + 2 * rank).to(torch.float16)  # 512 KiB of halves, exact integers
     hvd.allreduce_(z, op=hvd.Average)
     assert torch.equal(z, (base * 2 + (n - 1)).to(torch.float16))
+    v = (base + rank) * 2  # plait's avg: Average of float32 with no scale factors
+    hvd.allreduce_(v, op=hvd.Average)
+    assert torch.equal(v, base * 2 + (n - 1))
+    u = base.to(torch.int32) * 4 + rank  # an integer Average truncates, as Horovod's does
+    hvd.allreduce_(u, op=hvd.Average)
+    assert torch.equal(u, ((base.to(torch.int32) * 4 * n + n * (n - 1) // 2).double() / n).trunc().int())
     w = (base + rank).to(torch.float64)[::2]  # strided: a contiguous copy travels
     got = hvd.allreduce(w, op=hvd.Max)
     assert torch.equal(got, (base + n - 1).to(torch.float64)[::2])
     hvd.shutdown()
 
 
-def test_large_tensor_via_fusion_buffer(ranks):
+def test_large_tensor_in_place(ranks):
     ranks(_large, 2, timeout=90)
     ranks(_large, 3, timeout=120)
 
