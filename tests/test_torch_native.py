@@ -470,3 +470,26 @@ def test_bf16_hooks_and_monitored_barrier(tmp_path):
     assert a == b and a[0] == a[1], (a, b)
     # the mean of ranks 1 and 2: the weight's gradient is 1.5 * 2 rows for every entry
     assert a[0][0] == [[3.0] * 8] * 4 and a[0][1] == [2.0] * 4, a[0]
+
+
+def test_a_killed_build_s_leftover_lock_does_not_hang_import(tmp_path):
+    """torch's build baton (a `lock` file) outlives a build killed midway, and torch then waits
+    for it forever; plait builds under its own file lock, so it clears that leftover first."""
+    import os
+    import shutil
+
+    from plait.torch import _native
+
+    built = os.path.dirname(_native._module.__file__)
+    cache = tmp_path / "cache"
+    shutil.copytree(built, cache / os.path.basename(built))  # keeps mtimes: nothing to recompile
+    (cache / os.path.basename(built) / "lock").write_text("")  # as a killed build leaves it
+    env = dict(os.environ, PLAIT_CACHE_DIR=str(cache))
+    out = subprocess.run(
+        [sys.executable, "-c", "import plait.torch; print('imported')"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0 and "imported" in out.stdout, out.stderr

@@ -150,6 +150,12 @@ def _build():
     os.makedirs(build_dir, exist_ok=True)
     with open(os.path.join(build_dir, "build.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        # Under this lock no other plait process builds here, so torch's own baton file is the
+        # leftover of a build that was killed; torch would wait for it forever.
+        try:
+            os.remove(os.path.join(build_dir, "lock"))
+        except FileNotFoundError:
+            pass
         progress = None
         if not os.path.exists(os.path.join(build_dir, name + ".so")):
             progress = _Progress(
