@@ -228,7 +228,7 @@ def _large(rank, n, _addr):
     z = (base * 2 + 2 * rank).to(torch.float16)  # 512 KiB of halves, exact integers
     hvd.allreduce_(z, op=hvd.Average)
     assert torch.equal(z, (base * 2 + (n - 1)).to(torch.float16))
-    v = (base + rank) * 2  # plait's avg: Average of float32 with no scale factors
+    v = (base + rank) * 2  # Average of float32 with no scale factors: a sum, then 1 / n
     hvd.allreduce_(v, op=hvd.Average)
     assert torch.equal(v, base * 2 + (n - 1))
     u = base.to(torch.int32) * 4 + rank  # an integer Average truncates, as Horovod's does

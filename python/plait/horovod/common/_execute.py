@@ -221,20 +221,10 @@ class Executor:
                 tl.op_start(k[1], "ALLREDUCE")
         if len(group) == 1 and ops[0] is not None and ops[0].req[SPLITS] is None:
             # One tensor: reduced in place where it lives (plait's staged_parts / single copy
-            # algorithms read private memory directly: 303-325 us at 4 MiB, 2 ranks, against
-            # 397-428 us through the shared fusion buffer, bench/RESULTS-horovod.md). A float
-            # Average with no scale factors is plait's avg: the division rides on the reduction.
+            # algorithms read private memory directly: 336-342 us at 4 MiB, 2 ranks, against
+            # 397-428 us through the shared fusion buffer, bench/RESULTS-horovod.md). Average
+            # stays a sum and a scale: a joined rank contributes its zeros through a sum.
             buf = ops[0].output
-            if (
-                op == AVERAGE
-                and pre == 1.0
-                and q[POST] == 1.0
-                and dtype.is_floating_point
-                and self.dev is None
-            ):
-                comm.allreduce(buf, buf, op="avg")
-                ctrl.complete(group[0][0])
-                return
             _scale(buf, pre)
             comm.allreduce(buf, buf, op=_PLAIT_OP[op])
             _scale(buf, post)
