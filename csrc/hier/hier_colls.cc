@@ -246,7 +246,7 @@ void HierComm::allgather(const Fingerprint& fp, const uint8_t* x, uint8_t* out, 
     if (fits(n)) {
       std::memcpy(inter_->room(), x, n);
       const uint8_t* rows = exchange(inter_.get(), fp, n, deadline);
-      for (int h = 0; h < H; ++h) std::memcpy(av.data() + size_t(h) * n, rows + h * stride_, n);
+      for (int h = 0; h < H; ++h) std::memcpy(av.data() + size_t(h) * n, rows + h * frame(), n);
     } else {
       exchange(inter_.get(), fp, 0, deadline, /*check_only=*/true);
       inter_->allgather(x, av.data(), n, deadline);  // av[h] = x of rank (h, i)
@@ -280,7 +280,7 @@ void HierComm::allgather(const Fingerprint& fp, const uint8_t* x, uint8_t* out, 
     if (small) {
       const uint8_t* rows = exchange(inter_.get(), fp, slot, deadline);
       for (int h = 0; h < H; ++h)
-        std::memcpy(every.data() + size_t(h) * slot, rows + h * stride_, slot);
+        std::memcpy(every.data() + size_t(h) * slot, rows + h * frame(), slot);
     } else {
       finish(checked, deadline);
       inter_->allgather(mine, every.data(), slot, deadline);
@@ -300,7 +300,7 @@ void HierComm::inter_broadcast(const Fingerprint& fp, uint8_t* out, size_t k, in
   if (fits(k)) {
     if (lay_.h == hr) std::memcpy(inter_->room(), out, k);
     const uint8_t* rows = exchange(inter_.get(), fp, k, deadline);
-    if (lay_.h != hr) std::memcpy(out, rows + size_t(hr) * stride_, k);
+    if (lay_.h != hr) std::memcpy(out, rows + size_t(hr) * frame(), k);
   } else {
     exchange(inter_.get(), fp, 0, deadline, /*check_only=*/true);
     inter_->broadcast(out, k, hr, deadline);
@@ -345,7 +345,7 @@ void HierComm::alltoall(const Fingerprint& fp, const uint8_t* x, uint8_t* out, s
     std::memcpy(world_->room(), x, total);
     const uint8_t* rows = exchange(world_.get(), fp, total, deadline);
     for (int j = 0; j < size_; ++j)
-      std::memcpy(out + size_t(j) * blk, rows + size_t(j) * stride_ + size_t(rank_) * blk, blk);
+      std::memcpy(out + size_t(j) * blk, rows + size_t(j) * frame() + size_t(rank_) * blk, blk);
     return;
   }
   exchange(world_.get(), fp, 0, deadline, /*check_only=*/true);

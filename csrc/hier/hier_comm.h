@@ -173,7 +173,7 @@ class HierComm final : public Comm {
   // The frame exchange (hier_frames.cc): post starts the allgather of this rank's frame (header +
   // the first nbytes of its room; check_only: the header alone, not sent at all when the check
   // is off: PLAIT_HIER_CHECK=0) and finish waits and compares
-  // every header, returning the members' payloads (stride_ apart). No group: nothing happens.
+  // every header, returning the members' payloads (frame() apart). No group: nothing happens.
   struct Posted {
     EngineGroup* g = nullptr;
     void* req = nullptr;
@@ -188,7 +188,7 @@ class HierComm final : public Comm {
   const uint8_t* exchange(EngineGroup* g, const Fingerprint& fp, size_t nbytes, double deadline,
                           bool check_only = false);
   [[noreturn]] void mismatch(EngineGroup& g, const Fingerprint& mine, const uint8_t* theirs, int j);
-  // out = the op over the members' payload rows (each stride_ apart, at byte offset off), in
+  // out = the op over the members' payload rows (each frame() apart, at byte offset off), in
   // group order; avg divides by the world size in the same pass.
   void combine(void* out, const uint8_t* rows, int n, size_t off, int64_t count, DType dt,
                RedOp op);
@@ -217,6 +217,8 @@ class HierComm final : public Comm {
   // The frame's room (see above): whether a payload of `bytes` rides in the next frame; wants()
   // records what a call would carry (every rank, leader or not), adapt() applies it after the call.
   bool fits(size_t bytes) const { return bytes <= room_; }
+  // The frame's size, every member's alike; adapt() changes it only after a call's last exchange.
+  size_t frame() const { return kFrameHead + room_; }
   void wants(size_t bytes) { want_ = std::max(want_, bytes); }
   void adapt();
 
@@ -233,7 +235,7 @@ class HierComm final : public Comm {
   bool closed_ = false;
   bool check_ = true;  // header-only frames (PLAIT_HIER_CHECK=0 skips them)
   // The frame's room and its history (on the progress thread only: calls run one at a time).
-  size_t room_ = kRoom, want_ = 0, stride_ = kFrame, shrink_to_ = kMinRoom;
+  size_t room_ = kRoom, want_ = 0, shrink_to_ = kMinRoom;
   int shrink_run_ = 0;
   bool adaptive_ = true;  // PLAIT_HIER_FRAME_ADAPT=0: the room stays kRoom (for A/B measurements)
   // log2 of the large allreduce's piece bytes (PLAIT_HIER_PIECE_BYTES, rounded down to a power

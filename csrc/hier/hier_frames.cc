@@ -167,7 +167,6 @@ void EngineGroup::fail(ErrorKind kind, const std::string& msg) {
 
 void HierComm::head(EngineGroup& g, const Fingerprint& fp, size_t nbytes) {
   FrameHead h{kFrameMagic, fp, int64_t(nbytes)};
-  stride_ = kFrameHead + room_;  // every member's frame is this size (see hier_comm.h)
   std::memset(g.sent().data(), 0, kFrameHead);
   std::memcpy(g.sent().data(), &h, sizeof h);
 }
@@ -179,7 +178,7 @@ HierComm::Posted HierComm::post(EngineGroup* g, const Fingerprint& fp, size_t nb
   head(*g, fp, check_only ? 0 : nbytes);
   p.g = g;
   p.fp = &fp;
-  p.req = g->allgather_start(g->sent().data(), g->got().data(), stride_);
+  p.req = g->allgather_start(g->sent().data(), g->got().data(), frame());
   return p;
 }
 
@@ -195,8 +194,8 @@ const uint8_t* HierComm::finish(Posted& p, double deadline) {
 const uint8_t* HierComm::compare(EngineGroup& g, const Fingerprint& fp) {
   const uint8_t* got = g.got().data();
   for (int j = 0; j < g.size(); ++j)
-    if (std::memcmp(got + size_t(j) * stride_, g.sent().data(), sizeof(FrameHead)) != 0)
-      mismatch(g, fp, got + size_t(j) * stride_, j);
+    if (std::memcmp(got + size_t(j) * frame(), g.sent().data(), sizeof(FrameHead)) != 0)
+      mismatch(g, fp, got + size_t(j) * frame(), j);
   return got + kFrameHead;
 }
 
@@ -205,7 +204,7 @@ const uint8_t* HierComm::exchange(EngineGroup* g, const Fingerprint& fp, size_t 
   // Nothing to overlap: one blocking allgather (one engine call, not a start and a wait).
   if (!g || (check_only && !check_)) return nullptr;
   head(*g, fp, check_only ? 0 : nbytes);
-  g->allgather(g->sent().data(), g->got().data(), stride_, deadline);
+  g->allgather(g->sent().data(), g->got().data(), frame(), deadline);
   return compare(*g, fp);
 }
 
@@ -232,7 +231,7 @@ void HierComm::combine(void* out, const uint8_t* rows, int n, size_t off, int64_
                        RedOp op) {
   if (count == 0) return;
   std::vector<const void*> srcs;
-  for (int j = 0; j < n; ++j) srcs.push_back(rows + size_t(j) * stride_ + off);
+  for (int j = 0; j < n; ++j) srcs.push_back(rows + size_t(j) * frame() + off);
   reduce(dt, op, out, srcs.data(), n, size_t(count), op == RedOp::avg ? size_ : 0);
 }
 
