@@ -371,15 +371,29 @@ def test_comparison_has_shared_ratios():
     assert "shared/mpi 0.25x..0.25x" in report.summary("allreduce", recs)
 
 
+def _have(module):
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 @pytest.mark.slow
 def test_cli_peers_run_or_are_skipped():
+    want = ["gloo", "mpi"] if _have("mpi4py") else ["gloo"]  # no mpi4py: a usage error (below)
     r = _bench(
-        "-n", 2, "-c", "allreduce", "-b", 8, "-e", 8, "--time", 0.01, "--trials", 3, "--peers", "gloo,mpi"
+        "-n", 2, "-c", "allreduce", "-b", 8, "-e", 8, "--time", 0.01, "--trials", 3, "--peers", ",".join(want)
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    for p in ("gloo", "mpi"):
+    for p in want:
         line = next(ln for ln in r.stdout.splitlines() if ln.startswith(f"# peer {p}: "))
         assert "skipped: " in line or any(ln.split()[5:6] == [p] for ln in r.stdout.splitlines()), line
+
+
+@pytest.mark.skipif(_have("mpi4py"), reason="mpi4py is installed: the mpi peer runs")
+def test_cli_mpi_peer_without_mpi4py_is_a_usage_error_naming_the_install():
+    r = _bench("-n", 2, "-c", "allreduce", "-b", 8, "-e", 8, "--peers", "mpi")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "needs mpi4py" in r.stderr and "pip install mpi4py" in r.stderr, r.stderr
 
 
 def test_cli_usage_errors():

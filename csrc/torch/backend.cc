@@ -127,6 +127,12 @@ void Backend::unsupported(const Op& op, const std::string& msg) const {
   throw error(kUnsupported, op.where(), msg);
 }
 
+void Backend::monitoredBarrier(const c10d::BarrierOptions& o, bool /*wait_all_ranks*/) {
+  c10d::BarrierOptions b = o;
+  b.asyncOp = false;
+  barrier(b)->wait();
+}
+
 c10::intrusive_ptr<c10d::Backend> Backend::split(
     const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
     const c10::intrusive_ptr<c10d::Backend::Options>& opts) {

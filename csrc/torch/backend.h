@@ -213,6 +213,10 @@ class Backend : public c10d::Backend {
   WorkPtr recv(Tensors& ts, int src, int tag) override;
   WorkPtr recvAnysource(Tensors& ts, int tag) override;
   WorkPtr barrier(const c10d::BarrierOptions& o) override;
+  // gloo's monitored barrier (torch >= 2.14 sends dist.monitored_barrier to any CPU backend): a
+  // blocking barrier under the options' timeout whose error names every rank that has not
+  // arrived (plait's barrier always lists them all, so wait_all_ranks changes nothing).
+  void monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all_ranks) override;
   c10::intrusive_ptr<c10d::Backend> split(
       const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
       const c10::intrusive_ptr<c10d::Backend::Options>& opts) override;
