@@ -32,6 +32,11 @@ from test_torch_backend import init_pg, run_torch  # noqa: E402
 pytestmark = [
     pytest.mark.skipif(not plait.torch.native(), reason="the native backend serves these groups"),
     pytest.mark.skipif(torch.cuda.is_available(), reason="a real CUDA device: tests/gpu/ runs these"),
+    pytest.mark.skipif(
+        torch.backends.cuda.is_built(),
+        reason="a CUDA build of torch owns the CUDA device type, so the recording one cannot be "
+        "installed (these run under a CPU build of torch; tests/gpu/ runs the GPU side on a GPU)",
+    ),
     pytest.mark.skipif(not _cuda.compiled(), reason="the GPU algorithm rows are compiled into CUDA builds"),
 ]
 
