@@ -16,8 +16,8 @@
 // cached can never make it write out of bounds. Scaling follows Horovod's ScaleBuffer: floating
 // types multiply in their own precision (float32/float64 inside the copy loop), integers multiply
 // in double precision and truncate.
-#include <ATen/ATen.h>
-#include <pybind11/pybind11.h>
+#include "torch/horovod.h"
+
 #include <torch/csrc/autograd/variable.h>
 #include <torch/python.h>
 
@@ -81,6 +81,8 @@ void copy_one(char* dst, const char* src, int64_t n, at::ScalarType st, double f
 }
 
 // Horovod's ScaleBuffer for the dtypes the copy loop does not scale, in place.
+}  // namespace
+
 void scale_in_place(at::Tensor& t, double f) {
   if (f == 1.0 || t.numel() == 0) return;
   if (at::isFloatingType(t.scalar_type())) {
@@ -89,6 +91,8 @@ void scale_in_place(at::Tensor& t, double f) {
     t.copy_(t.to(at::kDouble).mul_(f).trunc_());
   }
 }
+
+namespace {
 
 bool fused_scale(at::ScalarType st) { return st == at::kFloat || st == at::kDouble; }
 
@@ -107,63 +111,67 @@ py::bytes meta(const std::vector<at::Tensor>& ts) {
   return py::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
 }
 
-// One dtype's tensors of a cached group layout, held here so that the copies in and out take no
-// list conversion per call: the layout is built once, its copies run every step.
-class Group {
- public:
+}  // namespace
+
+Group::Group(const std::vector<at::Tensor>& ts) {
   // Detached here (sharing storage and version counter) rather than by a Python call per tensor.
   // They must not be the caller's own tensors: holding those from C++ would keep their Python
   // objects alive, and the layout is dropped when one of those objects is freed.
-  explicit Group(const std::vector<at::Tensor>& ts) {
-    ts_.reserve(ts.size());
-    for (const at::Tensor& t : ts) ts_.push_back(t.detach());
+  ts_.reserve(ts.size());
+  for (const at::Tensor& t : ts) ts_.push_back(t.detach());
+}
+
+void Group::gather_into(const at::Tensor& out, double f) const {
+  std::vector<size_t> at_byte = offsets("gather", ts_, out);
+  const at::ScalarType st = out.scalar_type();
+  const bool fuse = fused_scale(st);
+  char* base = static_cast<char*>(out.data_ptr());
+  for (size_t i = 0; i < ts_.size(); ++i)
+    copy_one(base + at_byte[i], static_cast<const char*>(ts_[i].data_ptr()), ts_[i].numel(), st,
+             fuse ? f : 1.0);
+  if (!fuse) {
+    at::Tensor o = out;
+    scale_in_place(o, f);
   }
+}
 
-  void gather(at::Tensor out, double f) const {
-    std::vector<size_t> at_byte = offsets("gather", ts_, out);
-    const at::ScalarType st = out.scalar_type();
-    const bool fuse = fused_scale(st);
-    char* base = static_cast<char*>(out.data_ptr());
-    {
-      std::unique_ptr<py::gil_scoped_release> nogil;
-      if (out.nbytes() >= kReleaseGilBytes) nogil = std::make_unique<py::gil_scoped_release>();
-      for (size_t i = 0; i < ts_.size(); ++i)
-        copy_one(base + at_byte[i], static_cast<const char*>(ts_[i].data_ptr()), ts_[i].numel(), st,
-                 fuse ? f : 1.0);
-    }
-    if (!fuse) scale_in_place(out, f);
+void Group::scatter_from(const at::Tensor& src, double f) const {
+  std::vector<size_t> at_byte = offsets("scatter", ts_, src);
+  const at::ScalarType st = src.scalar_type();
+  const bool fuse = fused_scale(st);
+  if (!fuse) {
+    at::Tensor s = src;
+    scale_in_place(s, f);
   }
+  const char* base = static_cast<const char*>(src.data_ptr());
+  for (size_t i = 0; i < ts_.size(); ++i)
+    copy_one(static_cast<char*>(ts_[i].data_ptr()), base + at_byte[i], ts_[i].numel(), st,
+             fuse ? f : 1.0);
+  // An in-place write, as far as autograd is concerned: a tensor saved for backward before
+  // is reported modified (views share their base's counter, as in torch's own in-place ops).
+  for (const at::Tensor& t : ts_) torch::autograd::impl::bump_version(t);
+}
 
-  void scatter(at::Tensor src, double f) const {
-    std::vector<size_t> at_byte = offsets("scatter", ts_, src);
-    const at::ScalarType st = src.scalar_type();
-    const bool fuse = fused_scale(st);
-    if (!fuse) scale_in_place(src, f);
-    const char* base = static_cast<const char*>(src.data_ptr());
-    {
-      std::unique_ptr<py::gil_scoped_release> nogil;
-      if (src.nbytes() >= kReleaseGilBytes) nogil = std::make_unique<py::gil_scoped_release>();
-      for (size_t i = 0; i < ts_.size(); ++i)
-        copy_one(static_cast<char*>(ts_[i].data_ptr()), base + at_byte[i], ts_[i].numel(), st,
-                 fuse ? f : 1.0);
-    }
-    // An in-place write, as far as autograd is concerned: a tensor saved for backward before
-    // is reported modified (views share their base's counter, as in torch's own in-place ops).
-    for (const at::Tensor& t : ts_) torch::autograd::impl::bump_version(t);
-  }
+void Group::gather(const at::Tensor& out, double f) const {
+  std::unique_ptr<py::gil_scoped_release> nogil;
+  if (out.nbytes() >= kReleaseGilBytes) nogil = std::make_unique<py::gil_scoped_release>();
+  gather_into(out, f);
+}
 
- private:
-  std::vector<at::Tensor> ts_;
-};
-
-}  // namespace
+void Group::scatter(const at::Tensor& src, double f) const {
+  std::unique_ptr<py::gil_scoped_release> nogil;
+  if (src.nbytes() >= kReleaseGilBytes) nogil = std::make_unique<py::gil_scoped_release>();
+  scatter_from(src, f);
+}
 
 void bind_horovod(py::module_& m) {
   m.def("_hvd_meta", &meta, "every tensor's address, dtype, device and shape, as bytes");
-  py::class_<Group>(m, "_HvdGroup", "one dtype's tensors of a plait.horovod group layout")
+  py::class_<Group, std::shared_ptr<Group>>(m, "_HvdGroup",
+                                            "one dtype's tensors of a plait.horovod group layout")
       .def(py::init<const std::vector<at::Tensor>&>())
       .def("gather", &Group::gather, "the tensors' elements, in order, into out, times f")
       .def("scatter", &Group::scatter, "src back into the tensors, times f; bumps their versions");
+  bind_horovod_fast(m);
 }
 
 }  // namespace plait_torch

@@ -85,6 +85,9 @@ class Controller:
         self.join_device = _device.CPU  # where a joined rank makes its zeros of GPU ops (join(device))
         self._cycle_no = 0
         self._frame = self._frames = None  # the first allgather's send and receive buffers
+        self.fast = None  # the native cycle (csrc/torch/horovod_fast.cc), once the executor has one
+        self._plans = {}  # (ps, name) -> (native plan, its group layout or None): cached names only
+        self.fast_cycles = 0  # cycles the native call ran whole (tests and benchmarks read it)
         # Horovod's response cache: a request every rank made alike before travels as its slot
         # number. Slots are handed out in the order names run (the same on every rank).
         self._cached = {}  # (ps, name) -> (slot, request)
@@ -220,6 +223,21 @@ class Controller:
         with self._cv:
             new, self._queue = self._queue, []
             stop = self._stop
+        fast = self._fast_plan(new) if len(new) == 1 and not stop else None
+        if fast is not None:
+            msgs = self._fast_cycle(new[0], *fast)
+            if msgs is None:
+                return False
+        else:
+            msg = self._message(new, stop)
+            if self.timeline is not None:
+                self.timeline.cycle_start()
+            msgs = self._exchange(msg)
+            self._last_cycle = time.monotonic()
+            self._cycle_no += 1
+        return self._settle(msgs)
+
+    def _message(self, new, stop):
         msg = {"r": []}
         slots = []
         for o in new:
@@ -241,11 +259,84 @@ class Controller:
             msg["stop"] = 1
         if self.rank == 0:
             self._rank0_checks(msg)
-        if self.timeline is not None:
-            self.timeline.cycle_start()
-        msgs = self._exchange(msg)
+        return msg
+
+    # -- the cached fast path (csrc/torch/horovod_fast.cc) --------------------------------------
+    def _fast_plan(self, new):
+        """(slot, plan) when this cycle's one op is a cached allreduce with a kept plan and
+        nothing else can happen in it here (no name waiting in the table, no join, no timeline):
+        if every rank's frame is then the same slot, the ready list is that name alone, and its
+        check, fusion and plait calls are the plan's. Else None."""
+        o = new[0]
+        if self.fast is None or self._table or self._joined or self._join_op is not None:
+            return None
+        key = (o.req[2], o.req[1])
+        kept = self._plans.get(key)
+        if kept is None or kept[1] is not o.layout or self.timeline is not None:
+            return None
+        hit = self._cached.get(key)
+        if hit is None or hit[1] != o.req:
+            return None
+        return hit[0], kept[0]
+
+    def _fast_cycle(self, o, slot, plan):
+        """Runs the cycle in one native call; None if the plan ran, else every rank's message
+        (another rank sent something else: the cycle goes on as the Python one would)."""
+        key = (o.req[2], o.req[1])
+        self._mine[key] = o
+        st = self.fast.run(slot, plan, o.output)
         self._last_cycle = time.monotonic()
         self._cycle_no += 1
+        if st == 0:
+            self.executor.calls += 1
+            self.fast_cycles += 1
+            self.complete(key)
+            return None
+        if st > 0:
+            raise self._plait_error(st, self.fast.error)
+        return self._unpack(b"")
+
+    def keep_plan(self, key, layout, make):
+        """Keeps the plan make() builds for a cached name just run alone on this rank's CPU."""
+        kept = self._plans.get(key)
+        if kept is not None and kept[1] is layout:
+            return
+        hit = self._cached.get(key)
+        if hit is None or self.fast is None:
+            return
+        if len(self._plans) >= self.cache_capacity:
+            self._plans.clear()
+        self._plans[key] = (make(), layout)
+
+    def fast_path(self, nat):
+        """Turns the cached fast path on with plait's native torch module nat (the executor's
+        call, when it has one): needs a native communicator and the exchange's buffers."""
+        if self.fast is not None or self.size == 1:
+            return self.fast is not None
+        from plait import _C
+
+        native = getattr(self.comm, "_c", None)
+        if not isinstance(native, _C._Comm):
+            return False
+        self._buffers()
+        self.fast = nat._HvdCycle(_C._capi, _C._comm_capsule(native), self.comm, self._frame, self._frames)
+        return True
+
+    def _plait_error(self, kind, text):
+        from plait import _errors
+
+        cls = {2: _errors.InvalidArgument, 3: _errors.MismatchError, 4: _errors.TimeoutError}
+        cls[5] = _errors.PeerLostError
+        e = cls.get(kind, _errors.PlaitError)(text)
+        if kind in (3, 4, 5):  # the flight recorder's report, as plait's own calls attach it
+            try:
+                e.flight = json.loads(self.comm._c.flight_json())
+            except Exception:  # noqa: BLE001 - the error itself is what matters
+                e.flight = None
+        return e
+
+    def _settle(self, msgs):
+        """The rest of a cycle once every rank's message is here: the table, the ready ops."""
         stopping = [r for r, m in enumerate(msgs) if m.get("stop")]
         for r, m in enumerate(msgs):
             for req in m["r"]:
@@ -284,18 +375,21 @@ class Controller:
             return True
         return False
 
+    def _buffers(self):
+        if self._frame is None:  # kept: this runs under the cycle lock, one cycle at a time
+            self._frame = np.zeros(_FRAME, dtype=np.uint8)
+            self._frames = np.zeros((self.size, _FRAME), dtype=np.uint8)
+            self._frame64, self._frame32 = self._frame.view(np.int64), self._frame.view(np.int32)
+            self._frames64, self._frames32 = self._frames.view(np.int64), self._frames.view(np.int32)
+
     def _exchange(self, msg):
         """Every rank's message of this cycle, in rank order. A message of cached requests only
         (the steady state of a training loop, and idle cycles) travels as its slot numbers, a
         negative length saying how many; any other as JSON."""
         if self.size == 1:
             return [msg]
-        if self._frame is None:  # kept: this runs under the cycle lock, one cycle at a time
-            self._frame = np.zeros(_FRAME, dtype=np.uint8)
-            self._frames = np.zeros((self.size, _FRAME), dtype=np.uint8)
-            self._frame64, self._frame32 = self._frame.view(np.int64), self._frame.view(np.int32)
-            self._frames64, self._frames32 = self._frames.view(np.int64), self._frames.view(np.int32)
-        frame, frames = self._frame, self._frames
+        self._buffers()
+        frame = self._frame
         slots = msg.get("c", ())
         if not msg["r"] and len(msg) <= 1 + bool(slots) and len(slots) <= _MAX_SLOTS:
             blob = b""
@@ -307,7 +401,13 @@ class Controller:
             head = min(len(blob), _FRAME - 8)
             frame[:8].view(np.int64)[0] = len(blob)
             frame[8 : 8 + head] = np.frombuffer(blob, dtype=np.uint8, count=head)
-        self.comm.allgather(frame, frames)
+        self.comm.allgather(frame, self._frames)
+        return self._unpack(blob)
+
+    def _unpack(self, blob):
+        """The messages in the frames the cycle's allgather filled (blob: this rank's JSON, when
+        it sent one; a message longer than a frame sends its tail in a second allgather)."""
+        frames = self._frames
         lengths = self._frames64[:, 0].tolist()
         longest = max(lengths)
         tails = None

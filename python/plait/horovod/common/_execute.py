@@ -21,6 +21,7 @@ KIND, NAME, PS, DTYPE, SHAPE, OP, ROOT, PRE, POST, SPLITS, DEVICE = range(11)
 AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5  # Horovod's ReduceOp values
 OP_NAMES = {0: "Average", 1: "Sum", 2: "Adasum", 3: "Min", 4: "Max", 5: "Product"}
 _PLAIT_OP = {1: "sum", 0: "sum", 3: "min", 4: "max", 5: "prod"}
+_OPCODE = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}  # bindings/capi.h's plait_op
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 _FUSION_DEFAULT = 128 << 20
 
@@ -229,6 +230,8 @@ class Executor:
             comm.allreduce(buf, buf, op=pop)
             _scale(buf, post)
             ctrl.complete(group[0][0])
+            if self.dev is None and key0 not in ctrl._plans:
+                self._keep(ctrl, key0, None, comm, pop, pre, post, None)
             return
         count = nbytes // dtype.itemsize
         base, shm = None, False
@@ -290,6 +293,29 @@ class Executor:
             else:
                 _copy_all(o.output, list(_unflatten(fused[a : a + n], o.output)))
                 ctrl.complete(k, result=o.output)
+        if len(group) == 1 and fold and shm and ops[0].output is not None:
+            self._keep(ctrl, key0, ops[0].layout, comm, pop, pre, post, self._span(dtype, 0, count))
+
+    def _keep(self, ctrl, key, layout, comm, pop, pre, post, span):
+        """Hands the controller the plan of an allreduce that ran alone: the same steps, run by
+        one native call in a later cycle of the same cached request (common/_controller.py)."""
+        from plait import _C
+
+        from . import _fusion
+
+        kept = ctrl._plans.get(key)
+        if kept is not None and kept[1] is layout:
+            return
+        nat = _fusion.loaded()
+        native = getattr(comm, "_c", None)
+        if nat is None or not isinstance(native, _C._Comm) or not ctrl.fast_path(nat):
+            return
+        grp = layout.grp if layout is not None else None
+        ctrl.keep_plan(
+            key,
+            layout,
+            lambda: nat._HvdPlan(_C._comm_capsule(native), comm, _OPCODE[pop], pre, post, grp, span),
+        )
 
     def _allgather(self, ctrl, key, reqs, q, members):
         torch = _torch()
@@ -406,10 +432,12 @@ class Executor:
             0 if ctrl.rank in ranks else None, ranks.index(ctrl.rank) if ctrl.rank in ranks else 0
         )
         ctrl.process_sets.register(ps_id, ranks, sub)
+        ctrl._plans.clear()  # they hold the communicators they were made with
         ctrl.complete(key, result=ps_id)
 
     def _rm_ps(self, ctrl, key, reqs, q, members):
         ctrl.process_sets.unregister(q[ROOT])
+        ctrl._plans.clear()
         ctrl.complete(key)
 
 
