@@ -86,7 +86,7 @@ class Controller:
         self._cycle_no = 0
         self._frame = self._frames = None  # the first allgather's send and receive buffers
         self.fast = None  # the native cycle (csrc/torch/horovod_fast.cc), once the executor has one
-        self._plans = {}  # (ps, name) -> (native plan, its group layout or None): cached names only
+        self._plans = {}  # (ps, name) -> (native plan, group layout or None, cached request)
         self.fast_cycles = 0  # cycles the native call ran whole (tests and benchmarks read it)
         # Horovod's response cache: a request every rank made alike before travels as its slot
         # number. Slots are handed out in the order names run (the same on every rank).
@@ -130,6 +130,35 @@ class Controller:
             self._queue.extend(ops)
             if notify:
                 self._cv.notify()
+
+    def run(self, ops):
+        """submit(ops) then wait(ops), for a synchronous call: a cached allreduce with a kept plan
+        runs its cycle at once, on this thread, when no other cycle is running."""
+        if len(ops) == 1 and self.fast is not None and not self._queue and self._lock.acquire(blocking=False):
+            try:
+                taken = self._run_fast(ops[0])
+            finally:
+                self._lock.release()
+            if taken:
+                self.wait(ops)  # done, or in the table after a cycle that fell back
+                return
+        self.submit(ops, notify=False)
+        self.wait(ops)
+
+    def _run_fast(self, o):
+        """Under the cycle lock: runs a cycle with o alone if it has a kept plan; True if it did."""
+        if self.broken is not None or self._stop or self._queue or (o.req[2], o.req[1]) in self._mine:
+            return False  # submit() raises, or the queued ops go first
+        fast = self._fast_plan([o])
+        if fast is None:
+            return False
+        try:
+            msgs = self._fast_cycle(o, *fast)
+            if msgs is not None:
+                self._settle(msgs)
+        except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
+            self._break(e)
+        return True
 
     def wait(self, ops, timeout=None):
         """Runs cycles on this thread (or lets the background one) until all ops are done."""
@@ -275,7 +304,7 @@ class Controller:
         if kept is None or kept[1] is not o.layout or self.timeline is not None:
             return None
         hit = self._cached.get(key)
-        if hit is None or hit[1] != o.req:
+        if hit is None or hit[1] is not kept[2] or hit[1] != o.req:
             return None
         return hit[0], kept[0]
 
@@ -297,16 +326,19 @@ class Controller:
         return self._unpack(b"")
 
     def keep_plan(self, key, layout, make):
-        """Keeps the plan make() builds for a cached name just run alone on this rank's CPU."""
-        kept = self._plans.get(key)
-        if kept is not None and kept[1] is layout:
-            return
+        """Keeps the plan make() builds for a cached name just run alone on this rank's CPU: valid
+        while the name's cached request (the same object: a changed one is a new object) and its
+        group layout stay."""
         hit = self._cached.get(key)
-        if hit is None or self.fast is None:
+        if hit is None or self.fast is None or self.planned(key, layout):
             return
         if len(self._plans) >= self.cache_capacity:
             self._plans.clear()
-        self._plans[key] = (make(), layout)
+        self._plans[key] = (make(), layout, hit[1])
+
+    def planned(self, key, layout):
+        kept, hit = self._plans.get(key), self._cached.get(key)
+        return kept is not None and hit is not None and kept[1] is layout and kept[2] is hit[1]
 
     def fast_path(self, nat):
         """Turns the cached fast path on with plait's native torch module nat (the executor's

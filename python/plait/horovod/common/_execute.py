@@ -230,7 +230,7 @@ class Executor:
             comm.allreduce(buf, buf, op=pop)
             _scale(buf, post)
             ctrl.complete(group[0][0])
-            if self.dev is None and key0 not in ctrl._plans:
+            if self.dev is None and not ctrl.planned(key0, None):
                 self._keep(ctrl, key0, None, comm, pop, pre, post, None)
             return
         count = nbytes // dtype.itemsize
@@ -303,8 +303,7 @@ class Executor:
 
         from . import _fusion
 
-        kept = ctrl._plans.get(key)
-        if kept is not None and kept[1] is layout:
+        if ctrl.planned(key, layout):
             return
         nat = _fusion.loaded()
         native = getattr(comm, "_c", None)

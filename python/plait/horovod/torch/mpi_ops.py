@@ -130,9 +130,8 @@ _tls = threading.local()
 
 def _register(ops, result):
     if getattr(_tls, "sync", False):
-        # A synchronous call waits (and runs the cycle) on this thread at once: no need to wake
-        # the coordinator's thread, nor for a handle.
-        _basics.submit(ops, notify=False)
+        # A synchronous call runs the cycle on this thread at once (_now): no need to wake the
+        # coordinator's thread, nor for a handle.
         _tls.entry = (ops, result)
         return None
     _basics.submit(ops)
@@ -151,7 +150,7 @@ def _now(fn, *args, **kwargs):
         _tls.sync = False
     ops, result = _tls.entry
     _tls.entry = None
-    _basics.wait(ops)
+    _basics.run(ops)
     return result(ops)
 
 
