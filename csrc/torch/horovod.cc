@@ -7,6 +7,7 @@
 // tensor each. Here each step is one call over the whole list:
 //   _hvd_meta(tensors)  -> bytes: every tensor's address, dtype, device, shape and contiguity;
 //                          equal bytes mean the cached layout (request, shapes text) still holds
+//   _hvd_same(tensors, meta) -> whether _hvd_meta(tensors) == meta, read in place (each step)
 //   _HvdGroup(tensors)  one dtype's tensors of a layout, kept with it; then, every step:
 //     .gather(out, f)   copies the tensors' elements, in order, into out, times f
 //     .scatter(src, f)  copies src back into the tensors, times f, and bumps each tensor's
@@ -18,6 +19,7 @@
 // in double precision and truncate.
 #include "torch/horovod.h"
 
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/python.h>
 
@@ -96,19 +98,48 @@ namespace {
 
 bool fused_scale(at::ScalarType st) { return st == at::kFloat || st == at::kDouble; }
 
+// One tensor's entry in a layout's meta: address, dtype/device/contiguity, rank, sizes.
+void pack(const at::Tensor& t, std::vector<int64_t>& out) {
+  out.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
+  out.push_back(static_cast<int64_t>(t.scalar_type()) |
+                (static_cast<int64_t>(t.device().type()) << 8) |
+                (static_cast<int64_t>(t.device().index() + 1) << 16) |
+                (static_cast<int64_t>(t.is_contiguous()) << 32));
+  out.push_back(t.dim());
+  for (int64_t s : t.sizes()) out.push_back(s);
+}
+
 py::bytes meta(const std::vector<at::Tensor>& ts) {
   std::vector<int64_t> out;
   out.reserve(ts.size() * 5);
-  for (const at::Tensor& t : ts) {
-    out.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
-    out.push_back(static_cast<int64_t>(t.scalar_type()) |
-                  (static_cast<int64_t>(t.device().type()) << 8) |
-                  (static_cast<int64_t>(t.device().index() + 1) << 16) |
-                  (static_cast<int64_t>(t.is_contiguous()) << 32));
-    out.push_back(t.dim());
-    for (int64_t s : t.sizes()) out.push_back(s);
-  }
+  for (const at::Tensor& t : ts) pack(t, out);
   return py::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
+}
+
+// Whether meta(tensors) would equal want, without building it: a cached group's check each step
+// (the tensors are read in place from the Python sequence: no list conversion, no refcounts).
+bool same_meta(py::handle tensors, const py::bytes& want) {
+  PyObject* seq = PySequence_Fast(tensors.ptr(), "plait.horovod: a group is a sequence of tensors");
+  if (!seq) throw py::error_already_set();
+  py::object keep = py::reinterpret_steal<py::object>(seq);
+  char* data = nullptr;
+  Py_ssize_t len = 0;
+  if (PyBytes_AsStringAndSize(want.ptr(), &data, &len) != 0) throw py::error_already_set();
+  const size_t words = size_t(len) / sizeof(int64_t);
+  std::vector<int64_t> one;
+  size_t at_word = 0;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_Check(items[i])) return false;
+    one.clear();
+    pack(THPVariable_Unpack(items[i]), one);
+    if (at_word + one.size() > words ||
+        std::memcmp(data + at_word * sizeof(int64_t), one.data(), one.size() * sizeof(int64_t)))
+      return false;
+    at_word += one.size();
+  }
+  return at_word == words;
 }
 
 }  // namespace
@@ -166,6 +197,7 @@ void Group::scatter(const at::Tensor& src, double f) const {
 
 void bind_horovod(py::module_& m) {
   m.def("_hvd_meta", &meta, "every tensor's address, dtype, device and shape, as bytes");
+  m.def("_hvd_same", &same_meta, "whether _hvd_meta(tensors) == want (without building it)");
   py::class_<Group, std::shared_ptr<Group>>(m, "_HvdGroup",
                                             "one dtype's tensors of a plait.horovod group layout")
       .def(py::init<const std::vector<at::Tensor>&>())

@@ -165,9 +165,9 @@ def lookup(tensors):
     if lay is None:
         return None
     nat = native()
-    if (nat._hvd_meta(tensors) if nat is not None else _meta(tensors)) != lay.meta:
-        return None
-    return lay
+    if nat is not None:
+        return lay if nat._hvd_same(tensors, lay.meta) else None
+    return lay if _meta(tensors) == lay.meta else None
 
 
 def remember(tensors, by_dtype):

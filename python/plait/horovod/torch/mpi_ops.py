@@ -106,12 +106,12 @@ def _ps(process_set):
     return ps_id
 
 
-def _req(kind, name, ps_id, t, op=0, root=-1, pre=1.0, post=1.0, splits=None):
+def _req(kind, name, ps_id, t, op=0, root=-1, pre=1.0, post=1.0, splits=None, dtype=None):
     req = [
         kind,
         name,
         ps_id,
-        _dtype(t, kind),
+        dtype or _dtype(t, kind),
         list(t.shape),
         int(op),
         int(root),
@@ -179,16 +179,15 @@ def _allreduce_ops(tensors, inplace, name, op, pre, post, process_set, kind="all
     ps_id = _ps(process_set)
     ops = []
     for i, t in enumerate(tensors):
-        _dtype(t, "allreduce")
+        d = _dtype(t, "allreduce")
         n = name if name is None or len(tensors) == 1 else f"{name}_{i}"
         if inplace and t.is_contiguous():
             out, fin = t.detach(), None
         else:
             out = t.detach().clone(memory_format=torch.contiguous_format)
             fin = _copy_back(t) if inplace else None
-        ops.append(
-            Op(_req(kind, _basics.next_name("allreduce", n), ps_id, out, op, -1, pre, post), t, out, fin)
-        )
+        req = _req(kind, _basics.next_name("allreduce", n), ps_id, out, op, -1, pre, post, None, d)
+        ops.append(Op(req, t, out, fin))
     return ops
 
 
@@ -319,7 +318,10 @@ def allreduce_(
     postscale_factor=1.0,
     process_set=global_process_set,
 ):
-    return _now(allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    # allreduce_async_ and synchronize, without the handle (a training loop's hot call)
+    op = _op_of(average, op)
+    _basics.run(_allreduce_ops([tensor], True, name, op, prescale_factor, postscale_factor, process_set))
+    return tensor
 
 
 class HorovodAllreduce(torch.autograd.Function):
@@ -409,9 +411,11 @@ def grouped_allreduce_(
     postscale_factor=1.0,
     process_set=global_process_set,
 ):
-    return _now(
-        grouped_allreduce_async_, tensors, average, name, op, prescale_factor, postscale_factor, process_set
-    )
+    op = _op_of(average, op)
+    tensors = list(tensors)
+    ops, _ = _group_ops(tensors, True, name, op, prescale_factor, postscale_factor, process_set)
+    _basics.run(ops)
+    return tensors
 
 
 class HorovodGroupedAllreduce(torch.autograd.Function):
