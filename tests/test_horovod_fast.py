@@ -155,3 +155,25 @@ def _killed_in_steady_state(rank, n, _addr):
 
 def test_killed_peer_in_steady_state(ranks):
     assert ranks(_killed_in_steady_state, 2, env=QUIET, may_die=(1,), timeout=60)[0] is True
+
+
+def _sets(rank, n, _addr):
+    hvd = _hvd()
+    x = torch.zeros(3)
+    for rounds in range(2):  # the second round's set is a new communicator: plans are rebuilt
+        evens = hvd.add_process_set([r for r in range(n) if r % 2 == 0])
+        for step in range(6):
+            x.fill_(rank + step)
+            if rank % 2 == 0:
+                hvd.allreduce_(x, op=hvd.Sum, name="e", process_set=evens)
+                assert x.tolist() == [sum(r + step for r in evens.ranks)] * 3, (rounds, step)
+            x.fill_(rank + step)
+            hvd.allreduce_(x, op=hvd.Average, name="w")
+            assert x.tolist() == [step + (n - 1) / 2] * 3, (rounds, step)
+        assert hvd.remove_process_set(evens)
+    hvd.shutdown()
+    return True
+
+
+def test_process_set_plans(ranks):
+    assert ranks(_sets, 3, timeout=120) == [True] * 3
