@@ -3,7 +3,7 @@
 // In a training loop every rank submits the same cached request each step, so the cycle's
 // exchange brings nothing new: every rank's frame is the same slot number, the ready list is that
 // one name, its check passed before and its plan (which buffer, which plait op, which scale
-// factors) is the same as last time. python/plait/horovod/common/_controller.py keeps that plan
+// factors) is the same as last time. python/plait/horovod/common/_fastpath.py keeps that plan
 // (an _HvdPlan) per cached name and, when a cycle has exactly such a request to send, hands it to
 // _HvdCycle.run, which does here, with the GIL released:
 //   1. the cycle's exchange: this rank's frame (-2: one cached slot, then the slot) in the same

@@ -298,7 +298,7 @@ class Executor:
 
     def _keep(self, ctrl, key, layout, comm, pop, pre, post, span):
         """Hands the controller the plan of an allreduce that ran alone: the same steps, run by
-        one native call in a later cycle of the same cached request (common/_controller.py)."""
+        one native call in a later cycle of the same cached request (common/_fastpath.py)."""
         from plait import _C
 
         from . import _fusion
