@@ -22,7 +22,7 @@ except ImportError:  # NativeBuildError: no fast path; the results must not chan
     NATIVE = False
 
 STEPS = 12
-NAMES = 5  # cached names per step in _steady
+NAMES = 6  # cached names per step in _steady
 # Idle cycles (every HOROVOD_CYCLE_TIME ms while a rank is between calls) meet a peer's fast cycle
 # and make it fall back: rarer with a long cycle time, so that most steps take the fast path.
 QUIET = {"HOROVOD_CYCLE_TIME": "200"}
@@ -35,7 +35,9 @@ def _hvd():
     return hvd
 
 
-def _steady(rank, n, _addr):
+def _steady(rank, n, _addr, python_ranks=()):
+    if rank in python_ranks:  # this rank takes the Python cycle only; its peers may go native
+        os.environ["PLAIT_HOROVOD_NATIVE"] = "0"
     hvd = _hvd()
     from plait.horovod.common import basics
 
@@ -59,6 +61,8 @@ def _steady(rank, n, _addr):
             t.fill_(rank + step)
         hvd.grouped_allreduce_(g, op=hvd.Average, name="g")
         assert [t.tolist() for t in g] == [[step + (n - 1) / 2] * (k + 1) for k in range(6)], step
+        empty = torch.zeros(0)  # no elements: the same (empty) plait call as the Python path's
+        assert hvd.allreduce_(empty, op=hvd.Sum, name="z").shape == (0,)
     fast = ctrl.fast_cycles
     hvd.shutdown()
     return fast
@@ -76,6 +80,14 @@ def test_steady_state_is_exact_and_fast(ranks, n):
 
 def test_numpy_fallback_same_results(ranks):
     assert ranks(_steady, 2, env=dict(QUIET, PLAIT_HOROVOD_NATIVE="0"), timeout=120) == [0, 0]
+
+
+def test_native_and_python_ranks_together(ranks):
+    """A rank on the native path and one on the Python path make the same plait calls."""
+    fast = ranks(_steady, 2, args=((1,),), env=QUIET, timeout=120)
+    assert fast[1] == 0, fast
+    if NATIVE:
+        assert fast[0] >= (STEPS - 1) * NAMES // 2, fast
 
 
 def _joined_peers(rank, n, _addr):

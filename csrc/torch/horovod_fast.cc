@@ -106,11 +106,11 @@ class Plan {
     } else if (pre_ != 1.0) {
       scale_in_place(buf, pre_);
     }
+    // Called even with no elements, as the Python executor calls it: the ranks' plait calls
+    // stay the same whichever path each took.
     plait_buffer b = host(buf.data_ptr(), buf.nbytes(), dt);
-    uint32_t kind = PLAIT_OK;
-    if (buf.numel())
-      kind = api->call(comm_, PLAIT_ALLREDUCE, &b, &b, uint8_t(op_), 0, -1, 0, "auto", -1.0,
-                       nullptr, nullptr, nullptr, err, errlen);
+    const uint32_t kind = api->call(comm_, PLAIT_ALLREDUCE, &b, &b, uint8_t(op_), 0, -1, 0, "auto",
+                                    -1.0, nullptr, nullptr, nullptr, err, errlen);
     if (kind) return kind;
     if (group_) {
       group_->scatter_from(buf, post_);
