@@ -134,7 +134,12 @@ def _register(ops, result):
         # coordinator's thread, nor for a handle.
         _tls.entry = (ops, result)
         return None
-    _basics.submit(ops)
+    # The coordinator's thread is not woken: its next cycle (within HOROVOD_CYCLE_TIME, as in
+    # Horovod) or the thread that synchronizes takes every op queued by then, so a burst of async
+    # ops (a backward pass's hooks) meets in one cycle and is fused, instead of a cycle each.
+    # 10 x allreduce_async_ of 1 KiB then synchronize: 250-285 us a step, against 570-735 us when
+    # each submission woke the thread (2 ranks, alternating jobs, load 3).
+    _basics.submit(ops, notify=False)
     h = next(_handles)
     with _map_lock:
         _handle_map[h] = (ops, result)
