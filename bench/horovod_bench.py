@@ -35,6 +35,15 @@ def _timed(fn, calls):
     return (time.perf_counter() - t0) / calls
 
 
+def _fast_cycles(impl):
+    """plait.horovod's count of cycles its native fast path ran whole (None for Horovod)."""
+    if impl != PLAIT:
+        return None
+    from plait.horovod.common import basics
+
+    return basics.controller().fast_cycles
+
+
 def _cases(hvd, direct):
     small = torch.ones(2)
     big = torch.ones(1 << 20)
@@ -127,7 +136,7 @@ def main():
         impls[HOROVOD] = real
         rdv = _HorovodRendezvous(direct, direct.rank, direct.size)
     rank, size = direct.rank, direct.size
-    times = {}
+    times, fast = {}, {}
     for r in range(args.rounds):
         for impl in sorted(impls, reverse=bool(r % 2)):
             hvd = impls[impl]
@@ -139,7 +148,10 @@ def main():
                 calls = calls if impl == PLAIT else max(2, calls // 20)
                 direct.barrier()
                 fn()
+                fast0 = _fast_cycles(impl)
                 times.setdefault((impl, case), []).append(_timed(fn, calls))
+                if fast0 is not None:  # calls that ran the cached fast path whole, on this rank
+                    fast.setdefault(case, []).append((_fast_cycles(impl) - fast0) / calls)
             if args.synthetic:
                 direct.barrier()
                 step = _synthetic_step(hvd, _model())  # a fresh model: hooks of one optimizer
@@ -169,6 +181,9 @@ def main():
         )
         print(f"grouped 100 x 1 KiB (fused) / one direct plait allreduce of 100 KiB = {ratio:.2f}")
         res["grouped_over_direct"] = ratio
+        for case, shares in fast.items():
+            if not case.startswith("plait allreduce") and case != BY_HAND:
+                print(f"  cached fast path: {100 * statistics.median(shares):5.1f}% of {case}'s calls")
         one = med[(PLAIT, "grouped_allreduce_ 100 x 1 KiB")] / med[(PLAIT, "allreduce_ 100 KiB (one tensor)")]
         print(f"grouped 100 x 1 KiB (fused) / one plait.horovod allreduce_ of 100 KiB = {one:.2f}")
         res["grouped_over_one_tensor"] = one

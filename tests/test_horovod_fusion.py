@@ -208,6 +208,14 @@ def test_native_copies_check_what_they_touch():
     assert a == nat._hvd_meta(list(ts)) and a != nat._hvd_meta([ts[0], ts[1].view(1, 3)])
     sq = torch.zeros(3, 3)
     assert a != nat._hvd_meta([ts[0], ts[1].double()]) and nat._hvd_meta([sq]) != nat._hvd_meta([sq.t()])
+    # each step's check compares in place: the same answers as comparing _hvd_meta's bytes
+    assert nat._hvd_same(ts, a) and nat._hvd_same(tuple(ts), a)
+    for other in ([ts[0], ts[1].view(1, 3)], [ts[0], ts[1].double()], [ts[0]], ts + [sq], [ts[0], 3]):
+        assert not nat._hvd_same(other, a), other
+    assert nat._hvd_same([sq.t()], nat._hvd_meta([sq.t()])) and not nat._hvd_same(
+        [sq], nat._hvd_meta([sq.t()])
+    )
+    assert nat._hvd_same([], nat._hvd_meta([]))
 
 
 def _one_thread():
@@ -278,7 +286,13 @@ def _cached(rank, n, _addr):
         sent.append({k: list(v) if k in ("r", "c") else v for k, v in msg.items()})
         return exchange(msg)
 
-    ctrl._exchange = spy
+    fast = ctrl._fast_cycle
+
+    def spy_fast(o, slot, plan):  # the native cycle sends the slot's frame itself
+        sent.append({"r": [], "c": [slot]})
+        return fast(o, slot, plan)
+
+    ctrl._exchange, ctrl._fast_cycle = spy, spy_fast
     tri = n * (n - 1) // 2
     for step in range(3):
         x = torch.full((5,), float(rank + step))

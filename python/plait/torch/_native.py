@@ -40,8 +40,9 @@ _SOURCES = (
     "torch/gloo_engine.cc",
     "torch/engine_calls.cc",
     "torch/horovod.cc",
+    "torch/horovod_fast.cc",
 )
-_HEADERS = ("torch/backend.h", "torch/engines.h", "bindings/capi.h", "hier/engine.h")
+_HEADERS = ("torch/backend.h", "torch/engines.h", "torch/horovod.h", "bindings/capi.h", "hier/engine.h")
 _module = None
 _tried = False
 _error = None  # the NativeBuildError the build raised, raised again on each later use

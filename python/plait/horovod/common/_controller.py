@@ -15,6 +15,8 @@ request list, so they too land on every rank in the same cycle.
 
 Cycles run on a background thread every HOROVOD_CYCLE_TIME ms, and on the thread that waits for a
 handle (synchronize), which spares a thread wake-up per call; a lock keeps them one at a time.
+A cycle whose only request is a cached allreduce with a kept plan runs in one native call
+(common/_fastpath.py).
 """
 
 import json
@@ -26,6 +28,7 @@ import time
 import numpy as np
 
 from . import _device
+from ._fastpath import FastPath
 from .exceptions import HorovodInternalError
 
 _FRAME = 1024  # bytes per rank in the first allgather of a cycle: the common case fits one call
@@ -64,7 +67,7 @@ class Op:
         self.layout = None  # a grouped allreduce's fusion layout (common/_fusion.py)
 
 
-class Controller:
+class Controller(FastPath):
     def __init__(self, comm, rank, size, process_sets, executor, timeline=None):
         self.comm, self.rank, self.size = comm, rank, size
         self.process_sets = process_sets  # id -> ProcessSet (ranks, communicator)
@@ -85,6 +88,9 @@ class Controller:
         self.join_device = _device.CPU  # where a joined rank makes its zeros of GPU ops (join(device))
         self._cycle_no = 0
         self._frame = self._frames = None  # the first allgather's send and receive buffers
+        self.fast = None  # the native cycle (csrc/torch/horovod_fast.cc), once the executor has one
+        self._plans = {}  # (ps, name) -> (native plan, group layout or None, cached request)
+        self.fast_cycles = 0  # cycles the native call ran whole (tests and benchmarks read it)
         # Horovod's response cache: a request every rank made alike before travels as its slot
         # number. Slots are handed out in the order names run (the same on every rank).
         self._cached = {}  # (ps, name) -> (slot, request)
@@ -173,8 +179,10 @@ class Controller:
             with self._cv:
                 if not self._queue and not self._stop:
                     self._cv.wait(self.cycle_s)
-                    # Idle: a cycle another thread ran meanwhile served the peers already.
-                    recent = time.monotonic() - self._last_cycle < self.cycle_s
+                    # Idle: a cycle another thread ran meanwhile, or is running (a waiter's long
+                    # allreduce), serves the peers already; one more here would only meet a
+                    # waiter's next cached cycle and make it fall back.
+                    recent = time.monotonic() - self._last_cycle < self.cycle_s or self._lock.locked()
                     if not self._queue and not self._stop and (recent or self._idle_alone()):
                         continue
             with self._lock:
@@ -220,6 +228,21 @@ class Controller:
         with self._cv:
             new, self._queue = self._queue, []
             stop = self._stop
+        fast = self._fast_plan(new) if len(new) == 1 and not stop else None
+        if fast is not None:
+            msgs = self._fast_cycle(new[0], *fast)
+            if msgs is None:
+                return False
+        else:
+            msg = self._message(new, stop)
+            if self.timeline is not None:
+                self.timeline.cycle_start()
+            msgs = self._exchange(msg)
+            self._last_cycle = time.monotonic()
+            self._cycle_no += 1
+        return self._settle(msgs)
+
+    def _message(self, new, stop):
         msg = {"r": []}
         slots = []
         for o in new:
@@ -241,11 +264,10 @@ class Controller:
             msg["stop"] = 1
         if self.rank == 0:
             self._rank0_checks(msg)
-        if self.timeline is not None:
-            self.timeline.cycle_start()
-        msgs = self._exchange(msg)
-        self._last_cycle = time.monotonic()
-        self._cycle_no += 1
+        return msg
+
+    def _settle(self, msgs):
+        """The rest of a cycle once every rank's message is here: the table, the ready ops."""
         stopping = [r for r, m in enumerate(msgs) if m.get("stop")]
         for r, m in enumerate(msgs):
             for req in m["r"]:
@@ -284,18 +306,21 @@ class Controller:
             return True
         return False
 
+    def _buffers(self):
+        if self._frame is None:  # kept: this runs under the cycle lock, one cycle at a time
+            self._frame = np.zeros(_FRAME, dtype=np.uint8)
+            self._frames = np.zeros((self.size, _FRAME), dtype=np.uint8)
+            self._frame64, self._frame32 = self._frame.view(np.int64), self._frame.view(np.int32)
+            self._frames64, self._frames32 = self._frames.view(np.int64), self._frames.view(np.int32)
+
     def _exchange(self, msg):
         """Every rank's message of this cycle, in rank order. A message of cached requests only
         (the steady state of a training loop, and idle cycles) travels as its slot numbers, a
         negative length saying how many; any other as JSON."""
         if self.size == 1:
             return [msg]
-        if self._frame is None:  # kept: this runs under the cycle lock, one cycle at a time
-            self._frame = np.zeros(_FRAME, dtype=np.uint8)
-            self._frames = np.zeros((self.size, _FRAME), dtype=np.uint8)
-            self._frame64, self._frame32 = self._frame.view(np.int64), self._frame.view(np.int32)
-            self._frames64, self._frames32 = self._frames.view(np.int64), self._frames.view(np.int32)
-        frame, frames = self._frame, self._frames
+        self._buffers()
+        frame = self._frame
         slots = msg.get("c", ())
         if not msg["r"] and len(msg) <= 1 + bool(slots) and len(slots) <= _MAX_SLOTS:
             blob = b""
@@ -307,7 +332,13 @@ class Controller:
             head = min(len(blob), _FRAME - 8)
             frame[:8].view(np.int64)[0] = len(blob)
             frame[8 : 8 + head] = np.frombuffer(blob, dtype=np.uint8, count=head)
-        self.comm.allgather(frame, frames)
+        self.comm.allgather(frame, self._frames)
+        return self._unpack(blob)
+
+    def _unpack(self, blob):
+        """The messages in the frames the cycle's allgather filled (blob: this rank's JSON, when
+        it sent one; a message longer than a frame sends its tail in a second allgather)."""
+        frames = self._frames
         lengths = self._frames64[:, 0].tolist()
         longest = max(lengths)
         tails = None

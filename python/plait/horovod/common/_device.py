@@ -32,6 +32,8 @@ class CudaLayer:
 
     def index(self, t):
         """-1 for a CPU tensor, the device index of a CUDA tensor; TypeError for other devices."""
+        if t.is_cpu:  # without making a torch.device: this runs for every op
+            return CPU
         kind = t.device.type
         if kind == "cpu":
             return CPU

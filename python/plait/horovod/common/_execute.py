@@ -21,6 +21,8 @@ KIND, NAME, PS, DTYPE, SHAPE, OP, ROOT, PRE, POST, SPLITS, DEVICE = range(11)
 AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5  # Horovod's ReduceOp values
 OP_NAMES = {0: "Average", 1: "Sum", 2: "Adasum", 3: "Min", 4: "Max", 5: "Product"}
 _PLAIT_OP = {1: "sum", 0: "sum", 3: "min", 4: "max", 5: "prod"}
+_OPCODE = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}  # bindings/capi.h's plait_op
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
 _FUSION_DEFAULT = 128 << 20
 
 
@@ -210,9 +212,8 @@ class Executor:
         q = next(iter(reqs0.values()))
         dtype = torch_dtype(q[DTYPE])
         members = ctrl.members(key0[0])
-        op, pre, post = q[OP], q[PRE], q[POST]
-        if op == AVERAGE:
-            post = post / len(members)
+        op, pre = q[OP], q[PRE]
+        pop, post = reduction(q, len(members))
         comm = self._comm(ctrl, key0[0])
         tl = ctrl.timeline
         ops = [ctrl._mine.get(k) for k, _ in group]
@@ -222,13 +223,15 @@ class Executor:
         if len(group) == 1 and ops[0] is not None and ops[0].req[SPLITS] is None:
             # One tensor: reduced in place where it lives (plait's staged_parts / single copy
             # algorithms read private memory directly: 336-342 us at 4 MiB, 2 ranks, against
-            # 397-428 us through the shared fusion buffer, bench/RESULTS-horovod.md). Average
-            # stays a sum and a scale: a joined rank contributes its zeros through a sum.
+            # 397-428 us through the shared fusion buffer, bench/RESULTS-horovod.md). A rank that
+            # has joined takes the fused path below with zeros, making the same plait call.
             buf = ops[0].output
             _scale(buf, pre)
-            comm.allreduce(buf, buf, op=_PLAIT_OP[op])
+            comm.allreduce(buf, buf, op=pop)
             _scale(buf, post)
             ctrl.complete(group[0][0])
+            if self.dev is None and not ctrl.planned(key0, None):
+                self._keep(ctrl, key0, None, comm, pop, pre, post, None)
             return
         count = nbytes // dtype.itemsize
         base, shm = None, False
@@ -268,7 +271,7 @@ class Executor:
         if tl is not None:
             for k, _ in group:
                 tl.activity(k[1], "PLAIT_ALLREDUCE")
-        comm.allreduce(fused, fused, op=_PLAIT_OP[op])
+        comm.allreduce(fused, fused, op=pop)
         if not fold:
             _scale(fused, post)
         if tl is not None:
@@ -290,6 +293,28 @@ class Executor:
             else:
                 _copy_all(o.output, list(_unflatten(fused[a : a + n], o.output)))
                 ctrl.complete(k, result=o.output)
+        if len(group) == 1 and fold and shm and ops[0].output is not None:
+            self._keep(ctrl, key0, ops[0].layout, comm, pop, pre, post, self._span(dtype, 0, count))
+
+    def _keep(self, ctrl, key, layout, comm, pop, pre, post, span):
+        """Hands the controller the plan of an allreduce that ran alone: the same steps, run by
+        one native call in a later cycle of the same cached request (common/_fastpath.py)."""
+        from plait import _C
+
+        from . import _fusion
+
+        if ctrl.planned(key, layout):
+            return
+        nat = _fusion.loaded()
+        native = getattr(comm, "_c", None)
+        if nat is None or not isinstance(native, _C._Comm) or not ctrl.fast_path(nat):
+            return
+        grp = layout.grp if layout is not None else None
+        ctrl.keep_plan(
+            key,
+            layout,
+            lambda: nat._HvdPlan(_C._comm_capsule(native), comm, _OPCODE[pop], pre, post, grp, span),
+        )
 
     def _allgather(self, ctrl, key, reqs, q, members):
         torch = _torch()
@@ -406,11 +431,27 @@ class Executor:
             0 if ctrl.rank in ranks else None, ranks.index(ctrl.rank) if ctrl.rank in ranks else 0
         )
         ctrl.process_sets.register(ps_id, ranks, sub)
+        ctrl._plans.clear()  # they hold the communicators they were made with
         ctrl.complete(key, result=ps_id)
 
     def _rm_ps(self, ctrl, key, reqs, q, members):
         ctrl.process_sets.unregister(q[ROOT])
+        ctrl._plans.clear()
         ctrl.complete(key)
+
+
+def reduction(q, n):
+    """(plait op, postscale factor) of an allreduce request over n ranks: a pure function of the
+    request, so every rank, joined or not, makes the same plait call. A floating Average is
+    plait's avg (the sum divided by n in the reduction's last step: no pass of its own; a joined
+    rank's zeros count among the n, as in Horovod); an integer one is a sum and a postscale of
+    1/n, truncated on the copy out as Horovod's ScaleBuffer does."""
+    op, post = q[OP], q[POST]
+    if op != AVERAGE:
+        return _PLAIT_OP[op], post
+    if q[DTYPE] in _FLOATS:
+        return "avg", post
+    return "sum", post / n
 
 
 def _flatten(tensors):

@@ -22,6 +22,7 @@ with PLAIT_HOROVOD_NATIVE=0 (read at hvd.init), the numpy path below does the sa
 
 import json
 import os
+import sys
 import weakref
 
 import numpy as np
@@ -47,6 +48,17 @@ def native():
                 mod = None
         _NATIVE.append(mod)
     return _NATIVE[0]
+
+
+def loaded():
+    """native() when that loads nothing new: decided already, or plait.torch's module built by
+    someone else (the coordinator's cached fast path uses it, but never compiles it itself)."""
+    if _NATIVE:
+        return _NATIVE[0]
+    mod = sys.modules.get("plait.torch._native")
+    if mod is not None and getattr(mod, "_module", None) is not None:
+        return native()
+    return None
 
 
 def shapes_text(shapes):
@@ -153,9 +165,9 @@ def lookup(tensors):
     if lay is None:
         return None
     nat = native()
-    if (nat._hvd_meta(tensors) if nat is not None else _meta(tensors)) != lay.meta:
-        return None
-    return lay
+    if nat is not None:
+        return lay if nat._hvd_same(tensors, lay.meta) else None
+    return lay if _meta(tensors) == lay.meta else None
 
 
 def remember(tensors, by_dtype):

@@ -254,6 +254,11 @@ def wait(ops):
     _st().controller.wait(ops)
 
 
+def run(ops):
+    """submit(ops) and wait(ops), for a synchronous call (no handle)."""
+    _st().controller.run(ops)
+
+
 def ps_members(process_set):
     st = _st()
     ps_id = 0 if process_set is None else process_set.process_set_id
