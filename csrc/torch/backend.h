@@ -33,6 +33,9 @@ constexpr uint32_t kUnsupported = 100;
 constexpr int64_t kInternalTag = 0x706C616974000000LL;
 constexpr uint32_t kTimeout = PLAIT_E_TIMEOUT;
 
+// plait's dtype code (capi.h PLAIT_F32, ...) of a torch dtype; -1 where plait has none.
+int dtype_code(at::ScalarType s);
+
 // What every plait failure raises: a DistBackendError carrying plait's kind, which the module's
 // exception translator turns into the matching plait.torch error class in Python.
 class Error : public c10::DistBackendError {

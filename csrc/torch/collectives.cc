@@ -10,10 +10,6 @@
 #include "torch/backend.h"
 
 namespace plait_torch {
-namespace {
-
-using RT = c10d::ReduceOp::RedOpType;
-constexpr int64_t kTag = kInternalTag;
 
 int dtype_code(at::ScalarType s) {
   switch (s) {
@@ -39,6 +35,11 @@ int dtype_code(at::ScalarType s) {
       return -1;
   }
 }
+
+namespace {
+
+using RT = c10d::ReduceOp::RedOpType;
+constexpr int64_t kTag = kInternalTag;
 
 // A tensor's bytes as plait takes them; a CUDA tensor's are device memory (Op::issue gives the
 // buffer its stream).

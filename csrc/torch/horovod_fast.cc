@@ -27,37 +27,13 @@
 #include <string>
 
 #include "bindings/capi.h"
+#include "torch/backend.h"
 #include "torch/horovod.h"
 
 namespace plait_torch {
 namespace {
 
 namespace py = pybind11;
-
-int dtype_of(at::ScalarType s) {
-  switch (s) {
-    case at::kHalf:
-      return PLAIT_F16;
-    case at::kBFloat16:
-      return PLAIT_BF16;
-    case at::kFloat:
-      return PLAIT_F32;
-    case at::kDouble:
-      return PLAIT_F64;
-    case at::kChar:
-      return PLAIT_I8;
-    case at::kByte:
-      return PLAIT_U8;
-    case at::kInt:
-      return PLAIT_I32;
-    case at::kLong:
-      return PLAIT_I64;
-    case at::kBool:
-      return PLAIT_BOOL;
-    default:
-      return -1;
-  }
-}
 
 const plait_capi* capi_of(const py::capsule& api) {
   auto* table = static_cast<const plait_capi*>(api.get_pointer());
@@ -91,7 +67,7 @@ class Plan {
     if (!group.is_none()) {
       group_ = group.cast<std::shared_ptr<Group>>();
       span_ = span.cast<at::Tensor>();
-      if (!span_.device().is_cpu() || !span_.is_contiguous() || dtype_of(span_.scalar_type()) < 0)
+      if (!span_.device().is_cpu() || !span_.is_contiguous() || dtype_code(span_.scalar_type()) < 0)
         throw py::value_error("plait.horovod fast path: the span must be a contiguous CPU tensor");
     }
   }
@@ -100,7 +76,7 @@ class Plan {
   // kind of the plait error (its text in err).
   uint32_t run(const plait_capi* api, at::Tensor t, char* err, size_t errlen) const {
     at::Tensor buf = group_ ? span_ : t;
-    const int dt = dtype_of(buf.scalar_type());
+    const int dt = dtype_code(buf.scalar_type());
     if (group_) {
       group_->gather_into(buf, pre_);
     } else if (pre_ != 1.0) {
@@ -153,7 +129,7 @@ class Cycle {
     at::Tensor t;
     if (!plan.grouped()) {
       t = tensor.cast<at::Tensor>();
-      if (!t.device().is_cpu() || !t.is_contiguous() || dtype_of(t.scalar_type()) < 0)
+      if (!t.device().is_cpu() || !t.is_contiguous() || dtype_code(t.scalar_type()) < 0)
         throw py::value_error("plait.horovod fast path: the tensor must be contiguous, on the CPU");
     }
     const int64_t head = -2;  // the Python cycle's frame of one cached slot
