@@ -480,6 +480,7 @@ void Communicator::run_now(CallArgs& a) {
 }
 
 thread_local const Communicator* Communicator::tl_inside_ = nullptr;
+thread_local Task* Communicator::tl_task_ = nullptr;
 
 // Marks the calling thread as running one of c's closure tasks until the scope ends (exceptions
 // included), so the calls the body makes run inline.
@@ -496,6 +497,12 @@ class Communicator::InsideBody {
 
 void Communicator::run_body(Task& t, ErrorKind* kind, std::string* msg) {
   InsideBody inside(this);
+  Task* const outer = tl_task_;
+  tl_task_ = &t;
+  struct Restore {
+    Task* t;
+    ~Restore() { tl_task_ = t; }
+  } restore{outer};
   try {
     t.body();
   } catch (const PlaitError& e) {
