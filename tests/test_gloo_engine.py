@@ -400,3 +400,34 @@ def _recv_mismatch(rank, n, _addr, store_dir):
 
 def test_recv_of_another_size_is_a_mismatch(ranks, tmp_path):
     assert ranks(_recv_mismatch, 2, timeout=60, args=(str(tmp_path),)) == [True, None]
+
+
+def _recv_from_killed(rank, n, _addr, store_dir):
+    """A recv (and a probe) waiting on the inbox for a member that dies: PeerLostError once its
+    connection closes, long before the 60 s deadline; a recv from a live member still works."""
+    mod, eng, store = _setup(rank, n, store_dir)
+    try:
+        assert mod._engine_probe(eng, 3) == (-1, 0)  # every member's inbox is up
+        mod._engine_allreduce(eng, np.zeros(1, np.float32), CODES["float32"], 0, 30.0)
+        if rank == 2:
+            mod._engine_send(eng, np.arange(4, dtype=np.int64), 0, 3, 30.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 1:
+            store.wait(["done"], timedelta(seconds=60))
+            return None
+        got = np.zeros(4, np.int64)
+        mod._engine_recv(eng, got, 2, 3, 30.0)  # queued before the death: still delivered
+        assert got.tolist() == [0, 1, 2, 3]
+        t0 = time.monotonic()
+        with pytest.raises(plait.PeerLostError, match="no more messages from member 2"):
+            mod._engine_recv(eng, np.zeros(2, np.int64), 2, 3, 60.0)
+        took = time.monotonic() - t0
+        store.set("done", b"1")
+        return took
+    finally:
+        mod._engine_release(eng)
+
+
+def test_recv_from_a_killed_member_is_peer_lost(ranks, tmp_path):
+    got = ranks(_recv_from_killed, 3, timeout=120, args=(str(tmp_path),), may_die=(2,))
+    assert got[1] is None and got[2] is None and got[0] < 10.0, got

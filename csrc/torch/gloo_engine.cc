@@ -11,14 +11,14 @@
 // Point to point. gloo matches a receive by (sender, tag) and has no probe, so every send first
 // sends a header {tag, bytes} on the reserved tag kHeaderTag (2^31 - 1), with the payload inside
 // it up to kInline bytes (a small message is one gloo message), else followed by the payload on
-// the caller's tag. The group keeps one receive of headers from any member posted (the inbox: a
-// thread of its own waits on it, queues what arrived and posts the next), so recv(p, t) takes
-// the first queued header of (p, t) and then, unless it was inline, receives the payload from
-// p on t (gloo keeps one (sender, tag) pair's messages in order), and probe(t) looks at the
-// queue. gloo cannot cancel a posted receive, so the inbox's receive is never given up on
-// while the group lives: it waits without a deadline, into a tensor its Work owns, and is
-// aborted only at release. A receiver thus notices a dead sender through the job-wide flag or
-// its deadline, not through the header's connection.
+// the caller's tag (both issued at once). From its first send, recv or probe on, the group keeps
+// one receive of headers posted per other member (the inbox: a thread per member waits on it,
+// queues what arrived and posts the next), so recv(p, t) takes the first queued header of (p, t)
+// and then, unless it was inline, receives the payload from p on t (gloo keeps one (sender, tag)
+// pair's messages in order), and probe(t) looks at the queue. gloo cannot cancel a posted
+// receive, so the inbox's receives are never given up on while the group lives: they wait
+// without a deadline, into tensors their Works own, and are aborted only at release. A member
+// that dies closes its connection, which ends its inbox thread: a recv from it fails then.
 //
 // Deadlines. Every op gets gloo's own per-op timeout = the call's time left + kMarginMs. When
 // plait's deadline passes, gloo ends the op itself soon after and the call returns once gloo no
@@ -172,7 +172,11 @@ struct P2pQueue {
   }
 };
 
-// Headers that arrived, in arrival order, and the thread that receives them (see above).
+// Headers that arrived, in arrival order, and the threads that receive them (see above): one per
+// other member, each keeping one named receive of that member's headers posted, so that gloo has
+// told the member "ready" before it sends and a header crosses in one hop, not three (a
+// receive from any member announces nothing: the sender would first ask, then wait for the
+// answer). One (member, tag) pair's headers are queued in their order.
 struct Inbox {
   struct Arrival {
     int src, tag;
@@ -182,9 +186,9 @@ struct Inbox {
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Arrival> q;
-  c10::intrusive_ptr<c10d::Work> posted;  // the receive gloo holds now
-  bool stop = false, ended = false;
-  std::string error;  // why the inbox ended, when not stopped
+  std::vector<c10::intrusive_ptr<c10d::Work>> posted;  // per member: the receive gloo holds now
+  std::vector<std::string> ended;  // per member: why its receiving ended ("" while it runs)
+  bool stop = false;
 
   // The first queued header of tag from src (-1: any member); q.end() if none.
   std::deque<Arrival>::iterator find(int src, int tag) {
@@ -192,8 +196,19 @@ struct Inbox {
       return a.tag == tag && (src < 0 || a.src == src);
     });
   }
+  // Why nothing more can come from src (-1: from any member: every one's receiving ended), or "".
+  std::string closed(int src) const {
+    if (src >= 0) return ended[size_t(src)];
+    std::string why;
+    for (const auto& e : ended) {
+      if (e == "-") continue;
+      if (e.empty()) return "";
+      why = e;
+    }
+    return why;
+  }
 
-  void loop(const c10::intrusive_ptr<c10d::Backend>& pg) {
+  void loop(const c10::intrusive_ptr<c10d::Backend>& pg, int src) {
     std::string why;
     for (;;) {
       std::vector<at::Tensor> ts{at::empty({int64_t(kHeaderBytes)}, at::kByte)};
@@ -202,12 +217,12 @@ struct Inbox {
         std::lock_guard<std::mutex> lk(mu);
         if (stop) break;
         try {
-          w = pg->recvAnysource(ts, kHeaderTag);
+          w = pg->recv(ts, src, kHeaderTag);
         } catch (const std::exception& e) {
           why = first_line(e.what());
           break;
         }
-        posted = w;
+        posted[size_t(src)] = w;
       }
       bool got = false;
       try {
@@ -217,12 +232,11 @@ struct Inbox {
         why = first_line(e.what());
       }
       std::lock_guard<std::mutex> lk(mu);
-      posted.reset();
+      posted[size_t(src)].reset();
       if (!got) break;
       Head h;
       const uint8_t* p = ts[0].data_ptr<uint8_t>();
       std::memcpy(&h, p, sizeof h);
-      const int src = w->sourceRank();
       if (h.magic != kHeaderMagic || h.tag < 0) {
         why = "member " + std::to_string(src) + " sent a garbled message header";
         break;
@@ -233,8 +247,9 @@ struct Inbox {
       cv.notify_all();
     }
     std::lock_guard<std::mutex> lk(mu);
-    ended = true;
-    if (!stop) error = "the group's message inbox stopped: " + why;
+    ended[size_t(src)] =
+        stop ? "stopped"
+             : "no more messages from member " + std::to_string(src) + " can arrive: " + why;
     cv.notify_all();
   }
 };
@@ -294,9 +309,11 @@ class Gloo {
   }
   uint32_t issue(const std::string& what, const std::function<c10::intrusive_ptr<c10d::Work>()>& f,
                  Pending* p, char* err, size_t errlen);
-  // One gloo send or recv of t (on the helper thread), as the wire format above uses them.
-  uint32_t transfer(bool send, const at::Tensor& t, int peer, int tag, double timeout_s,
-                    const std::string& what, char* err, size_t errlen);
+  // One gloo send or recv of t, as the wire format above uses them: start issues it, wait hands
+  // it to the helper thread and finishes it (every started one is waited).
+  uint32_t transfer_start(bool send, const at::Tensor& t, int peer, int tag,
+                          const std::string& what, Pending* p, char* err, size_t errlen);
+  uint32_t transfer_wait(Pending& p, double timeout_s, char* err, size_t errlen);
   void start_inbox();
   // Checks a send/recv's peer and tag; starts the inbox on the group's first one.
   uint32_t check_p2p(int peer, int tag, const std::string& what, char* err, size_t errlen);
@@ -317,8 +334,8 @@ class Gloo {
   std::shared_ptr<P2pQueue> p2p_;
   std::thread p2p_thread_;
   std::shared_ptr<Inbox> inbox_;
-  std::thread inbox_thread_;  // started by the first send, recv or probe
-  bool stuck_ = false;        // an op was given up on while gloo still ran it
+  std::vector<std::thread> inbox_threads_;  // started by the first send, recv or probe
+  bool stuck_ = false;                      // an op was given up on while gloo still ran it
 
   std::mutex mu_;  // guards the fields below
   std::atomic<bool> dead_{false};
@@ -330,18 +347,20 @@ class Gloo {
 };
 
 Gloo::~Gloo() {
-  if (inbox_thread_.joinable()) {
-    c10::intrusive_ptr<c10d::Work> posted;
+  if (!inbox_threads_.empty()) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> posted;
     {
       std::lock_guard<std::mutex> lk(inbox_->mu);
       inbox_->stop = true;
       posted = inbox_->posted;
     }
-    try {
-      if (posted) posted->abort();  // its wait returns; the Work (and the tensor) go with it
-    } catch (const std::exception&) {
+    for (auto& w : posted) {
+      try {
+        if (w) w->abort();  // its wait returns; the Work (and the tensor) go with it
+      } catch (const std::exception&) {
+      }
     }
-    inbox_thread_.join();
+    for (auto& t : inbox_threads_) t.join();
   }
   {
     std::lock_guard<std::mutex> lk(p2p_->mu);
@@ -676,19 +695,27 @@ uint32_t Gloo::check_p2p(int peer, int tag, const std::string& what, char* err, 
 }
 
 void Gloo::start_inbox() {
-  if (!inbox_thread_.joinable())
-    inbox_thread_ = std::thread([in = inbox_, pg = pg_] { in->loop(pg); });
+  if (!inbox_threads_.empty()) return;
+  {
+    std::lock_guard<std::mutex> lk(inbox_->mu);
+    inbox_->posted.resize(size_t(size_));
+    inbox_->ended.assign(size_t(size_), "");
+    inbox_->ended[size_t(rank_)] = "-";  // never a sender to itself
+  }
+  for (int m = 0; m < size_; ++m)
+    if (m != rank_) inbox_threads_.emplace_back([in = inbox_, pg = pg_, m] { in->loop(pg, m); });
 }
 
-uint32_t Gloo::transfer(bool send, const at::Tensor& t, int peer, int tag, double timeout_s,
-                        const std::string& what, char* err, size_t errlen) {
-  Pending p;
-  p.p2p = true;
+uint32_t Gloo::transfer_start(bool send, const at::Tensor& t, int peer, int tag,
+                              const std::string& what, Pending* p, char* err, size_t errlen) {
+  p->p2p = true;
   std::vector<at::Tensor> ts{t};
-  if (uint32_t k = issue(
-          what, [&] { return send ? pg_->send(ts, peer, tag) : pg_->recv(ts, peer, tag); }, &p, err,
-          errlen))
-    return k;
+  return issue(
+      what, [&] { return send ? pg_->send(ts, peer, tag) : pg_->recv(ts, peer, tag); }, p, err,
+      errlen);
+}
+
+uint32_t Gloo::transfer_wait(Pending& p, double timeout_s, char* err, size_t errlen) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     current_p2p_ = p.work;
@@ -705,6 +732,8 @@ uint32_t Gloo::transfer(bool send, const at::Tensor& t, int peer, int tag, doubl
   return finish(p, timeout_s, err, errlen);
 }
 
+// The header, then the payload unless it rode inside: both are issued before either is waited
+// for, so a large message costs one rendezvous with the receiver, not two in a row.
 uint32_t Gloo::send(const void* buf, size_t bytes, int peer, int tag, double timeout_s, char* err,
                     size_t errlen) {
   const std::string what = "send of " + std::to_string(bytes) + " B to " + std::to_string(peer) +
@@ -717,10 +746,19 @@ uint32_t Gloo::send(const void* buf, size_t bytes, int peer, int tag, double tim
   std::memcpy(h.data_ptr<uint8_t>(), &head, sizeof head);
   if (inline_ && bytes) std::memcpy(h.data_ptr<uint8_t>() + kHeadBytes, buf, bytes);
   const double start = now_s();
-  if (uint32_t k = transfer(true, h, peer, kHeaderTag, timeout_s, what, err, errlen)) return k;
-  if (inline_) return PLAIT_OK;
-  const double left = std::max(0.0, timeout_s - (now_s() - start));
-  return transfer(true, view(buf, bytes), peer, tag, left, what, err, errlen);
+  Pending hp, pp;
+  if (uint32_t k = transfer_start(true, h, peer, kHeaderTag, what, &hp, err, errlen)) return k;
+  uint32_t k = inline_ ? PLAIT_OK
+                       : transfer_start(true, view(buf, bytes), peer, tag, what, &pp, err, errlen);
+  const uint32_t kh = transfer_wait(hp, timeout_s, k ? nullptr : err, k ? 0 : errlen);
+  if (!k) k = kh;
+  if (!pp.work) return k;
+  if (k) {  // the header failed: the payload's send must let go of the caller's buffer too
+    char ignored[8];
+    transfer_wait(pp, 0.0, ignored, sizeof ignored);
+    return k;
+  }
+  return transfer_wait(pp, std::max(0.0, timeout_s - (now_s() - start)), err, errlen);
 }
 
 uint32_t Gloo::take(int peer, int tag, double timeout_s, const std::string& what, Inbox::Arrival* a,
@@ -728,6 +766,15 @@ uint32_t Gloo::take(int peer, int tag, double timeout_s, const std::string& what
   const double start = now_s(), deadline = start + timeout_s;
   double next_flag = start + kFlagEvery;
   Inbox& in = *inbox_;
+  // A message on its way lands within microseconds: look (yielding) before sleeping, as finish()
+  // does, so the common case costs no wake-up of this thread.
+  for (double t = start; t - start < spin_s_; t = now_s()) {
+    {
+      std::lock_guard<std::mutex> g(in.mu);
+      if (!in.q.empty() && in.find(peer, tag) != in.q.end()) break;
+    }
+    std::this_thread::yield();
+  }
   std::unique_lock<std::mutex> lk(in.mu);
   for (;;) {
     auto got = in.find(peer, tag);
@@ -740,8 +787,7 @@ uint32_t Gloo::take(int peer, int tag, double timeout_s, const std::string& what
       lk.unlock();
       return dead(what, err, errlen);
     }
-    if (in.ended) {
-      const std::string why = in.error;
+    if (const std::string why = in.closed(peer); !why.empty()) {
       lk.unlock();
       die(PLAIT_E_PEER_LOST, why);
       say(err, errlen, where(what) + ": " + why);
@@ -793,7 +839,10 @@ uint32_t Gloo::recv(void* buf, size_t bytes, int peer, int tag, double timeout_s
     return PLAIT_OK;
   }
   const double left = std::max(0.0, timeout_s - (now_s() - start));
-  return transfer(false, view(buf, bytes), peer, tag, left, what, err, errlen);
+  Pending p;
+  if (uint32_t k = transfer_start(false, view(buf, bytes), peer, tag, what, &p, err, errlen))
+    return k;
+  return transfer_wait(p, left, err, errlen);
 }
 
 uint32_t Gloo::probe(int tag, int* src, size_t* bytes, char* err, size_t errlen) {
@@ -814,8 +863,7 @@ uint32_t Gloo::probe(int tag, int* src, size_t* bytes, char* err, size_t errlen)
     *bytes = size_t(a->bytes);
     return PLAIT_OK;
   }
-  if (inbox_->ended) {
-    const std::string why = inbox_->error;
+  if (const std::string why = inbox_->closed(-1); !why.empty()) {
     lk.unlock();
     die(PLAIT_E_PEER_LOST, why);
     say(err, errlen, where(what) + ": " + why);
