@@ -94,3 +94,28 @@ def test_no_sender_is_a_timeout_at_the_deadline():
     assert "recv from any rank (tag=4, 16 bytes, float64)" in msg and "deadline passed" in msg, msg
     for r, (kind, took, _msg) in enumerate(res[1:], 1):
         assert kind != "no error" and took < 15, (r, res[r])  # the others hear of it, promptly
+
+
+def _without_probe(rank, n, addr, hosts):
+    from plait import _hier
+
+    _hier._native_engine = lambda *a, **k: None  # plait._inter's Python groups: no probe
+    comm = _init(rank, hosts)
+    comm.barrier()
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            comm.recv(np.zeros(2), -1, tag=1)
+        else:
+            comm.barrier()
+    except plait.PlaitError as e:
+        return type(e).__name__, time.monotonic() - start, str(e)
+    return "no error", 0.0, ""
+
+
+def test_engine_without_probe_refuses_on_every_rank():
+    res = run_ranks(_without_probe, 2, timeout=90, args=(LAYOUTS["2x1"],))
+    for r, (kind, took, msg) in enumerate(res):
+        assert kind == "InvalidArgument" and took < 10, (r, res[r])
+        assert "rank 0: recv: a receive from any rank (peer=-1) needs an engine that can probe" in msg, msg
+        assert "the gloo engine here cannot" in msg, msg
