@@ -213,13 +213,16 @@ struct Inbox {
     for (;;) {
       std::vector<at::Tensor> ts{at::empty({int64_t(kHeaderBytes)}, at::kByte)};
       c10::intrusive_ptr<c10d::Work> w;
+      try {  // outside the lock: posting may wait for the member's connection
+        w = pg->recv(ts, src, kHeaderTag);
+      } catch (const std::exception& e) {
+        why = first_line(e.what());
+        break;
+      }
       {
         std::lock_guard<std::mutex> lk(mu);
-        if (stop) break;
-        try {
-          w = pg->recv(ts, src, kHeaderTag);
-        } catch (const std::exception& e) {
-          why = first_line(e.what());
+        if (stop) {  // release() came meanwhile and did not see this receive
+          w->abort();
           break;
         }
         posted[size_t(src)] = w;
