@@ -486,23 +486,25 @@ thread_local Task* Communicator::tl_task_ = nullptr;
 // included), so the calls the body makes run inline.
 class Communicator::InsideBody {
  public:
-  explicit InsideBody(const Communicator* c) : prev_(tl_inside_) { tl_inside_ = c; }
-  ~InsideBody() { tl_inside_ = prev_; }
+  // t: the task whose body runs (null: a synchronous call's, run on its caller's thread).
+  InsideBody(const Communicator* c, Task* t) : prev_(tl_inside_), prev_task_(tl_task_) {
+    tl_inside_ = c;
+    tl_task_ = t;
+  }
+  ~InsideBody() {
+    tl_inside_ = prev_;
+    tl_task_ = prev_task_;
+  }
   InsideBody(const InsideBody&) = delete;
   InsideBody& operator=(const InsideBody&) = delete;
 
  private:
   const Communicator* prev_;
+  Task* prev_task_;
 };
 
 void Communicator::run_body(Task& t, ErrorKind* kind, std::string* msg) {
-  InsideBody inside(this);
-  Task* const outer = tl_task_;
-  tl_task_ = &t;
-  struct Restore {
-    Task* t;
-    ~Restore() { tl_task_ = t; }
-  } restore{outer};
+  InsideBody inside(this, &t);
   try {
     t.body();
   } catch (const PlaitError& e) {
@@ -526,7 +528,7 @@ std::shared_ptr<Task> Communicator::submit(const CallArgs& a, std::function<void
       ex.lock();
     }
     if (pending_.load(std::memory_order_acquire) == 0) {
-      InsideBody inside(this);
+      InsideBody inside(this, nullptr);
       body();
       return nullptr;
     }

@@ -7,7 +7,9 @@
 //   inter  uniform layout (every host has L ranks): the shard group of local rank i, i.e. local
 //          rank i of every host, H members in host order. Else the leaders (local rank 0 of each
 //          host; null on the other ranks).
-//   world  every rank, for alltoall and send/recv between hosts.
+//   world  every rank, for alltoall and send/recv between hosts. A recv from any rank
+//          (hier_recv_any.cc) asks this host's channels and the world engine's probe which
+//          sender has a message ready, then receives from that one by name.
 //
 // Hosts are ordered by their lowest global rank; a host's ranks need not be contiguous.
 //
