@@ -119,3 +119,42 @@ def test_engine_without_probe_refuses_on_every_rank():
         assert kind == "InvalidArgument" and took < 10, (r, res[r])
         assert "rank 0: recv: a receive from any rank (peer=-1) needs an engine that can probe" in msg, msg
         assert "the gloo engine here cannot" in msg, msg
+
+
+def _failure_elsewhere(rank, n, addr, hosts, how):
+    import signal
+
+    comm = _init(rank, hosts, timeout=60)
+    comm.barrier()
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            comm.recv(np.zeros(2), -1, tag=1)  # nobody sends: only the failure can end it early
+        elif rank == n - 1:
+            time.sleep(0.3)
+            if how == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+            comm.allreduce(np.ones(3), op="bogus")
+        else:
+            comm.barrier()
+    except plait.PlaitError as e:
+        return type(e).__name__, time.monotonic() - start, str(e)
+    return "no error", 0.0, ""
+
+
+@pytest.mark.parametrize(
+    "hosts,how",
+    [(["a", "b", "c"], "bad-argument"), (["a", "b", "a"], "killed")],
+    ids=["bad-argument-on-another-host", "same-host-rank-killed"],
+)
+def test_failure_ends_a_waiting_any_source_recv(hosts, how):
+    """A recv from any rank that nobody serves ends with the job's failure, well before its
+    60 s deadline: another host's through the engine's job-wide flag (the probe looks at it), a
+    dead rank of its own host through the local segment."""
+    n = len(hosts)
+    dies = (n - 1,) if how == "killed" else ()
+    res = run_ranks(_failure_elsewhere, n, timeout=90, args=(hosts, how), may_die=dies)
+    kind, took, msg = res[0]
+    want = "InvalidArgument" if how == "bad-argument" else "PeerLostError"
+    assert kind == want and took < 15, res[0]
+    assert ("bogus" if how == "bad-argument" else "died") in msg, msg

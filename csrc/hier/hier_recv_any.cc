@@ -28,6 +28,7 @@ void HierComm::recv_any(const CallArgs& a, double deadline) {
   policy.spin_iters = 64;  // a round is two probes (locks, an MPI_Iprobe), not one load
   Backoff backoff(policy);
   const double start = now_s();
+  double next_health = start + 0.05;
   bool local_first = true;
   for (;;) {
     int src = -1;
@@ -63,6 +64,15 @@ void HierComm::recv_any(const CallArgs& a, double deadline) {
       return;
     }
     backoff.idle([&](double t) {
+      if (t >= next_health) {  // a dead rank of this host (the engine's probe sees other hosts')
+        next_health = t + 0.05;
+        if (mine.size() > 1) {
+          const std::string dead = local_->dead_peer();
+          if (!dead.empty())
+            throw PeerLostError(what() + " on host " + std::to_string(lay_.h) + ": " + dead + " [" +
+                                lay_.describe_host(lay_.h) + "]");
+        }
+      }
       if (t < deadline) return;
       char secs[32];
       std::snprintf(secs, sizeof secs, "%.3g", t - start);

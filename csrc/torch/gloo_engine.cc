@@ -347,6 +347,7 @@ class Gloo {
   std::shared_ptr<Waiter> current_;  // the op a call waits on now (fail() wakes it)
   c10::intrusive_ptr<c10d::Work> current_p2p_;
   std::atomic<bool> flag_written_{false};
+  double next_probe_flag_ = 0;  // when probe() next looks at the job-wide flag
 };
 
 Gloo::~Gloo() {
@@ -871,6 +872,19 @@ uint32_t Gloo::probe(int tag, int* src, size_t* bytes, char* err, size_t errlen)
     die(PLAIT_E_PEER_LOST, why);
     say(err, errlen, where(what) + ": " + why);
     return PLAIT_E_PEER_LOST;
+  }
+  lk.unlock();
+  // Nothing yet: the caller polls, so the job-wide flag is looked at here, every kFlagEvery.
+  const double t = now_s();
+  if (t >= next_probe_flag_) {
+    next_probe_flag_ = t + kFlagEvery;
+    uint32_t kind;
+    std::string why;
+    if (flag(&kind, &why) != 0) {
+      die(kind, why);
+      say(err, errlen, where(what) + ": " + why);
+      return kind;
+    }
   }
   return PLAIT_OK;
 }
