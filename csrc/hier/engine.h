@@ -104,7 +104,7 @@ typedef struct plait_engine {
 } plait_engine;
 
 /* probe's *bytes when the engine cannot tell a message's size before receiving it. */
-#define PLAIT_ENGINE_UNKNOWN ((size_t) - 1)
+#define PLAIT_ENGINE_UNKNOWN SIZE_MAX
 
 /* 1 when engine e (a plait_engine*) was built with member m and sets it. */
 #define PLAIT_ENGINE_HAS(e, m) \

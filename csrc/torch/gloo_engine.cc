@@ -320,6 +320,7 @@ class Gloo {
   void start_inbox();
   // Checks a send/recv's peer and tag; starts the inbox on the group's first one.
   uint32_t check_p2p(int peer, int tag, const std::string& what, char* err, size_t errlen);
+  uint32_t lost(const std::string& what, const std::string& why, char* err, size_t errlen);
   // Waits for the first queued header of (peer, tag) and takes it off the queue.
   uint32_t take(int peer, int tag, double timeout_s, const std::string& what, Inbox::Arrival* a,
                 char* err, size_t errlen);
@@ -765,6 +766,21 @@ uint32_t Gloo::send(const void* buf, size_t bytes, int peer, int tag, double tim
   return transfer_wait(pp, std::max(0.0, timeout_s - (now_s() - start)), err, errlen);
 }
 
+// A member's connection closed: the job-wide flag's failure where one was recorded (the member
+// failed first, then exited), else a lost peer.
+uint32_t Gloo::lost(const std::string& what, const std::string& why, char* err, size_t errlen) {
+  uint32_t kind;
+  std::string cause;
+  if (flag(&kind, &cause) == 1) {
+    die(kind, cause);
+    say(err, errlen, where(what) + ": " + cause);
+    return kind;
+  }
+  die(PLAIT_E_PEER_LOST, why);
+  say(err, errlen, where(what) + ": " + why);
+  return PLAIT_E_PEER_LOST;
+}
+
 uint32_t Gloo::take(int peer, int tag, double timeout_s, const std::string& what, Inbox::Arrival* a,
                     char* err, size_t errlen) {
   const double start = now_s(), deadline = start + timeout_s;
@@ -793,9 +809,7 @@ uint32_t Gloo::take(int peer, int tag, double timeout_s, const std::string& what
     }
     if (const std::string why = in.closed(peer); !why.empty()) {
       lk.unlock();
-      die(PLAIT_E_PEER_LOST, why);
-      say(err, errlen, where(what) + ": " + why);
-      return PLAIT_E_PEER_LOST;
+      return lost(what, why, err, errlen);
     }
     const double t = now_s();
     if (t >= deadline) {
@@ -869,9 +883,7 @@ uint32_t Gloo::probe(int tag, int* src, size_t* bytes, char* err, size_t errlen)
   }
   if (const std::string why = inbox_->closed(-1); !why.empty()) {
     lk.unlock();
-    die(PLAIT_E_PEER_LOST, why);
-    say(err, errlen, where(what) + ": " + why);
-    return PLAIT_E_PEER_LOST;
+    return lost(what, why, err, errlen);
   }
   lk.unlock();
   // Nothing yet: the caller polls, so the job-wide flag is looked at here, every kFlagEvery.
