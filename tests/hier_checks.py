@@ -134,3 +134,98 @@ def asynchronous(comm):
     _same(g.wait(), np.repeat(np.arange(size, dtype=np.int32), 3).reshape(size, 3), "async allgather")
     assert b.wait() is None and b.done()
     return 6
+
+
+def capi_recv_any(comm, out, tag):
+    """A recv from any rank through the C API (capi.h), which reports the sender: task_peer."""
+    import ctypes
+    import threading
+
+    from test_capi import _call, _host, _pointer, _table  # noqa: F401 - _call: the table's layout
+
+    from plait import _C
+
+    t = _table()
+    c = _pointer(_C._comm_capsule(comm._c), b"plait.Communicator")
+    done = threading.Event()
+    kinds = []
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_char_p)
+    def on_done(_ctx, kind, _msg):
+        kinds.append(kind)
+        done.set()
+
+    task = ctypes.c_void_p()
+    err = ctypes.create_string_buffer(512)
+    empty = _host(np.zeros(0, dtype=np.int64))
+    empty.present = 0
+    recv = _C.COLLECTIVES["recv"]
+    kind = t.call(
+        c,
+        recv,
+        ctypes.byref(empty),
+        ctypes.byref(_host(out)),
+        0,
+        0,
+        -1,
+        tag,
+        b"",
+        -1.0,
+        on_done,
+        None,
+        ctypes.byref(task),
+        err,
+        512,
+    )
+    assert kind == 0, err.value
+    assert done.wait(60) and kinds == [0], kinds
+    peer = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(t.task_peer)(task)
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(t.task_release)(task)
+    return peer
+
+
+def any_source(comm, big=5000):
+    """Rank 0 receives from any rank, on this host and others, mixed with named receives and other
+    tags: every message arrives exactly once, each sender's in its order, with its sender reported
+    (through the C API). Every other rank sends, in this order: tag 5 (k=0), tag 6, tag 5 (k=1),
+    tag 7 (zero bytes), tag 8 (`big` int32: several staging chunks and engine pieces)."""
+    rank, n = comm.rank, comm.size
+    others = list(range(1, n))
+    if rank:
+        comm.send(np.full(4, 100 * rank, dtype=np.int64), 0, tag=5)
+        comm.send(np.arange(3, dtype=np.int64) + 1000 * rank, 0, tag=6)
+        comm.send(np.full(4, 100 * rank + 1, dtype=np.int64), 0, tag=5)
+        comm.send(np.zeros(0, dtype=np.int64), 0, tag=7)
+        comm.send(np.arange(big, dtype=np.int32) + 10**6 * rank, 0, tag=8)
+        comm.barrier()
+        return 1
+    six = np.zeros(3, dtype=np.int64)
+    comm.recv(six, n - 1, tag=6)  # named, before the any-source ones: it takes only its own
+    _same(six, np.arange(3) + 1000 * (n - 1), "named recv of tag 6")
+    seen = {r: [] for r in others}
+    for k in range(2 * (n - 1)):
+        got = np.zeros(4, dtype=np.int64)
+        if k % 2:
+            comm.recv(got, -1, tag=5)
+            src = int(got[0]) // 100
+        else:
+            src = capi_recv_any(comm, got, 5)
+            assert src == int(got[0]) // 100, (src, got)
+        assert src in seen and len(set(got.tolist())) == 1, (src, got)
+        seen[src].append(int(got[0]) % 100)
+    assert all(v == [0, 1] for v in seen.values()), seen  # each sender's two, once, in order
+    for r in others[:-1]:
+        comm.recv(six, r, tag=6)
+        _same(six, np.arange(3) + 1000 * r, f"named recv of tag 6 from {r}")
+    empties = [capi_recv_any(comm, np.zeros(0, dtype=np.int64), 7) for _ in others]
+    assert sorted(empties) == others, empties
+    senders = []
+    for _ in others:
+        got = np.zeros(big, dtype=np.int32)
+        comm.recv(got, -1, tag=8)
+        src = int(got[0]) // 10**6
+        senders.append(src)
+        _same(got, np.arange(big, dtype=np.int32) + 10**6 * src, f"any-source tag 8 from {src}")
+    assert sorted(senders) == others, senders
+    comm.barrier()
+    return 4 * (n - 1)

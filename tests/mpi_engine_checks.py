@@ -321,6 +321,46 @@ def fail_across_groups(eng):
     return 1
 
 
+def probe(eng):
+    """probe(tag): nothing before anyone sent; then each sender's message of the tag (its source,
+    its size, or None where the piece size hides it), received by name from the source found;
+    other tags unseen; a bad tag refused."""
+    r, n = eng.rank, eng.size
+    chunk = int(os.environ.get("PLAIT_MPI_CHUNK_BYTES") or 1 << 30)
+    assert eng.probe(4) == (-1, 0), eng.probe(4)
+    MPI.COMM_WORLD.Barrier()
+    checks = 1
+    if r:
+        eng.send(np.full(2, r, dtype=np.int64), 0, 4)
+        eng.send(np.zeros(0, dtype=np.int64), 0, 5)
+        eng.send(np.arange(250, dtype=np.int32) + 1000 * r, 0, 6)  # 1000 bytes
+    else:
+        for tag, nbytes in ((4, 16), (5, 0), (6, 1000)):
+            seen = []
+            for _ in range(n - 1):
+                deadline = time.monotonic() + 30
+                while (got := eng.probe(tag))[0] < 0:
+                    assert eng.probe(9) == (-1, 0)  # no message has that tag
+                    assert time.monotonic() < deadline, f"nothing of tag {tag}"
+                src, size = got
+                assert size == (nbytes if nbytes < chunk else None), (tag, got, chunk)
+                out = np.zeros(nbytes // 8, np.int64) if tag != 6 else np.zeros(250, np.int32)
+                eng.recv(out, src, tag)
+                want = np.full(2, src) if tag == 4 else np.arange(250) + 1000 * src if tag == 6 else []
+                assert out.tolist() == list(want), (tag, src, out[:4])
+                seen.append(src)
+                checks += 1
+            assert sorted(seen) == list(range(1, n)), seen
+        try:
+            eng.probe(-1)
+            raise AssertionError("tag -1 was taken")
+        except plait.InvalidArgument as e:
+            assert "tags go from 0" in str(e), e
+            checks += 1
+    MPI.COMM_WORLD.Barrier()
+    return checks
+
+
 def refusals():
     """make_engine's refusals, raised before anything collective (every rank makes them)."""
     checks = 0

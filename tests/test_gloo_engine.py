@@ -332,3 +332,102 @@ def _started_ends(rank, n, _addr, store_dir, how):
 def test_allreduce_start_ends_on_deadline_or_fail(ranks, tmp_path, how):
     took = ranks(_started_ends, 2, timeout=90, args=(str(tmp_path), how))[0]
     assert 0.3 <= took < 3.0, took
+
+
+def _probe(rank, n, _addr, store_dir):
+    """probe(tag) over the engine's headers: nothing before anyone sent; then each sender's
+    message (inline, zero-byte and past the header's room) with its source and size, received by
+    name from that source; another tag unseen; the headers' reserved tag refused."""
+    mod, eng, store = _setup(rank, n, store_dir)
+    try:
+        assert mod._engine_probe(eng, 4) == (-1, 0)
+        mod._engine_allreduce(eng, np.zeros(1, np.float32), CODES["float32"], 0, 30.0)  # all probed
+        checks = 1
+        if rank:
+            mod._engine_send(eng, np.full(2, rank, np.int64), 0, 4, 30.0)
+            mod._engine_send(eng, np.zeros(0, np.int64), 0, 5, 30.0)
+            mod._engine_send(eng, np.arange(250, dtype=np.int32) + 1000 * rank, 0, 6, 30.0)
+        else:
+            for tag, want in ((4, 16), (5, 0), (6, 1000)):
+                seen = []
+                for _ in range(n - 1):
+                    deadline = time.monotonic() + 30
+                    while (got := mod._engine_probe(eng, tag))[0] < 0:
+                        assert mod._engine_probe(eng, 9) == (-1, 0)
+                        assert time.monotonic() < deadline, f"nothing of tag {tag}"
+                        time.sleep(0.001)
+                    src, size = got
+                    assert size == want, (tag, got)
+                    out = np.zeros(want // 4, np.int32)
+                    mod._engine_recv(eng, out, src, tag, 30.0)
+                    expect = {
+                        4: np.full(2, src, np.int64).view(np.int32),
+                        5: [],
+                        6: np.arange(250) + 1000 * src,
+                    }
+                    assert out.tolist() == list(expect[tag]), (tag, src, out[:4])
+                    seen.append(src)
+                    checks += 1
+                assert sorted(seen) == list(range(1, n)), seen
+            with pytest.raises(plait.InvalidArgument, match="2\\^31 - 1"):
+                mod._engine_probe(eng, 2**31 - 1)
+            with pytest.raises(plait.InvalidArgument, match="carries the engine's message headers"):
+                mod._engine_send(eng, np.zeros(1, np.uint8), 1, 2**31 - 1, 30.0)
+            checks += 2
+        mod._engine_allreduce(eng, np.zeros(1, np.float32), CODES["float32"], 0, 30.0)
+        return checks
+    finally:
+        mod._engine_release(eng)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_probe_finds_each_sender_once(ranks, tmp_path, n):
+    assert ranks(_probe, n, timeout=120, args=(str(tmp_path),)) == [3 + 3 * (n - 1)] + [1] * (n - 1)
+
+
+def _recv_mismatch(rank, n, _addr, store_dir):
+    mod, eng, _ = _setup(rank, n, store_dir)
+    try:
+        if rank == 1:
+            mod._engine_send(eng, np.arange(3, dtype=np.int64), 0, 2, 30.0)  # 24 bytes, inline
+            return None
+        with pytest.raises(plait.MismatchError, match="member 1 sent 24 B on this tag"):
+            mod._engine_recv(eng, np.zeros(4, np.int64), 1, 2, 30.0)
+        return True
+    finally:
+        mod._engine_release(eng)
+
+
+def test_recv_of_another_size_is_a_mismatch(ranks, tmp_path):
+    assert ranks(_recv_mismatch, 2, timeout=60, args=(str(tmp_path),)) == [True, None]
+
+
+def _recv_from_killed(rank, n, _addr, store_dir):
+    """A recv (and a probe) waiting on the inbox for a member that dies: PeerLostError once its
+    connection closes, long before the 60 s deadline; a recv from a live member still works."""
+    mod, eng, store = _setup(rank, n, store_dir)
+    try:
+        assert mod._engine_probe(eng, 3) == (-1, 0)  # every member's inbox is up
+        mod._engine_allreduce(eng, np.zeros(1, np.float32), CODES["float32"], 0, 30.0)
+        if rank == 2:
+            mod._engine_send(eng, np.arange(4, dtype=np.int64), 0, 3, 30.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 1:
+            store.wait(["done"], timedelta(seconds=60))
+            return None
+        got = np.zeros(4, np.int64)
+        mod._engine_recv(eng, got, 2, 3, 30.0)  # queued before the death: still delivered
+        assert got.tolist() == [0, 1, 2, 3]
+        t0 = time.monotonic()
+        with pytest.raises(plait.PeerLostError, match="no more messages from member 2"):
+            mod._engine_recv(eng, np.zeros(2, np.int64), 2, 3, 60.0)
+        took = time.monotonic() - t0
+        store.set("done", b"1")
+        return took
+    finally:
+        mod._engine_release(eng)
+
+
+def test_recv_from_a_killed_member_is_peer_lost(ranks, tmp_path):
+    got = ranks(_recv_from_killed, 3, timeout=120, args=(str(tmp_path),), may_die=(2,))
+    assert got[1] is None and got[2] is None and got[0] < 10.0, got

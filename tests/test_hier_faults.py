@@ -41,8 +41,8 @@ def _bad(rank, n, addr, case, culprit, count, async_op):
             h = comm.allreduce(x.astype(np.int32) if odd else x, async_op=async_op)
         elif case == "count":
             h = comm.allreduce(x[: count - 1] if odd else x, async_op=async_op)
-        elif case == "any-source":  # refused across hosts: the others' barrier hears of it
-            h = comm.recv(x, -1, async_op=async_op) if odd else comm.barrier(async_op=async_op)
+        elif case == "any-source":  # a tag no other host can send: the others' barrier hears of it
+            h = comm.recv(x, -1, tag=1 << 40, async_op=async_op) if odd else comm.barrier(async_op=async_op)
         else:  # a root outside the communicator: refused before anything leaves this rank
             out = np.empty_like(x)
             h = comm.reduce(x, root=n + 3 if odd else 0, out=out, async_op=async_op)
@@ -82,7 +82,7 @@ def test_bad_input_on_one_rank_raises_on_every_rank_of_every_host(case, culprit,
             # the culprit's own refusal reaches every host: every rank names it
             assert f"rank {culprit}: reduce" in msg and "root 7" in msg, (r, msg)
         if case == "any-source":
-            assert f"rank {culprit}: recv: a receive from any rank" in msg, (r, msg)
+            assert f"rank {culprit}: recv: tag {1 << 40} from any rank" in msg, (r, msg)
         assert "aborted after an earlier error" in after, (r, after)
     if case not in ("root", "any-source"):
         # a rank that compared headers names both calls and both hosts

@@ -229,3 +229,33 @@ def test_mpi_engine_killed_rank_raises_on_every_host(tmp_path):
         kind, took, msg = (tmp_path / f"got-{rank}").read_text().split(" ", 2)
         assert kind == "PeerLostError" and float(took) < 10, (rank, kind, took, msg)
         assert "died" in msg, (rank, msg)
+
+
+# A receive from any rank under the MPI engine (MPI_Iprobe, then a named receive): hier_checks'
+# any_source, in small staging (local chunks) and 40-byte MPI pieces (a large message's size is
+# known only on receipt), then the same with every message small.
+ANY_SOURCE = f"""
+import os, sys
+hosts = sys.argv[1].split(",")
+os.environ["PLAIT_HOST_ID"] = hosts[int(os.environ["OMPI_COMM_WORLD_RANK"])]
+os.environ["PLAIT_MPI_CHUNK_BYTES"] = "40"
+sys.path.insert(0, {TESTS!r})
+import plait, hier_checks as hc
+comm = plait.init(timeout=60, buffer_bytes=8192)
+assert type(comm).__name__ == "HierCommunicator" and comm.engine == "mpi", repr(comm)
+n = hc.any_source(comm) + hc.any_source(comm, big=7)
+comm.finalize()
+with open(os.path.join(sys.argv[2], f"checks-{{comm.rank}}"), "w") as f:
+    f.write(str(n))
+"""
+
+
+@pytest.mark.skipif(not NATIVE, reason="plait was built without MPI: the mpi4py engine has no probe")
+@pytest.mark.parametrize(
+    "hosts", [["a", "b"], ["a", "a", "b", "b"], ["a", "a", "b", "c"]], ids=["2x1", "2x2", "3-hosts"]
+)
+def test_mpi_engine_recv_from_any_source(tmp_path, hosts):
+    _mpirun(tmp_path, hosts, ANY_SOURCE)
+    n = len(hosts)
+    checks = [int((tmp_path / f"checks-{rank}").read_text()) for rank in range(n)]
+    assert checks == [8 * (n - 1)] + [2] * (n - 1), checks

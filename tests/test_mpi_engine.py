@@ -70,6 +70,15 @@ def test_every_function_exact(tmp_path, n, chunk):
 
 
 @pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("chunk", [None, "40"], ids=["one-piece", "40-byte-pieces"])
+def test_probe_finds_each_sender_once(tmp_path, n, chunk):
+    """probe(tag) names a ready message's sender and size (not the size where a message may be
+    the first of several pieces); a recv from that sender takes exactly it."""
+    checks = _mpirun(tmp_path, "probe", n, {"PLAIT_MPI_CHUNK_BYTES": chunk} if chunk else {})
+    assert checks == [1 + 3 * (n - 1) + 1] + [1] * (n - 1), checks
+
+
+@pytest.mark.parametrize("n", [2, 3])
 def test_timeout(tmp_path, n):
     assert _mpirun(tmp_path, "timeout", n) == [4 + 2 * (r == 1) for r in range(n)]
 

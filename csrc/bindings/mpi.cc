@@ -219,6 +219,18 @@ class EngineForTests {
       return en.recv(en.ctx, p, size_t(a.nbytes()), peer, tag, t, err, n);
     });
   }
+  // (src, bytes) of a message of tag ready to receive, (-1, 0) when none; bytes None when the
+  // engine cannot tell before receiving it.
+  py::tuple probe(int tag) {
+    if (!PLAIT_ENGINE_HAS(&e(), probe)) raise(PLAIT_E_INVALID, "this engine has no probe");
+    int src = -1;
+    size_t bytes = 0;
+    call([&](const plait_engine& en, char* err, size_t n) {
+      return en.probe(en.ctx, tag, &src, &bytes, err, n);
+    });
+    if (bytes == PLAIT_ENGINE_UNKNOWN) return py::make_tuple(src, py::none());
+    return py::make_tuple(src, bytes);
+  }
   void fail(uint32_t kind, const std::string& msg) {
     const plait_engine& en = e();
     py::gil_scoped_release nogil;
@@ -268,6 +280,7 @@ PYBIND11_MODULE(_mpi, m) {
            py::arg("timeout") = inf)
       .def("recv", &EngineForTests::recv, py::arg("a"), py::arg("peer"), py::arg("tag"),
            py::arg("timeout") = inf)
+      .def("probe", &EngineForTests::probe, py::arg("tag"))
       .def("fail", &EngineForTests::fail)
       .def("close", &EngineForTests::close);
 }

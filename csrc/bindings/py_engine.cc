@@ -216,7 +216,8 @@ void bind_py_engine(py::module_& m) {
         e.fail = e_fail;
         e.release = e_release;
         // allreduce_start stays NULL: a started call would hold the GIL in Python's wait anyway,
-        // so the communicator calls allreduce, unpipelined.
+        // so the communicator calls allreduce, unpipelined. probe stays NULL too: plait._inter's
+        // groups have no probe, so a receive from any rank across hosts is refused on them.
         return py::capsule(static_cast<void*>(&e), PLAIT_ENGINE_CAPSULE);
       },
       py::arg("group"),

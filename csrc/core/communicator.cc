@@ -480,22 +480,31 @@ void Communicator::run_now(CallArgs& a) {
 }
 
 thread_local const Communicator* Communicator::tl_inside_ = nullptr;
+thread_local Task* Communicator::tl_task_ = nullptr;
 
 // Marks the calling thread as running one of c's closure tasks until the scope ends (exceptions
 // included), so the calls the body makes run inline.
 class Communicator::InsideBody {
  public:
-  explicit InsideBody(const Communicator* c) : prev_(tl_inside_) { tl_inside_ = c; }
-  ~InsideBody() { tl_inside_ = prev_; }
+  // t: the task whose body runs (null: a synchronous call's, run on its caller's thread).
+  InsideBody(const Communicator* c, Task* t) : prev_(tl_inside_), prev_task_(tl_task_) {
+    tl_inside_ = c;
+    tl_task_ = t;
+  }
+  ~InsideBody() {
+    tl_inside_ = prev_;
+    tl_task_ = prev_task_;
+  }
   InsideBody(const InsideBody&) = delete;
   InsideBody& operator=(const InsideBody&) = delete;
 
  private:
   const Communicator* prev_;
+  Task* prev_task_;
 };
 
 void Communicator::run_body(Task& t, ErrorKind* kind, std::string* msg) {
-  InsideBody inside(this);
+  InsideBody inside(this, &t);
   try {
     t.body();
   } catch (const PlaitError& e) {
@@ -519,7 +528,7 @@ std::shared_ptr<Task> Communicator::submit(const CallArgs& a, std::function<void
       ex.lock();
     }
     if (pending_.load(std::memory_order_acquire) == 0) {
-      InsideBody inside(this);
+      InsideBody inside(this, nullptr);
       body();
       return nullptr;
     }

@@ -85,6 +85,15 @@ class Communicator final : public Comm {
                                bool deferred, Task::Done on_done = nullptr);
   // Whether the calling thread runs one of this communicator's closure tasks now.
   bool inside_body() const { return tl_inside_ == this; }
+  // The task whose body this thread runs now (null outside a body, and for a synchronous call's
+  // body run on its caller's thread): a body may fill in its task's args (an any-source recv's
+  // sender) before the task finishes.
+  static Task* running_task() { return tl_task_; }
+  // From inside a closure task's body only (InvalidArgument elsewhere): the rank whose next
+  // message of tag a recv(rank, tag) would take now, or -1 while there is none. Never waits;
+  // consumes nothing. Like a receive from any rank, it sets aside (stashes) a head message of
+  // another tag that stands in the way, so later messages become visible.
+  int ready_source(int64_t tag);
   // Aborts the communicator on every rank with this error (used for input the Python layer
   // rejects before it reaches call()).
   [[noreturn]] void fail(ErrorKind kind, const std::string& msg) override;
@@ -152,6 +161,7 @@ class Communicator final : public Comm {
   // a step of a closure task); its error is raised as rethrow raises it.
   void run_now(CallArgs& a);
   static thread_local const Communicator* tl_inside_;
+  static thread_local Task* tl_task_;
   class InsideBody;
   void run_local(const CallArgs& a);
   void run_p2p(std::vector<P2P>& ops);

@@ -101,6 +101,31 @@ int Communicator::any_source(const CallArgs& a) {
   return -1;
 }
 
+int Communicator::ready_source(int64_t tag) {
+  if (tl_inside_ != this)
+    throw InvalidArgument("rank " + std::to_string(rank_) +
+                          ": ready_source is for a closure task's body on this communicator");
+  tp_.throw_if_aborted();
+  CallArgs want;
+  want.coll = Coll::recv;
+  want.peer = kAnySource;
+  want.tag = tag;
+  std::vector<P2P> ops{P2P{&want, nullptr}};
+  for (int round = 0; round < 2; ++round) {
+    for (auto& st : stash_)  // stashed messages still arriving
+      for (auto& e : st)
+        while (!(e.p.started && e.p.done == e.p.nchunks) && p2p_step(e.p)) {
+        }
+    const int p = any_source(want);
+    if (p >= 0 || round) return p;
+    bool stashed = false;  // heads of other tags go aside, so messages behind them show
+    for (int q = 0; q < size_; ++q)
+      if (q != rank_ && stash_head(q, ops)) stashed = true;
+    if (!stashed) return -1;
+  }
+  return -1;
+}
+
 int Communicator::take_stashed(P2P& op) {
   const CallArgs& a = *op.a;
   auto& st = stash_[size_t(a.peer)];

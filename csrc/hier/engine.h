@@ -91,7 +91,20 @@ typedef struct plait_engine {
    * returns no request. */
   uint32_t (*allreduce_start)(void* ctx, void* buf, size_t count, uint8_t dtype, uint8_t op,
                               double timeout_s, void** req, char* err, size_t errlen);
+
+  /* Appended after allreduce_start, likewise optional (PLAIT_ENGINE_HAS(e, probe)): whether a
+   * message of tag (in [0, 2^31)) from some other member is ready for recv(*src, tag). Never
+   * waits: returns PLAIT_OK with *src = that member (the first found; messages of one (member,
+   * tag) pair are seen in their order) and *bytes = its size, or *bytes = PLAIT_ENGINE_UNKNOWN
+   * where the engine cannot tell before receiving it (recv then checks it); *src = -1 when there
+   * is none yet. A probe consumes nothing: the caller's recv(*src, tag) takes that message. Errors,
+   * the job-wide flag and fail() as for the other calls. An engine without it cannot serve a
+   * receive from any member: the communicator refuses those. */
+  uint32_t (*probe)(void* ctx, int tag, int* src, size_t* bytes, char* err, size_t errlen);
 } plait_engine;
+
+/* probe's *bytes when the engine cannot tell a message's size before receiving it. */
+#define PLAIT_ENGINE_UNKNOWN SIZE_MAX
 
 /* 1 when engine e (a plait_engine*) was built with member m and sets it. */
 #define PLAIT_ENGINE_HAS(e, m) \

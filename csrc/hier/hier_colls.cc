@@ -358,6 +358,7 @@ void HierComm::alltoall(const Fingerprint& fp, const uint8_t* x, uint8_t* out, s
 }
 
 void HierComm::p2p(const CallArgs& a, double deadline) {
+  if (a.peer == kAnySource) return recv_any(a, deadline);
   const size_t bytes = size_t(a.count) * dtype_size(a.dtype);
   const bool sending = a.coll == Coll::send;
   if (lay_.host_of[size_t(a.peer)] == lay_.h) {

@@ -167,21 +167,29 @@ std::shared_ptr<Task> HierComm::call(Coll c, const Buffer& in, const Buffer& out
             [](const CallArgs&, const char*) {});
     return nullptr;
   }
-  if (c == Coll::recv && peer == kAnySource)
+  const bool any = c == Coll::recv && peer == kAnySource;
+  if (any && !world_->can_probe())
     fail(ErrorKind::invalid, who +
-                                 "a receive from any rank (peer=-1) is not available across "
-                                 "hosts (the engines match by sender); name the sending rank");
+                                 "a receive from any rank (peer=-1) needs an engine that can "
+                                 "probe for messages; the " +
+                                 std::string(world_->engine()) +
+                                 " engine here cannot (the native gloo and MPI engines can): "
+                                 "name the sending rank");
   CallArgs a;
   const std::string why =
       validate_call(c, in, out, op, root, peer, tag, timeout_s.value_or(timeout_s_), rank_, size_,
-                    /*any_source=*/false, &a);
+                    /*any_source=*/any, &a);
   if (!why.empty()) fail(ErrorKind::invalid, why);
   if (!algo.empty() && algo != "auto")
     fail(ErrorKind::invalid, who + "algorithm '" + algo +
                                  "': a multi-host communicator chooses its own steps; pass "
                                  "algorithm='auto'");
   const bool p2p = c == Coll::send || c == Coll::recv;
-  if (p2p && lay_.host_of[size_t(peer)] != lay_.h && (tag < 0 || tag >= (int64_t(1) << 31)))
+  if (any && (tag < 0 || tag >= (int64_t(1) << 31)))
+    fail(ErrorKind::invalid, who + "tag " + std::to_string(tag) +
+                                 " from any rank: a message from another host needs a tag in "
+                                 "[0, 2^31)");
+  if (p2p && !any && lay_.host_of[size_t(peer)] != lay_.h && (tag < 0 || tag >= (int64_t(1) << 31)))
     fail(ErrorKind::invalid, who + "tag " + std::to_string(tag) + " to rank " +
                                  std::to_string(peer) + " on host " +
                                  std::to_string(lay_.host_of[size_t(peer)]) +

@@ -7,7 +7,9 @@
 //   inter  uniform layout (every host has L ranks): the shard group of local rank i, i.e. local
 //          rank i of every host, H members in host order. Else the leaders (local rank 0 of each
 //          host; null on the other ranks).
-//   world  every rank, for alltoall and send/recv between hosts.
+//   world  every rank, for alltoall and send/recv between hosts. A recv from any rank
+//          (hier_recv_any.cc) asks this host's channels and the world engine's probe which
+//          sender has a message ready, then receives from that one by name.
 //
 // Hosts are ordered by their lowest global rank; a host's ranks need not be contiguous.
 //
@@ -115,6 +117,10 @@ class EngineGroup {
   void alltoall(const void* in, void* out, size_t block_bytes, double deadline);
   void send(const void* buf, size_t bytes, int peer, int tag, double deadline);
   void recv(void* buf, size_t bytes, int peer, int tag, double deadline);
+  // engine.h's probe (only where can_probe()): the member whose message of tag is ready, or -1;
+  // *bytes its size (PLAIT_ENGINE_UNKNOWN: the engine tells it only on receipt).
+  bool can_probe() const { return PLAIT_ENGINE_HAS(e_, probe); }
+  int probe(int tag, size_t* bytes);
   void fail(ErrorKind kind, const std::string& msg);
 
   // This rank's frame: the payload area (up to kRoom bytes) to fill before exchange/post.
@@ -211,6 +217,9 @@ class HierComm final : public Comm {
   void inter_broadcast(const Fingerprint& fp, uint8_t* out, size_t k, int hr, double deadline);
   void alltoall(const Fingerprint& fp, const uint8_t* x, uint8_t* out, size_t blk, double deadline);
   void p2p(const CallArgs& a, double deadline);
+  // A recv from any rank (hier_recv_any.cc): polls this host's channels and the world engine's
+  // probe until one has a message of the tag, then receives it from that sender by name.
+  void recv_any(const CallArgs& a, double deadline);
   void barrier(const Fingerprint& fp, double deadline);
   void divide(void* buf, int64_t count, DType dt);
 

@@ -239,6 +239,33 @@ uint32_t recv(void* ctx, void* buf, size_t bytes, int peer, int tag, double time
   return p2p(static_cast<Engine*>(ctx), false, buf, bytes, peer, tag, timeout_s, err, errlen);
 }
 
+// MPI_Iprobe on the data communicator: the message it finds is the one a recv from its source
+// with this tag takes next (MPI keeps one (source, tag) pair's messages in order, and one thread
+// at a time calls this group). A message of a whole piece may be the first of several (p2p cuts
+// long ones), so its size is told only when it is shorter than a piece.
+uint32_t probe_tag(void* ctx, int tag, int* src, size_t* bytes, char* err, size_t errlen) {
+  Engine* e = static_cast<Engine*>(ctx);
+  *src = -1;
+  *bytes = 0;
+  auto what = [&] { return "probe of tag " + std::to_string(tag); };
+  if (tag < 0 || tag > e->tag_ub)
+    return say(err, errlen, PLAIT_E_INVALID,
+               where(e, what()) + ": tags go from 0 to " + std::to_string(e->tag_ub));
+  const Clock::time_point now = Clock::now();
+  if (ns(now) >= registry().next_probe.load(std::memory_order_relaxed)) probe(now);
+  if (uint32_t k = refused(e, err, errlen)) return k;
+  int found = 0;
+  MPI_Status st;
+  const int rc = MPI_Iprobe(MPI_ANY_SOURCE, tag, e->data, &found, &st);
+  if (rc != MPI_SUCCESS) return mpi_error(e, what(), rc, err, errlen);
+  if (!found) return PLAIT_OK;
+  int n = 0;
+  MPI_Get_count(&st, MPI_BYTE, &n);
+  *src = st.MPI_SOURCE;
+  *bytes = size_t(std::max(n, 0)) < piece(e, 1) ? size_t(std::max(n, 0)) : PLAIT_ENGINE_UNKNOWN;
+  return PLAIT_OK;
+}
+
 void fail(void* ctx, uint32_t kind, const char* msg) {
   Engine* me = static_cast<Engine*>(ctx);
   std::string text = msg ? msg : "";
@@ -356,6 +383,7 @@ plait_engine* mpi_engine_create(MPI_Comm comm, const char* label, size_t chunk_b
   t.alltoall = alltoall;
   t.send = send;
   t.recv = recv;
+  t.probe = probe_tag;
   t.fail = fail;
   t.release = release;
   {

@@ -146,6 +146,17 @@ void bind_engine_calls(py::module_& m) {
     Bytes b = bytes_of(buf, true);
     call([&](char* err) { return e->recv(e->ctx, b.ptr, b.bytes, peer, tag, to, err, kErrLen); });
   });
+  // (src, bytes) of a message of tag ready to receive, (-1, 0) when none; bytes None when the
+  // engine cannot tell before receiving it.
+  m.def("_engine_probe", [](py::capsule c, int tag) -> py::tuple {
+    plait_engine* e = engine(c);
+    if (!PLAIT_ENGINE_HAS(e, probe)) throw py::value_error("this engine has no probe");
+    int src = -1;
+    size_t n = 0;
+    call([&](char* err) { return e->probe(e->ctx, tag, &src, &n, err, kErrLen); });
+    if (n == PLAIT_ENGINE_UNKNOWN) return py::make_tuple(src, py::none());
+    return py::make_tuple(src, n);
+  });
   m.def("_engine_fail", [](py::capsule c, int kind, const std::string& msg) {
     plait_engine* e = engine(c);
     py::gil_scoped_release nogil;

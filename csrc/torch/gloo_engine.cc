@@ -8,6 +8,18 @@
 // slices, so the store sees one round trip per 50 ms of waiting and none on a fast call.
 // send/recv Works complete only inside Work::wait(): one helper thread per group waits there.
 //
+// Point to point. gloo matches a receive by (sender, tag) and has no probe, so every send first
+// sends a header {tag, bytes} on the reserved tag kHeaderTag (2^31 - 1), with the payload inside
+// it up to kInline bytes (a small message is one gloo message), else followed by the payload on
+// the caller's tag (both issued at once). From its first send, recv or probe on, the group keeps
+// one receive of headers posted per other member (the inbox: a thread per member waits on it,
+// queues what arrived and posts the next), so recv(p, t) takes the first queued header of (p, t)
+// and then, unless it was inline, receives the payload from p on t (gloo keeps one (sender, tag)
+// pair's messages in order), and probe(t) looks at the queue. gloo cannot cancel a posted
+// receive, so the inbox's receives are never given up on while the group lives: they wait
+// without a deadline, into tensors their Works own, and are aborted only at release. A member
+// that dies closes its connection, which ends its inbox thread: a recv from it fails then.
+//
 // Deadlines. Every op gets gloo's own per-op timeout = the call's time left + kMarginMs. When
 // plait's deadline passes, gloo ends the op itself soon after and the call returns once gloo no
 // longer touches the caller's buffer. A timed-out gloo group is unusable (gloo poisons its
@@ -29,12 +41,14 @@
 
 #include <cxxabi.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <future>
 #include <memory>
@@ -57,6 +71,19 @@ constexpr double kGraceS = 2.0;      // how long a call that gave up waits for g
 const char* const kGlooIoException = "N4gloo11IoExceptionE";  // typeid(gloo::IoException).name()
 const char* const kFlagKey = "plait/engine-abort";
 const char* const kFlagMsgKey = "plait/engine-abort/msg";
+// The header every send starts with (see above); payloads up to kInline bytes ride inside it.
+constexpr int kHeaderTag = 0x7fffffff;
+constexpr uint32_t kHeaderMagic = 0x706c6870;  // "plhp"
+constexpr size_t kHeaderBytes = 256, kHeadBytes = 16, kInline = kHeaderBytes - kHeadBytes;
+// How long the inbox's receive waits in gloo: gloo poisons a context whose receive times out, so
+// this is never meant to pass; a group idle this long stops taking messages (recv says why).
+constexpr std::chrono::hours kInboxWait(24 * 30);
+struct Head {
+  uint32_t magic;
+  int32_t tag;
+  uint64_t bytes;
+};
+static_assert(sizeof(Head) == kHeadBytes, "header layout");
 
 double now_s() { return Secs(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
@@ -145,6 +172,91 @@ struct P2pQueue {
   }
 };
 
+// Headers that arrived, in arrival order, and the threads that receive them (see above): one per
+// other member, each keeping one named receive of that member's headers posted, so that gloo has
+// told the member "ready" before it sends and a header crosses in one hop, not three (a
+// receive from any member announces nothing: the sender would first ask, then wait for the
+// answer). One (member, tag) pair's headers are queued in their order.
+struct Inbox {
+  struct Arrival {
+    int src, tag;
+    uint64_t bytes;
+    std::vector<uint8_t> data;  // the payload when it came inline
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Arrival> q;
+  std::vector<c10::intrusive_ptr<c10d::Work>> posted;  // per member: the receive gloo holds now
+  std::vector<std::string> ended;  // per member: why its receiving ended ("" while it runs)
+  bool stop = false;
+
+  // The first queued header of tag from src (-1: any member); q.end() if none.
+  std::deque<Arrival>::iterator find(int src, int tag) {
+    return std::find_if(q.begin(), q.end(), [&](const Arrival& a) {
+      return a.tag == tag && (src < 0 || a.src == src);
+    });
+  }
+  // Why nothing more can come from src (-1: from any member: every one's receiving ended), or "".
+  std::string closed(int src) const {
+    if (src >= 0) return ended[size_t(src)];
+    std::string why;
+    for (const auto& e : ended) {
+      if (e == "-") continue;
+      if (e.empty()) return "";
+      why = e;
+    }
+    return why;
+  }
+
+  void loop(const c10::intrusive_ptr<c10d::Backend>& pg, int src) {
+    std::string why;
+    for (;;) {
+      std::vector<at::Tensor> ts{at::empty({int64_t(kHeaderBytes)}, at::kByte)};
+      c10::intrusive_ptr<c10d::Work> w;
+      try {  // outside the lock: posting may wait for the member's connection
+        w = pg->recv(ts, src, kHeaderTag);
+      } catch (const std::exception& e) {
+        why = first_line(e.what());
+        break;
+      }
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        if (stop) {  // release() came meanwhile and did not see this receive
+          w->abort();
+          break;
+        }
+        posted[size_t(src)] = w;
+      }
+      bool got = false;
+      try {
+        got = w->wait(kInboxWait);
+        if (!got) why = "its receive was aborted";
+      } catch (const std::exception& e) {
+        why = first_line(e.what());
+      }
+      std::lock_guard<std::mutex> lk(mu);
+      posted[size_t(src)].reset();
+      if (!got) break;
+      Head h;
+      const uint8_t* p = ts[0].data_ptr<uint8_t>();
+      std::memcpy(&h, p, sizeof h);
+      if (h.magic != kHeaderMagic || h.tag < 0) {
+        why = "member " + std::to_string(src) + " sent a garbled message header";
+        break;
+      }
+      Arrival a{src, h.tag, h.bytes, {}};
+      if (h.bytes <= kInline) a.data.assign(p + kHeadBytes, p + kHeadBytes + h.bytes);
+      q.push_back(std::move(a));
+      cv.notify_all();
+    }
+    std::lock_guard<std::mutex> lk(mu);
+    ended[size_t(src)] =
+        stop ? "stopped"
+             : "no more messages from member " + std::to_string(src) + " can arrive: " + why;
+    cv.notify_all();
+  }
+};
+
 class Gloo {
  public:
   Gloo(c10::intrusive_ptr<c10d::Backend> pg, c10::intrusive_ptr<c10d::Store> store,
@@ -157,6 +269,7 @@ class Gloo {
     const char* spin = std::getenv("PLAIT_ENGINE_SPIN_US");
     spin_s_ = (spin != nullptr && *spin != '\0') ? std::atof(spin) * 1e-6 : 100e-6;
     p2p_ = std::make_shared<P2pQueue>();
+    inbox_ = std::make_shared<Inbox>();
   }
   ~Gloo();
 
@@ -173,8 +286,11 @@ class Gloo {
   uint32_t broadcast(void* buf, size_t bytes, int root, double timeout_s, char* err, size_t errlen);
   uint32_t alltoall(const void* in, void* out, size_t bytes, double timeout_s, char* err,
                     size_t errlen);
-  uint32_t p2p(bool send, void* buf, size_t bytes, int peer, int tag, double timeout_s, char* err,
-               size_t errlen);
+  uint32_t send(const void* buf, size_t bytes, int peer, int tag, double timeout_s, char* err,
+                size_t errlen);
+  uint32_t recv(void* buf, size_t bytes, int peer, int tag, double timeout_s, char* err,
+                size_t errlen);
+  uint32_t probe(int tag, int* src, size_t* bytes, char* err, size_t errlen);
   void fail(uint32_t kind, const char* msg);
 
  private:
@@ -196,6 +312,18 @@ class Gloo {
   }
   uint32_t issue(const std::string& what, const std::function<c10::intrusive_ptr<c10d::Work>()>& f,
                  Pending* p, char* err, size_t errlen);
+  // One gloo send or recv of t, as the wire format above uses them: start issues it, wait hands
+  // it to the helper thread and finishes it (every started one is waited).
+  uint32_t transfer_start(bool send, const at::Tensor& t, int peer, int tag,
+                          const std::string& what, Pending* p, char* err, size_t errlen);
+  uint32_t transfer_wait(Pending& p, double timeout_s, char* err, size_t errlen);
+  void start_inbox();
+  // Checks a send/recv's peer and tag; starts the inbox on the group's first one.
+  uint32_t check_p2p(int peer, int tag, const std::string& what, char* err, size_t errlen);
+  uint32_t lost(const std::string& what, const std::string& why, char* err, size_t errlen);
+  // Waits for the first queued header of (peer, tag) and takes it off the queue.
+  uint32_t take(int peer, int tag, double timeout_s, const std::string& what, Inbox::Arrival* a,
+                char* err, size_t errlen);
   uint32_t finish(Pending& p, double timeout_s, char* err, size_t errlen);
   at::Tensor view(const void* p, size_t n, at::ScalarType t = at::kByte) const {
     return at::from_blob(const_cast<void*>(p), {static_cast<int64_t>(n)},
@@ -209,7 +337,9 @@ class Gloo {
   double spin_s_ = 0;
   std::shared_ptr<P2pQueue> p2p_;
   std::thread p2p_thread_;
-  bool stuck_ = false;  // an op was given up on while gloo still ran it
+  std::shared_ptr<Inbox> inbox_;
+  std::vector<std::thread> inbox_threads_;  // started by the first send, recv or probe
+  bool stuck_ = false;                      // an op was given up on while gloo still ran it
 
   std::mutex mu_;  // guards the fields below
   std::atomic<bool> dead_{false};
@@ -218,9 +348,25 @@ class Gloo {
   std::shared_ptr<Waiter> current_;  // the op a call waits on now (fail() wakes it)
   c10::intrusive_ptr<c10d::Work> current_p2p_;
   std::atomic<bool> flag_written_{false};
+  double next_probe_flag_ = 0;  // when probe() next looks at the job-wide flag
 };
 
 Gloo::~Gloo() {
+  if (!inbox_threads_.empty()) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> posted;
+    {
+      std::lock_guard<std::mutex> lk(inbox_->mu);
+      inbox_->stop = true;
+      posted = inbox_->posted;
+    }
+    for (auto& w : posted) {
+      try {
+        if (w) w->abort();  // its wait returns; the Work (and the tensor) go with it
+      } catch (const std::exception&) {
+      }
+    }
+    for (auto& t : inbox_threads_) t.join();
+  }
   {
     std::lock_guard<std::mutex> lk(p2p_->mu);
     p2p_->stop = true;
@@ -306,6 +452,10 @@ void Gloo::fail(uint32_t kind, const char* msg) {
   if (w) {
     std::lock_guard<std::mutex> lk(w->mu);  // the waiter looks at dead_ under this lock
     w->cv.notify_all();
+  }
+  {
+    std::lock_guard<std::mutex> lk(inbox_->mu);  // a recv waiting for its header
+    inbox_->cv.notify_all();
   }
   try {
     if (p2p) p2p->abort();  // gloo's send/recv waits do end on abort
@@ -536,23 +686,41 @@ uint32_t Gloo::alltoall(const void* in, void* out, size_t bytes, double timeout_
   return finish(p, timeout_s, err, errlen);
 }
 
-uint32_t Gloo::p2p(bool send, void* buf, size_t bytes, int peer, int tag, double timeout_s,
-                   char* err, size_t errlen) {
-  std::string what = std::string(send ? "send of " : "recv of ") + std::to_string(bytes) + " B " +
-                     (send ? "to " : "from ") + std::to_string(peer) + " (tag " +
-                     std::to_string(tag) + ")";
-  if (peer < 0 || peer >= size_ || peer == rank_ || tag < 0) {
-    say(err, errlen, where(what) + ": the peer must be another member and the tag >= 0");
+uint32_t Gloo::check_p2p(int peer, int tag, const std::string& what, char* err, size_t errlen) {
+  if (peer < 0 || peer >= size_ || peer == rank_ || tag < 0 || tag >= kHeaderTag) {
+    say(err, errlen,
+        where(what) +
+            ": the peer must be another member and the tag in [0, 2^31 - 1) (2^31 - 1 "
+            "carries the engine's message headers)");
     return PLAIT_E_INVALID;
   }
-  if (bytes == 0) return dead(what, err, errlen);
-  Pending p;
-  p.p2p = true;
-  std::vector<at::Tensor> ts{view(buf, bytes)};
-  if (uint32_t k = issue(
-          what, [&] { return send ? pg_->send(ts, peer, tag) : pg_->recv(ts, peer, tag); }, &p, err,
-          errlen))
-    return k;
+  if (uint32_t k = dead(what, err, errlen)) return k;
+  start_inbox();
+  return PLAIT_OK;
+}
+
+void Gloo::start_inbox() {
+  if (!inbox_threads_.empty()) return;
+  {
+    std::lock_guard<std::mutex> lk(inbox_->mu);
+    inbox_->posted.resize(size_t(size_));
+    inbox_->ended.assign(size_t(size_), "");
+    inbox_->ended[size_t(rank_)] = "-";  // never a sender to itself
+  }
+  for (int m = 0; m < size_; ++m)
+    if (m != rank_) inbox_threads_.emplace_back([in = inbox_, pg = pg_, m] { in->loop(pg, m); });
+}
+
+uint32_t Gloo::transfer_start(bool send, const at::Tensor& t, int peer, int tag,
+                              const std::string& what, Pending* p, char* err, size_t errlen) {
+  p->p2p = true;
+  std::vector<at::Tensor> ts{t};
+  return issue(
+      what, [&] { return send ? pg_->send(ts, peer, tag) : pg_->recv(ts, peer, tag); }, p, err,
+      errlen);
+}
+
+uint32_t Gloo::transfer_wait(Pending& p, double timeout_s, char* err, size_t errlen) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     current_p2p_ = p.work;
@@ -567,6 +735,170 @@ uint32_t Gloo::p2p(bool send, void* buf, size_t bytes, int peer, int tag, double
   p2p_->cv.notify_one();
   if (dead_.load()) p.work->abort();  // fail() came between issue and now
   return finish(p, timeout_s, err, errlen);
+}
+
+// The header, then the payload unless it rode inside: both are issued before either is waited
+// for, so a large message costs one rendezvous with the receiver, not two in a row.
+uint32_t Gloo::send(const void* buf, size_t bytes, int peer, int tag, double timeout_s, char* err,
+                    size_t errlen) {
+  const std::string what = "send of " + std::to_string(bytes) + " B to " + std::to_string(peer) +
+                           " (tag " + std::to_string(tag) + ")";
+  if (uint32_t k = check_p2p(peer, tag, what, err, errlen)) return k;
+  const bool inline_ = bytes <= kInline;
+  // Owned by the Work while gloo holds it: a send given up on leaves gloo no freed memory.
+  at::Tensor h = at::empty({int64_t(kHeadBytes + (inline_ ? bytes : 0))}, at::kByte);
+  const Head head{kHeaderMagic, tag, uint64_t(bytes)};
+  std::memcpy(h.data_ptr<uint8_t>(), &head, sizeof head);
+  if (inline_ && bytes) std::memcpy(h.data_ptr<uint8_t>() + kHeadBytes, buf, bytes);
+  const double start = now_s();
+  Pending hp, pp;
+  if (uint32_t k = transfer_start(true, h, peer, kHeaderTag, what, &hp, err, errlen)) return k;
+  uint32_t k = inline_ ? PLAIT_OK
+                       : transfer_start(true, view(buf, bytes), peer, tag, what, &pp, err, errlen);
+  const uint32_t kh = transfer_wait(hp, timeout_s, k ? nullptr : err, k ? 0 : errlen);
+  if (!k) k = kh;
+  if (!pp.work) return k;
+  if (k) {  // the header failed: the payload's send must let go of the caller's buffer too
+    char ignored[8];
+    transfer_wait(pp, 0.0, ignored, sizeof ignored);
+    return k;
+  }
+  return transfer_wait(pp, std::max(0.0, timeout_s - (now_s() - start)), err, errlen);
+}
+
+// A member's connection closed: the job-wide flag's failure where one was recorded (the member
+// failed first, then exited), else a lost peer.
+uint32_t Gloo::lost(const std::string& what, const std::string& why, char* err, size_t errlen) {
+  uint32_t kind;
+  std::string cause;
+  if (flag(&kind, &cause) == 1) {
+    die(kind, cause);
+    say(err, errlen, where(what) + ": " + cause);
+    return kind;
+  }
+  die(PLAIT_E_PEER_LOST, why);
+  say(err, errlen, where(what) + ": " + why);
+  return PLAIT_E_PEER_LOST;
+}
+
+uint32_t Gloo::take(int peer, int tag, double timeout_s, const std::string& what, Inbox::Arrival* a,
+                    char* err, size_t errlen) {
+  const double start = now_s(), deadline = start + timeout_s;
+  double next_flag = start + kFlagEvery;
+  Inbox& in = *inbox_;
+  // A message on its way lands within microseconds: look (yielding) before sleeping, as finish()
+  // does, so the common case costs no wake-up of this thread.
+  for (double t = start; t - start < spin_s_; t = now_s()) {
+    {
+      std::lock_guard<std::mutex> g(in.mu);
+      if (!in.q.empty() && in.find(peer, tag) != in.q.end()) break;
+    }
+    std::this_thread::yield();
+  }
+  std::unique_lock<std::mutex> lk(in.mu);
+  for (;;) {
+    auto got = in.find(peer, tag);
+    if (got != in.q.end()) {
+      *a = std::move(*got);
+      in.q.erase(got);
+      return PLAIT_OK;
+    }
+    if (dead_.load(std::memory_order_acquire)) {
+      lk.unlock();
+      return dead(what, err, errlen);
+    }
+    if (const std::string why = in.closed(peer); !why.empty()) {
+      lk.unlock();
+      return lost(what, why, err, errlen);
+    }
+    const double t = now_s();
+    if (t >= deadline) {
+      lk.unlock();
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%.3g", timeout_s);
+      say(err, errlen,
+          where(what) + ": deadline passed (" + secs + " s) waiting for the member's message");
+      return PLAIT_E_TIMEOUT;  // nothing was posted: the group stays usable
+    }
+    if (t >= next_flag) {
+      lk.unlock();
+      uint32_t kind;
+      std::string why;
+      const bool set = flag(&kind, &why) != 0;
+      if (set) {
+        die(kind, why);
+        say(err, errlen, where(what) + ": " + why);
+        return kind;
+      }
+      lk.lock();
+      next_flag = now_s() + kFlagEvery;
+      continue;
+    }
+    in.cv.wait_for(lk, Secs(std::min(deadline, next_flag) - t));
+  }
+}
+
+uint32_t Gloo::recv(void* buf, size_t bytes, int peer, int tag, double timeout_s, char* err,
+                    size_t errlen) {
+  const std::string what = "recv of " + std::to_string(bytes) + " B from " + std::to_string(peer) +
+                           " (tag " + std::to_string(tag) + ")";
+  if (uint32_t k = check_p2p(peer, tag, what, err, errlen)) return k;
+  const double start = now_s();
+  Inbox::Arrival a;
+  if (uint32_t k = take(peer, tag, timeout_s, what, &a, err, errlen)) return k;
+  if (a.bytes != bytes) {
+    say(err, errlen,
+        where(what) + ": mismatched send/recv: member " + std::to_string(peer) + " sent " +
+            std::to_string(a.bytes) + " B on this tag");
+    return PLAIT_E_MISMATCH;
+  }
+  if (bytes <= kInline) {
+    if (bytes) std::memcpy(buf, a.data.data(), bytes);
+    return PLAIT_OK;
+  }
+  const double left = std::max(0.0, timeout_s - (now_s() - start));
+  Pending p;
+  if (uint32_t k = transfer_start(false, view(buf, bytes), peer, tag, what, &p, err, errlen))
+    return k;
+  return transfer_wait(p, left, err, errlen);
+}
+
+uint32_t Gloo::probe(int tag, int* src, size_t* bytes, char* err, size_t errlen) {
+  *src = -1;
+  *bytes = 0;
+  const std::string what = "probe of tag " + std::to_string(tag);
+  if (tag < 0 || tag >= kHeaderTag) {
+    say(err, errlen, where(what) + ": the tag must be in [0, 2^31 - 1)");
+    return PLAIT_E_INVALID;
+  }
+  if (uint32_t k = dead(what, err, errlen)) return k;
+  if (size_ == 1) return PLAIT_OK;
+  start_inbox();
+  std::unique_lock<std::mutex> lk(inbox_->mu);
+  auto a = inbox_->find(-1, tag);
+  if (a != inbox_->q.end()) {
+    *src = a->src;
+    *bytes = size_t(a->bytes);
+    return PLAIT_OK;
+  }
+  if (const std::string why = inbox_->closed(-1); !why.empty()) {
+    lk.unlock();
+    return lost(what, why, err, errlen);
+  }
+  lk.unlock();
+  // Nothing yet: the caller polls, so the job-wide flag is looked at here, every kFlagEvery.
+  const double t = now_s();
+  if (t >= next_probe_flag_) {
+    next_probe_flag_ = t + kFlagEvery;
+    uint32_t kind;
+    std::string why;
+    if (flag(&kind, &why) != 0) {
+      die(kind, why);
+      say(err, errlen, where(what) + ": " + why);
+      return kind;
+    }
+  }
+  return PLAIT_OK;
 }
 
 // The C table: each entry casts ctx back and calls the member; no exception gets out.
@@ -627,13 +959,14 @@ plait_engine* make_table(Gloo* g) {
   };
   e->send = [](void* c, const void* buf, size_t bytes, int peer, int tag, double to, char* err,
                size_t el) {
-    return guarded(err, el, [&] {
-      return G(c)->p2p(true, const_cast<void*>(buf), bytes, peer, tag, to, err, el);
-    });
+    return guarded(err, el, [&] { return G(c)->send(buf, bytes, peer, tag, to, err, el); });
   };
   e->recv = [](void* c, void* buf, size_t bytes, int peer, int tag, double to, char* err,
                size_t el) {
-    return guarded(err, el, [&] { return G(c)->p2p(false, buf, bytes, peer, tag, to, err, el); });
+    return guarded(err, el, [&] { return G(c)->recv(buf, bytes, peer, tag, to, err, el); });
+  };
+  e->probe = [](void* c, int tag, int* src, size_t* bytes, char* err, size_t el) {
+    return guarded(err, el, [&] { return G(c)->probe(tag, src, bytes, err, el); });
   };
   e->fail = [](void* c, uint32_t kind, const char* msg) {
     try {
