@@ -122,6 +122,16 @@ def _changed(rank, n, _addr):
     assert x._version >= v0 + 2
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
+    # the same first tensor and length with another member (a fresh list each call): the layout
+    # found by the first tensor is checked against every member, so q is not taken for p
+    tri = n * (n - 1) // 2
+    h = torch.full((2,), float(rank))
+    p, q = torch.full((3,), float(rank)), torch.full((3,), float(2 * rank))
+    hvd.grouped_allreduce_([h, p], op=hvd.Sum, name="h1")
+    hvd.grouped_allreduce_([h, q], op=hvd.Sum, name="h2")
+    hvd.grouped_allreduce_([h, p], op=hvd.Sum, name="h1")  # h1's layout again, by its first tensor
+    assert q.tolist() == [2 * tri] * 3 and p.tolist() == [n * tri] * 3, (p, q)
+    assert h.tolist() == [n * n * tri] * 2, h
     # ranks that disagree on a group's shapes fail on every rank, and the next op works
     bad = [torch.ones(2 if rank == 0 else 3), torch.ones(3 if rank == 0 else 2)]  # equal totals
     with pytest.raises(hvd.HorovodInternalError, match=r"group tensor shapes.*\[\[2\],\[3\]\]"):
