@@ -158,3 +158,52 @@ def test_failure_ends_a_waiting_any_source_recv(hosts, how):
     want = "InvalidArgument" if how == "bad-argument" else "PeerLostError"
     assert kind == want and took < 15, res[0]
     assert ("bogus" if how == "bad-argument" else "died") in msg, msg
+
+
+def _no_header(rank, n, addr, hosts):
+    os.environ["PLAIT_GLOO_PROBE"] = "0"  # every rank: plain named transfers, no probe
+    comm = _init(rank, hosts)
+    peer = 1 - rank
+    for count in (0, 3, 100, 16384):  # inline-sized, past the header's room, 64 KiB of int32
+        x = np.arange(count, dtype=np.int32) + 1000 * rank
+        out = np.zeros(count, np.int32)
+        if rank == 0:
+            comm.send(x, peer, tag=count % 7)
+            comm.recv(out, peer, tag=count % 7)
+        else:
+            comm.recv(out, peer, tag=count % 7)
+            comm.send(x, peer, tag=count % 7)
+        assert (out == np.arange(count, dtype=np.int32) + 1000 * peer).all(), (count, out[:4])
+    comm.barrier()
+    try:
+        if rank == 0:
+            comm.recv(np.zeros(2), -1, tag=1)
+        else:
+            comm.barrier()
+    except plait.PlaitError as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def test_without_the_gloo_header_named_transfers_work_and_any_source_is_refused():
+    res = run_ranks(_no_header, 2, timeout=90, args=(LAYOUTS["2x1"],))
+    for r, (kind, msg) in enumerate(res):
+        assert kind == "InvalidArgument", (r, res[r])
+        assert "needs an engine that can probe" in msg and "PLAIT_GLOO_PROBE=0" in msg, msg
+
+
+def _header_differs(rank, n, addr, hosts):
+    if rank == 1:
+        os.environ["PLAIT_GLOO_PROBE"] = "0"
+    try:
+        _init(rank, hosts)
+    except plait.InvalidArgument as e:  # plait.torch's subclass of it, raised by the engine
+        return "InvalidArgument", str(e)
+    return "no error", ""
+
+
+def test_gloo_probe_setting_that_differs_between_ranks_fails_init_on_every_rank():
+    res = run_ranks(_header_differs, 2, timeout=90, args=(LAYOUTS["2x1"],))
+    for r, (kind, msg) in enumerate(res):
+        assert kind == "InvalidArgument", (r, res[r])
+        assert "PLAIT_GLOO_PROBE" in msg and f"differs on rank(s) {1 - r}" in msg, msg

@@ -169,12 +169,13 @@ std::shared_ptr<Task> HierComm::call(Coll c, const Buffer& in, const Buffer& out
   }
   const bool any = c == Coll::recv && peer == kAnySource;
   if (any && !world_->can_probe())
-    fail(ErrorKind::invalid, who +
-                                 "a receive from any rank (peer=-1) needs an engine that can "
-                                 "probe for messages; the " +
-                                 std::string(world_->engine()) +
-                                 " engine here cannot (the native gloo and MPI engines can): "
-                                 "name the sending rank");
+    fail(ErrorKind::invalid,
+         who +
+             "a receive from any rank (peer=-1) needs an engine that can "
+             "probe for messages; the " +
+             std::string(world_->engine()) +
+             " engine here cannot (the native MPI engine can, and the native gloo one "
+             "unless PLAIT_GLOO_PROBE=0): name the sending rank");
   CallArgs a;
   const std::string why =
       validate_call(c, in, out, op, root, peer, tag, timeout_s.value_or(timeout_s_), rank_, size_,

@@ -59,6 +59,7 @@
 
 #include "bindings/capi.h"
 #include "hier/engine.h"
+#include "torch/backend.h"
 #include "torch/engines.h"
 
 namespace plait_torch {
@@ -270,11 +271,16 @@ class Gloo {
     spin_s_ = (spin != nullptr && *spin != '\0') ? std::atof(spin) * 1e-6 : 100e-6;
     p2p_ = std::make_shared<P2pQueue>();
     inbox_ = std::make_shared<Inbox>();
+    const char* probe = std::getenv("PLAIT_GLOO_PROBE");
+    headers_ = !(probe != nullptr && std::string(probe) == "0");
   }
   ~Gloo();
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // Whether send/recv carry the header (and probe works); PLAIT_GLOO_PROBE=0: plain named
+  // transfers, no probe. Every member must agree (make_gloo_engine checks).
+  bool headers() const { return headers_; }
   plait_engine table{};  // what the capsule holds; freed with the group
   uint32_t allreduce(void* buf, size_t count, uint8_t dtype, uint8_t op, double timeout_s,
                      char* err, size_t errlen);
@@ -292,6 +298,9 @@ class Gloo {
                 size_t errlen);
   uint32_t probe(int tag, int* src, size_t* bytes, char* err, size_t errlen);
   void fail(uint32_t kind, const char* msg);
+  // One named transfer, no header (PLAIT_GLOO_PROBE=0).
+  uint32_t direct(bool send, void* buf, size_t bytes, int peer, int tag, double timeout_s,
+                  const std::string& what, char* err, size_t errlen);
 
  private:
   std::string where(const std::string& what) const {
@@ -349,6 +358,7 @@ class Gloo {
   c10::intrusive_ptr<c10d::Work> current_p2p_;
   std::atomic<bool> flag_written_{false};
   double next_probe_flag_ = 0;  // when probe() next looks at the job-wide flag
+  bool headers_ = true;
 };
 
 Gloo::~Gloo() {
@@ -695,7 +705,7 @@ uint32_t Gloo::check_p2p(int peer, int tag, const std::string& what, char* err, 
     return PLAIT_E_INVALID;
   }
   if (uint32_t k = dead(what, err, errlen)) return k;
-  start_inbox();
+  if (headers_) start_inbox();
   return PLAIT_OK;
 }
 
@@ -744,6 +754,8 @@ uint32_t Gloo::send(const void* buf, size_t bytes, int peer, int tag, double tim
   const std::string what = "send of " + std::to_string(bytes) + " B to " + std::to_string(peer) +
                            " (tag " + std::to_string(tag) + ")";
   if (uint32_t k = check_p2p(peer, tag, what, err, errlen)) return k;
+  if (!headers_)
+    return direct(true, const_cast<void*>(buf), bytes, peer, tag, timeout_s, what, err, errlen);
   const bool inline_ = bytes <= kInline;
   // Owned by the Work while gloo holds it: a send given up on leaves gloo no freed memory.
   at::Tensor h = at::empty({int64_t(kHeadBytes + (inline_ ? bytes : 0))}, at::kByte);
@@ -764,6 +776,14 @@ uint32_t Gloo::send(const void* buf, size_t bytes, int peer, int tag, double tim
     return k;
   }
   return transfer_wait(pp, std::max(0.0, timeout_s - (now_s() - start)), err, errlen);
+}
+
+uint32_t Gloo::direct(bool send, void* buf, size_t bytes, int peer, int tag, double timeout_s,
+                      const std::string& what, char* err, size_t errlen) {
+  Pending p;
+  if (uint32_t k = transfer_start(send, view(buf, bytes), peer, tag, what, &p, err, errlen))
+    return k;
+  return transfer_wait(p, timeout_s, err, errlen);
 }
 
 // A member's connection closed: the job-wide flag's failure where one was recorded (the member
@@ -843,6 +863,7 @@ uint32_t Gloo::recv(void* buf, size_t bytes, int peer, int tag, double timeout_s
   const std::string what = "recv of " + std::to_string(bytes) + " B from " + std::to_string(peer) +
                            " (tag " + std::to_string(tag) + ")";
   if (uint32_t k = check_p2p(peer, tag, what, err, errlen)) return k;
+  if (!headers_) return direct(false, buf, bytes, peer, tag, timeout_s, what, err, errlen);
   const double start = now_s();
   Inbox::Arrival a;
   if (uint32_t k = take(peer, tag, timeout_s, what, &a, err, errlen)) return k;
@@ -965,9 +986,10 @@ plait_engine* make_table(Gloo* g) {
                size_t el) {
     return guarded(err, el, [&] { return G(c)->recv(buf, bytes, peer, tag, to, err, el); });
   };
-  e->probe = [](void* c, int tag, int* src, size_t* bytes, char* err, size_t el) {
-    return guarded(err, el, [&] { return G(c)->probe(tag, src, bytes, err, el); });
-  };
+  if (g->headers())
+    e->probe = [](void* c, int tag, int* src, size_t* bytes, char* err, size_t el) {
+      return guarded(err, el, [&] { return G(c)->probe(tag, src, bytes, err, el); });
+    };
   e->fail = [](void* c, uint32_t kind, const char* msg) {
     try {
       G(c)->fail(kind, msg);
@@ -986,7 +1008,31 @@ void bind_gloo_engine(pybind11::module_& m) {
       [](c10::intrusive_ptr<c10d::Backend> pg, c10::intrusive_ptr<c10d::Store> store,
          const std::string& label) {
         if (!pg || !store) throw std::invalid_argument("make_gloo_engine: pg and store are needed");
-        plait_engine* e = make_table(new Gloo(std::move(pg), std::move(store), label));
+        auto* g = new Gloo(std::move(pg), std::move(store), label);
+        if (g->size() > 1) {  // PLAIT_GLOO_PROBE must be alike: a header one side does not
+          // expect would stall both (one allgather of a byte, at creation)
+          const uint8_t mine = g->headers() ? 1 : 0;
+          std::vector<uint8_t> all(size_t(g->size()));
+          char err[512] = {0};
+          void* req = nullptr;
+          uint32_t k = g->allgather_start(&mine, all.data(), 1, &req, err, sizeof err);
+          if (!k) k = g->wait(req, 300.0, err, sizeof err);
+          std::string off;
+          for (int r = 0; r < g->size() && !k; ++r)
+            if (all[size_t(r)] != mine) off += (off.empty() ? "" : ", ") + std::to_string(r);
+          if (k || !off.empty()) {
+            const int rank = g->rank();
+            delete g;
+            if (k) throw Error(k, "gloo engine '" + label + "': " + err);
+            throw Error(PLAIT_E_INVALID,
+                        "rank " + std::to_string(rank) + ": PLAIT_GLOO_PROBE is " +
+                            (mine ? "unset (1)" : "0") + " here but differs on rank(s) " + off +
+                            " of gloo group '" + label +
+                            "': set it alike on every rank (0: cross-host send/recv without the "
+                            "header, and no receive from any rank across hosts)");
+          }
+        }
+        plait_engine* e = make_table(g);
         return pybind11::capsule(e, PLAIT_ENGINE_CAPSULE);
       },
       pybind11::arg("pg"), pybind11::arg("store"), pybind11::arg("label"),
