@@ -137,7 +137,8 @@ class Cycle {
     std::memcpy(send_, &head, sizeof head);
     std::memcpy(send_ + sizeof head, &s, sizeof s);
     constexpr size_t kHead = sizeof head + sizeof s;
-    char msg[8192] = {0};
+    char msg[8192];  // written (NUL-terminated) only when a call fails
+    msg[0] = '\0';
     uint32_t kind;
     {
       py::gil_scoped_release nogil;
