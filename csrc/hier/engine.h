@@ -101,6 +101,25 @@ typedef struct plait_engine {
    * the job-wide flag and fail() as for the other calls. An engine without it cannot serve a
    * receive from any member: the communicator refuses those. */
   uint32_t (*probe)(void* ctx, int tag, int* src, size_t* bytes, char* err, size_t errlen);
+
+  /* Appended after probe, likewise optional (PLAIT_ENGINE_HAS(e, p2p_start)): send (send = 1)
+   * or recv in two halves, so that several can be in flight at once, in any mix of peers and
+   * directions (two members that each post a receive and then send to the other must not wait
+   * on each other, as with MPI_Irecv + MPI_Send). p2p_start issues the transfer and returns a
+   * request without waiting for the peer (buf stays the engine's until the request is finished);
+   * p2p_test never waits: *done = 0 while it runs (the request stays), *done = 1 once it has
+   * finished, then the request is freed and the return value is its outcome (a size mismatch:
+   * PLAIT_E_MISMATCH; the deadline of the start's timeout_s: PLAIT_E_TIMEOUT). Messages of one
+   * (peer, tag) pair still arrive in order, and requests of one (peer, tag, direction) complete
+   * in the order they were started. Every started request is tested until done, or released
+   * with the group (release() must then leave no transfer pointing at a caller's buffer).
+   * Errors, the job-wide flag and fail() as for the other calls: p2p_test looks at the flag at
+   * least every 50 ms of a request's life. An engine without it serves send/recv one at a time
+   * (blocking), and the communicator documents that exchanges across hosts then need a send
+   * issued before the matching receive's wait. */
+  uint32_t (*p2p_start)(void* ctx, int send, void* buf, size_t bytes, int peer, int tag,
+                        double timeout_s, void** req, char* err, size_t errlen);
+  uint32_t (*p2p_test)(void* ctx, void* req, int* done, char* err, size_t errlen);
 } plait_engine;
 
 /* probe's *bytes when the engine cannot tell a message's size before receiving it. */
