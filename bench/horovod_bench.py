@@ -34,6 +34,7 @@ import plait
 PLAIT, HOROVOD = "plait.horovod", "horovod"
 SYNTHETIC = "synthetic step, resnet18 batch 8 64x64"
 BY_HAND = "4 MiB copy in, shm allreduce, scaled copy out"
+GROUPED, DIRECT100 = "grouped_allreduce_ 100 x 1 KiB", "plait allreduce 100 KiB (direct)"
 
 
 def _timed(fn, calls):
@@ -106,7 +107,7 @@ def _cases(hvd, direct):
     cases = {
         "allreduce_ 8 B": (lambda: hvd.allreduce_(small, name="b8"), 2000),
         "allreduce_ 4 MiB": (lambda: hvd.allreduce_(big, name="b4m"), 40),
-        "grouped_allreduce_ 100 x 1 KiB": (lambda: hvd.grouped_allreduce_(group, name="g100"), 200),
+        GROUPED: (lambda: hvd.grouped_allreduce_(group, name="g100"), 200),
         "allreduce_ 100 KiB (one tensor)": (lambda: hvd.allreduce_(flat, name="b100k"), 200),
     }
     if direct is not None:  # plait only: the group's layout rebuilt every call (a cache miss)
@@ -118,7 +119,7 @@ def _cases(hvd, direct):
 
         cases["grouped_allreduce_ 100 x 1 KiB, layout not kept"] = (regroup, 200)
         out, big_out = torch.empty_like(flat), torch.empty_like(big)
-        cases["plait allreduce 100 KiB (direct)"] = (lambda: direct.allreduce(flat, out), 200)
+        cases[DIRECT100] = (lambda: direct.allreduce(flat, out), 200)
         cases["plait allreduce 4 MiB (direct)"] = (lambda: direct.allreduce(big, big_out), 40)
         cases["plait allreduce 8 B (direct)"] = (lambda: direct.allreduce(small, small), 2000)
         # what a 4 MiB allreduce_ (Average) does, without the coordinator: copy into a buffer in plait
@@ -233,15 +234,13 @@ def main():
             if impl == HOROVOD:
                 line += f"   plait.horovod/horovod = {med[(PLAIT, case)] / v:.4f}"
             print(line)
-        ratio = (
-            med[(PLAIT, "grouped_allreduce_ 100 x 1 KiB")] / med[(PLAIT, "plait allreduce 100 KiB (direct)")]
-        )
+        ratio = med[(PLAIT, GROUPED)] / med[(PLAIT, DIRECT100)]
         print(f"grouped 100 x 1 KiB (fused) / one direct plait allreduce of 100 KiB = {ratio:.2f}")
         res["grouped_over_direct"] = ratio
         for case, shares in fast.items():
             if not case.startswith("plait allreduce") and case != BY_HAND:
                 print(f"  cached fast path: {100 * statistics.median(shares):5.1f}% of {case}'s calls")
-        one = med[(PLAIT, "grouped_allreduce_ 100 x 1 KiB")] / med[(PLAIT, "allreduce_ 100 KiB (one tensor)")]
+        one = med[(PLAIT, GROUPED)] / med[(PLAIT, "allreduce_ 100 KiB (one tensor)")]
         print(f"grouped 100 x 1 KiB (fused) / one plait.horovod allreduce_ of 100 KiB = {one:.2f}")
         res["grouped_over_one_tensor"] = one
         m4 = med[(PLAIT, "allreduce_ 4 MiB")]
@@ -273,11 +272,16 @@ def _print_rounds(times, probes, rounds, res):
         line = f"  round {r}: probe " + " / ".join(f"{p[r]:.0f}" for p in probes.values()) + " us;"
         line += f" {PLAIT} 4 MiB {times[(PLAIT, big)][r] * 1e6:.0f} us,"
         line += f" direct {times[(PLAIT, direct4)][r] * 1e6:.0f} us"
+        line += f"; grouped / direct 100 KiB {times[(PLAIT, GROUPED)][r] / times[(PLAIT, DIRECT100)][r]:.2f}"
         if (HOROVOD, big) in times:
             h = times[(HOROVOD, big)][r]
             line += f", {HOROVOD} {h * 1e6:.0f} us, ratio {times[(PLAIT, big)][r] / h:.3f}"
         print(line + ("" if r in fast_rounds else "  (slow cross-core mode)"))
     res["fast_probe_rounds"] = fast_rounds
+    if fast_rounds:
+        g = statistics.median(times[(PLAIT, GROUPED)][r] / times[(PLAIT, DIRECT100)][r] for r in fast_rounds)
+        res["grouped_over_direct_fast_probe_rounds"] = g
+        print(f"grouped / direct 100 KiB, {len(fast_rounds)} round(s) with fast probes: median {g:.2f}")
     if fast_rounds and (HOROVOD, big) in times:
         ratio = statistics.median(times[(PLAIT, big)][r] / times[(HOROVOD, big)][r] for r in fast_rounds)
         res["allreduce_4MiB_ratio_fast_probe_rounds"] = ratio
