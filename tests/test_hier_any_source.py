@@ -1,4 +1,4 @@
-"""A receive from any rank on a multi-host communicator (csrc/hier/hier_recv_any.cc), gloo between
+"""A receive from any rank on a multi-host communicator (csrc/hier/hier_p2p.cc), gloo between
 simulated hosts (PLAIT_HOST_ID per rank): local and remote senders race, every message arrives
 once with its sender, and a wrong size or an absent sender is a typed error, never a hang. The
 same checks under the MPI engine are in test_hier_mpi.py."""

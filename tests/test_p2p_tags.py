@@ -110,3 +110,22 @@ def test_recv_from_any_source():
     ok, values, stashed = run_ranks(_any_source, n, timeout=60)[0]
     assert ok and values == sorted([float(r) for r in range(1, n)] + [10.0 * r for r in range(1, n)]), values
     assert stashed == [100.0 + r for r in range(1, n)], stashed
+
+
+def _exchange_late_send(rank, n, store, pause):
+    """Each rank posts a receive, then (after some work: the progress thread is already waiting in
+    the receive's batch) sends with a blocking call: the send must join that batch, not wait for the
+    progress thread's lock behind the receive (which waits for the peer's send)."""
+    with plait.init(rank, n, store=store, timeout=20) as comm:
+        peer = 1 - rank
+        out = np.zeros(BIG)
+        h = comm.recv(out, peer, tag=4, async_op=True)
+        time.sleep(pause)
+        comm.send(_msg(rank, BIG), peer, tag=4)
+        h.wait()
+        return bool((out == _msg(peer, BIG)).all())
+
+
+def test_irecv_then_late_blocking_send_on_both_ranks():
+    for pause in (0.0, 0.05):
+        assert run_ranks(_exchange_late_send, 2, timeout=60, args=(pause,)) == [True, True], pause

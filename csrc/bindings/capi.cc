@@ -99,7 +99,7 @@ int c_task_run(void* comm, void* task) {
   }
 }
 
-int c_task_peer(void* task) { return (*static_cast<std::shared_ptr<Task>*>(task))->args.peer; }
+int c_task_peer(void* task) { return (*static_cast<std::shared_ptr<Task>*>(task))->peer(); }
 
 void c_task_start(void* task) { (*static_cast<std::shared_ptr<Task>*>(task))->start(); }
 

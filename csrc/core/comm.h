@@ -38,11 +38,30 @@ class Task {
   // thread, or a waiter that ran the task itself): how callers complete their own futures
   // (the torch backend) without a thread of theirs waiting on each task.
   using Done = std::function<void(ErrorKind, const std::string&)>;
+  using Reword = std::function<std::string(ErrorKind, const std::string&)>;
 
   CallArgs args;
   // A closure task (Communicator::submit): this body runs in the task's turn instead of args'
   // collective (args then only describe the call, for batching decisions and reports).
   std::function<void()> body;
+  // A stepped send/recv (Communicator::submit_step): progressed without waiting, together with
+  // the send/recv around it (core/p2p.cc's batches), until it returns kStepDone; kStepPending:
+  // not yet; kStepLocal: it has set args.peer to a rank of this communicator and continues as
+  // this communicator's own send/recv (a receive from any rank keeps matching by tag). Throws
+  // PlaitError on failure. Runs on the thread that runs the batch, with the others' calls held.
+  static constexpr int kStepPending = 0, kStepDone = 1, kStepLocal = 2;
+  std::function<int(CallArgs&)> step;
+  // Set by a layer above before the task can finish: rewrites an error's message (and may act
+  // on it, e.g. abort other hosts) before waiters see it.
+  Reword reword;
+  // The peer a layer above reports (a multi-host communicator's global rank, where args.peer is
+  // this host's); kNoPeer: args.peer.
+  static constexpr int kNoPeer = -2;
+  std::atomic<int> reported_peer{kNoPeer};
+  int peer() const {
+    const int p = reported_peer.load(std::memory_order_acquire);
+    return p == kNoPeer ? args.peer : p;
+  }
 
  private:
   friend class Communicator;

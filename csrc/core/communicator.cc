@@ -47,6 +47,7 @@ bool Task::wait(std::optional<double> timeout_s) {
 }
 
 void Task::finish(ErrorKind kind, std::string msg, std::shared_ptr<const std::string> flight) {
+  if (kind != ErrorKind::none && reword) msg = reword(kind, msg);
   {
     std::lock_guard<std::mutex> lk(m_);
     kind_ = kind;
@@ -199,9 +200,10 @@ void Communicator::progress_loop() {
       t->finish(kind, msg);
       continue;
     }
-    if (t->args.coll == Coll::send || t->args.coll == Coll::recv) {
+    if (t->args.coll == Coll::send || t->args.coll == Coll::recv) {  // own or stepped
       batch.clear();
       batch.push_back(P2P{&t->args, t});
+      if (t->step) batch.back().ext = &t->step;
       std::lock_guard<std::mutex> ex(exec_mu_);
       run_p2p(batch);  // finishes (and absorbs further queued send/recv into) the batch
       continue;
@@ -440,12 +442,11 @@ std::shared_ptr<Task> Communicator::call(Coll c, const Buffer& in, const Buffer&
     return nullptr;
   }
   if (!async) {
+    // Runs here when nothing is queued or running. Another thread in a call (the progress
+    // thread in a batch of send/recv, which may be waiting for this very call: irecv, then a
+    // blocking send) means: queue it behind, never wait for that thread's lock.
     std::unique_lock<std::mutex> ex(exec_mu_, std::try_to_lock);
-    if (!ex.owns_lock()) {  // another thread is in a call: this may take long
-      notify_long_wait();
-      ex.lock();
-    }
-    if (pending_.load(std::memory_order_acquire) == 0) {
+    if (ex.owns_lock() && pending_.load(std::memory_order_acquire) == 0) {
       run_now(a);
       return nullptr;
     }
@@ -482,27 +483,6 @@ void Communicator::run_now(CallArgs& a) {
 thread_local const Communicator* Communicator::tl_inside_ = nullptr;
 thread_local Task* Communicator::tl_task_ = nullptr;
 
-// Marks the calling thread as running one of c's closure tasks until the scope ends (exceptions
-// included), so the calls the body makes run inline.
-class Communicator::InsideBody {
- public:
-  // t: the task whose body runs (null: a synchronous call's, run on its caller's thread).
-  InsideBody(const Communicator* c, Task* t) : prev_(tl_inside_), prev_task_(tl_task_) {
-    tl_inside_ = c;
-    tl_task_ = t;
-  }
-  ~InsideBody() {
-    tl_inside_ = prev_;
-    tl_task_ = prev_task_;
-  }
-  InsideBody(const InsideBody&) = delete;
-  InsideBody& operator=(const InsideBody&) = delete;
-
- private:
-  const Communicator* prev_;
-  Task* prev_task_;
-};
-
 void Communicator::run_body(Task& t, ErrorKind* kind, std::string* msg) {
   InsideBody inside(this, &t);
   try {
@@ -521,13 +501,9 @@ std::shared_ptr<Task> Communicator::submit(const CallArgs& a, std::function<void
   if (closed_)
     throw PlaitError("communicator is finalized; " + std::string(coll_name(a.coll)) +
                      " needs a live one");
-  if (!async) {
+  if (!async) {  // here only when nothing is queued or running (see call())
     std::unique_lock<std::mutex> ex(exec_mu_, std::try_to_lock);
-    if (!ex.owns_lock()) {
-      notify_long_wait();
-      ex.lock();
-    }
-    if (pending_.load(std::memory_order_acquire) == 0) {
+    if (ex.owns_lock() && pending_.load(std::memory_order_acquire) == 0) {
       InsideBody inside(this, nullptr);
       body();
       return nullptr;
@@ -537,6 +513,35 @@ std::shared_ptr<Task> Communicator::submit(const CallArgs& a, std::function<void
   t->body = std::move(body);
   t->on_done_ = std::move(on_done);
   enqueue(t, async && deferred && wake_->grace_ns() > 0);
+  if (async) return t;
+  notify_long_wait();
+  t->wait(std::nullopt);
+  return nullptr;
+}
+
+std::shared_ptr<Task> Communicator::submit_step(const CallArgs& a,
+                                                std::function<int(CallArgs&)> step, bool async,
+                                                Task::Done on_done, Task::Reword reword) {
+  if (closed_)
+    throw PlaitError("communicator is finalized; " + std::string(coll_name(a.coll)) +
+                     " needs a live one");
+  if (a.coll != Coll::send && a.coll != Coll::recv)
+    throw InvalidArgument("submit_step takes a send or a recv");
+  if (!async) {  // here only when nothing is queued or running (see call())
+    std::unique_lock<std::mutex> ex(exec_mu_, std::try_to_lock);
+    if (ex.owns_lock() && pending_.load(std::memory_order_acquire) == 0) {
+      CallArgs mine = a;
+      std::vector<P2P> one{P2P{&mine, nullptr}};
+      one[0].ext = &step;
+      run_p2p(one);  // its PlaitError is thrown as it is: the layer above reports it
+      return nullptr;
+    }
+  }
+  auto t = std::make_shared<Task>(a);
+  t->step = std::move(step);
+  t->on_done_ = std::move(on_done);
+  t->reword = std::move(reword);
+  enqueue(t, false);
   if (async) return t;
   notify_long_wait();
   t->wait(std::nullopt);

@@ -83,6 +83,15 @@ class Communicator final : public Comm {
   // running body run inline on that thread, never queued behind the body.
   std::shared_ptr<Task> submit(const CallArgs& a, std::function<void()> body, bool async,
                                bool deferred, Task::Done on_done = nullptr);
+  // Stepped send/recv (Task::step): a layer above that moves a message by other means (the
+  // multi-host communicator's engine between hosts) queues it here in issue order, and it is
+  // progressed together with the send/recv around it, never waited for alone, so an irecv
+  // followed by a send cannot wait on each other. Sync with nothing queued: stepped on the
+  // caller's thread (its PlaitError thrown as it is); else queued and waited for. reword: see
+  // Task::reword.
+  std::shared_ptr<Task> submit_step(const CallArgs& a, std::function<int(CallArgs&)> step,
+                                    bool async, Task::Done on_done = nullptr,
+                                    Task::Reword reword = nullptr);
   // Whether the calling thread runs one of this communicator's closure tasks now.
   bool inside_body() const { return tl_inside_ == this; }
   // The task whose body this thread runs now (null outside a body, and for a synchronous call's
@@ -127,7 +136,9 @@ class Communicator final : public Comm {
  private:
   struct P2P {
     CallArgs* a;
-    std::shared_ptr<Task> task;  // null for an inline call
+    std::shared_ptr<Task> task;                    // null for an inline call
+    std::function<int(CallArgs&)>* ext = nullptr;  // a stepped one's step, until it turns local
+    bool any = false;  // a receive from any rank that a step turned local: still matches by tag
     bool started = false;
     bool stashing = false;  // copies a message into the stash (Stash::p)
     uint64_t msg = 0, first = 0, nchunks = 0, done = 0;
@@ -140,7 +151,7 @@ class Communicator final : public Comm {
   struct Stash {
     CallArgs a;
     std::vector<char> buf;
-    P2P p{&a, nullptr, false, true};
+    P2P p{&a, nullptr, nullptr, false, false, true};
   };
 
   CallArgs validate(Coll c, const Buffer& in, const Buffer& out, RedOp op, int root, int peer,
@@ -162,7 +173,26 @@ class Communicator final : public Comm {
   void run_now(CallArgs& a);
   static thread_local const Communicator* tl_inside_;
   static thread_local Task* tl_task_;
-  class InsideBody;
+  // Marks the calling thread as running one of c's closure tasks until the scope ends (exceptions
+  // included), so the calls the body makes run inline.
+  class InsideBody {
+   public:
+    // t: the task whose body runs (null: a synchronous call's, run on its caller's thread).
+    InsideBody(const Communicator* c, Task* t) : prev_(tl_inside_), prev_task_(tl_task_) {
+      tl_inside_ = c;
+      tl_task_ = t;
+    }
+    ~InsideBody() {
+      tl_inside_ = prev_;
+      tl_task_ = prev_task_;
+    }
+    InsideBody(const InsideBody&) = delete;
+    InsideBody& operator=(const InsideBody&) = delete;
+
+   private:
+    const Communicator* prev_;
+    Task* prev_task_;
+  };
   void run_local(const CallArgs& a);
   void run_p2p(std::vector<P2P>& ops);
   bool p2p_step(P2P& op);

@@ -104,7 +104,8 @@ int Communicator::any_source(const CallArgs& a) {
 int Communicator::ready_source(int64_t tag) {
   if (tl_inside_ != this)
     throw InvalidArgument("rank " + std::to_string(rank_) +
-                          ": ready_source is for a closure task's body on this communicator");
+                          ": ready_source is for a closure task's body or a stepped recv on this "
+                          "communicator");
   tp_.throw_if_aborted();
   CallArgs want;
   want.coll = Coll::recv;
@@ -202,8 +203,34 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
       std::fill(busy.begin(), busy.end(), 0);
       for (size_t i = 0; i < ops.size();) {
         P2P& op = ops[i];
+        if (op.ext) {  // a stepped one (Task::step): its own transport, never waited for here
+          const bool any = op.a->peer == kAnySource;
+          int r;
+          {
+            InsideBody inside(this, op.task.get());  // it may ask ready_source
+            r = (*op.ext)(*op.a);
+          }
+          if (r == Task::kStepDone) {
+            progressed = true;
+            finish(op, ErrorKind::none, "", nullptr);
+            ops.erase(ops.begin() + long(i));
+            continue;
+          }
+          if (r != Task::kStepLocal) {
+            ++i;
+            continue;
+          }
+          if (op.a->peer < 0 || op.a->peer >= size_ || op.a->peer == rank_)
+            throw PlaitError("rank " + std::to_string(rank_) + ": a stepped " +
+                             coll_name(op.a->coll) + " turned to a peer of no rank here (" +
+                             std::to_string(op.a->peer) + ")");
+          op.ext = nullptr;  // from here on this communicator's own send/recv
+          op.any = any;
+          progressed = true;
+        }
         // an earlier call on the same channel goes first; async recvs pick messages by tag
-        const bool by_tag = op.a->coll == Coll::recv && (op.task || op.a->peer == kAnySource);
+        const bool by_tag =
+            op.a->coll == Coll::recv && (op.task || op.any || op.a->peer == kAnySource);
         if (!by_tag) {
           uint8_t& b = busy[size_t(op.a->peer) * 2 + (op.a->coll == Coll::send)];
           if (b) {
@@ -223,7 +250,8 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
       // A head message no async recv of this batch took goes aside; stashed ones keep arriving.
       for (auto& op : ops) {
         // (blocking recvs from one sender keep the strict order; from any sender they match by tag)
-        if (!(op.task || op.a->peer == kAnySource) || op.a->coll != Coll::recv || op.started)
+        if (op.ext || !(op.task || op.any || op.a->peer == kAnySource) ||
+            op.a->coll != Coll::recv || op.started)
           continue;
         for (int p = 0; p < size_; ++p)
           if ((p == op.a->peer || (op.a->peer == kAnySource && p != rank_)) && stash_head(p, ops))
@@ -242,16 +270,18 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
           auto t = queue_.front();
           queue_.pop_front();
           ops.push_back(P2P{&t->args, t});
+          if (t->step) ops.back().ext = &t->step;
           ops.back().deadline = now_s() + t->args.timeout_s;
         }
       }
       if (!progressed) {
         if (unhealthy) tp_.fail(bad_kind, bad_msg);
         const P2P& first = ops.front();
-        flight_.waiting(first.a->peer, FlightWait::p2p, first.first + first.done);
+        if (!first.ext) flight_.waiting(first.a->peer, FlightWait::p2p, first.first + first.done);
         const uint64_t idle_from = trace_ ? mono_ns() : 0;
         backoff.idle([&](double t) {
           for (auto& op : ops) {
+            if (op.ext) continue;  // keeps its own deadline and looks at its own peers
             tp_.set_deadline(op.deadline, op.a, "");
             if (!unhealthy && op.a->peer != kAnySource &&
                 !tp_.healthy(t, op.a->peer, &bad_kind, &bad_msg))

@@ -357,29 +357,6 @@ void HierComm::alltoall(const Fingerprint& fp, const uint8_t* x, uint8_t* out, s
   world_->alltoall(x, out, blk, deadline);
 }
 
-void HierComm::p2p(const CallArgs& a, double deadline) {
-  if (a.peer == kAnySource) return recv_any(a, deadline);
-  const size_t bytes = size_t(a.count) * dtype_size(a.dtype);
-  const bool sending = a.coll == Coll::send;
-  if (lay_.host_of[size_t(a.peer)] == lay_.h) {
-    const double t = deadline - now_s();
-    const Buffer b = host(sending ? a.in : a.out, bytes, a.dtype);
-    try {
-      local_->call(a.coll, sending ? b : Buffer{}, sending ? Buffer{} : b, RedOp::sum, 0,
-                   lay_.local_of[size_t(a.peer)], a.tag, "", t > 1e-3 ? t : 1e-3, false);
-    } catch (const PlaitError& e) {
-      throw_error(e.kind(), "rank " + std::to_string(rank_) + ": local " + coll_name(a.coll) +
-                                " on host " + std::to_string(lay_.h) + ": " + e.what() + " [" +
-                                lay_.describe_host(lay_.h) + "]");
-    }
-    return;
-  }
-  if (sending)
-    world_->send(a.in, bytes, a.peer, int(a.tag), deadline);
-  else
-    world_->recv(a.out, bytes, a.peer, int(a.tag), deadline);
-}
-
 void HierComm::barrier(const Fingerprint& fp, double deadline) {
   local_barrier(deadline);
   if (inter_) exchange(inter_.get(), fp, 0, deadline, /*check_only=*/false);  // hosts' barrier

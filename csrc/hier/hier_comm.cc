@@ -195,8 +195,9 @@ std::shared_ptr<Task> HierComm::call(Coll c, const Buffer& in, const Buffer& out
                                  std::to_string(peer) + " on host " +
                                  std::to_string(lay_.host_of[size_t(peer)]) +
                                  ": between hosts a tag must be in [0, 2^31)");
+  if (p2p) return p2p_call(a, async, std::move(on_done));
   Fingerprint fp;
-  if (!p2p) {
+  {
     fp.seq = ++seq_;
     fp.count = a.count;
     fp.root = (c == Coll::broadcast || c == Coll::reduce) ? root : -1;
@@ -206,7 +207,7 @@ std::shared_ptr<Task> HierComm::call(Coll c, const Buffer& in, const Buffer& out
     fp.op = reduces ? uint8_t(a.op) : 0xFF;
   }
   // Small async calls are left to their waiter, as the local communicator's own are.
-  const bool deferred = !p2p && size_t(a.count) * dtype_size(a.dtype) <= kDeferMaxBytes;
+  const bool deferred = size_t(a.count) * dtype_size(a.dtype) <= kDeferMaxBytes;
   if (!async) notify_long_wait();  // engines wait on the network: let other Python threads run
   return local_->submit(
       a, [this, a, fp]() mutable { run_call(a, fp); }, async, deferred, std::move(on_done));
@@ -254,10 +255,6 @@ void HierComm::run_call(CallArgs& a, const Fingerprint& fp) {
       case Coll::barrier:
         barrier(fp, deadline);
         break;
-      case Coll::send:
-      case Coll::recv:
-        p2p(a, deadline);
-        return;  // only some ranks make it: the frame's room stays (adapt)
       default:
         throw InvalidArgument("unknown collective");
     }

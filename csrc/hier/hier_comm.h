@@ -7,9 +7,10 @@
 //   inter  uniform layout (every host has L ranks): the shard group of local rank i, i.e. local
 //          rank i of every host, H members in host order. Else the leaders (local rank 0 of each
 //          host; null on the other ranks).
-//   world  every rank, for alltoall and send/recv between hosts. A recv from any rank
-//          (hier_recv_any.cc) asks this host's channels and the world engine's probe which
-//          sender has a message ready, then receives from that one by name.
+//   world  every rank, for alltoall and send/recv between hosts. send/recv are stepped tasks
+//          (hier_p2p.cc) that progress together with the send/recv around them, so exchanges
+//          cannot wait on each other; a recv from any rank asks this host's channels and the
+//          world engine's probe which sender has a message ready, then receives that one.
 //
 // Hosts are ordered by their lowest global rank; a host's ranks need not be contiguous.
 //
@@ -117,6 +118,14 @@ class EngineGroup {
   void alltoall(const void* in, void* out, size_t block_bytes, double deadline);
   void send(const void* buf, size_t bytes, int peer, int tag, double deadline);
   void recv(void* buf, size_t bytes, int peer, int tag, double deadline);
+  // send/recv in two halves (engine.h's p2p_start/p2p_test; only where can_start_p2p()): a
+  // request for p2p_test, or null when nothing travels; p2p_test is true once it finished (the
+  // request is then freed) and throws its error.
+  bool can_start_p2p() const {
+    return PLAIT_ENGINE_HAS(e_, p2p_start) && PLAIT_ENGINE_HAS(e_, p2p_test);
+  }
+  void* p2p_start(bool send, void* buf, size_t bytes, int peer, int tag, double deadline);
+  bool p2p_test(void* req);
   // engine.h's probe (only where can_probe()): the member whose message of tag is ready, or -1;
   // *bytes its size (PLAIT_ENGINE_UNKNOWN: the engine tells it only on receipt).
   bool can_probe() const { return PLAIT_ENGINE_HAS(e_, probe); }
@@ -216,10 +225,19 @@ class HierComm final : public Comm {
                  double deadline);
   void inter_broadcast(const Fingerprint& fp, uint8_t* out, size_t k, int hr, double deadline);
   void alltoall(const Fingerprint& fp, const uint8_t* x, uint8_t* out, size_t blk, double deadline);
-  void p2p(const CallArgs& a, double deadline);
-  // A recv from any rank (hier_recv_any.cc): polls this host's channels and the world engine's
-  // probe until one has a message of the tag, then receives it from that sender by name.
-  void recv_any(const CallArgs& a, double deadline);
+  // send/recv (hier_p2p.cc): a stepped task of the local communicator (Communicator::
+  // submit_step), so that it progresses with the send/recv around it: a same-host peer's turns
+  // into the local communicator's own send/recv; another host's goes through the world engine's
+  // p2p_start/p2p_test; a recv from any rank polls both sides until one has a message.
+  struct P2PState;
+  std::shared_ptr<Task> p2p_call(const CallArgs& a, bool async, Task::Done on_done);
+  int p2p_step(CallArgs& x, P2PState& st);
+  int p2p_remote(CallArgs& x, P2PState& st);
+  int p2p_any(CallArgs& x, P2PState& st);
+  // A failed send/recv's message as its waiters see it (the host and rank named), recorded as
+  // the communicator's first error and sent to every rank of every host, as on_error does.
+  std::string p2p_error(const CallArgs& a, P2PState& st, ErrorKind kind, const std::string& msg);
+  std::string record_error(ErrorKind kind, const std::string& msg);
   void barrier(const Fingerprint& fp, double deadline);
   void divide(void* buf, int64_t count, DType dt);
 

@@ -163,6 +163,24 @@ void EngineGroup::recv(void* buf, size_t bytes, int peer, int tag, double deadli
   check(e_->recv(e_->ctx, buf, bytes, peer, tag, left(deadline), err, sizeof err), "recv", err);
 }
 
+void* EngineGroup::p2p_start(bool send, void* buf, size_t bytes, int peer, int tag,
+                             double deadline) {
+  if (bytes == 0 && !can_probe()) return nullptr;  // as send/recv: nothing travels
+  char err[1024] = "";
+  void* req = nullptr;
+  check(e_->p2p_start(e_->ctx, send ? 1 : 0, buf, bytes, peer, tag, left(deadline), &req, err,
+                      sizeof err),
+        send ? "send" : "recv", err);
+  return req;
+}
+
+bool EngineGroup::p2p_test(void* req) {
+  char err[1024] = "";
+  int done = 0;
+  check(e_->p2p_test(e_->ctx, req, &done, err, sizeof err), "send/recv", err);
+  return done != 0;
+}
+
 int EngineGroup::probe(int tag, size_t* bytes) {
   char err[1024] = "";
   int src = -1;
