@@ -20,6 +20,14 @@
 // and longer buffers take several. For allgather and alltoall a piece of every block travels as
 // one block of a resized derived type whose extent is the whole block, so the layout holds.
 //
+// p2p_start/p2p_test: a transfer's pieces are all posted at start and p2p_test takes them as they
+// finish (Testsome), with the same flag look and deadline as a wait, so any number of sends and
+// receives may be in flight and an exchange between two members cannot wait on itself. A recv
+// that meets a longer message fails with MPI_ERR_TRUNCATE (the data communicator returns errors),
+// reported as a mismatch. Caution: Open MPI 4.1's shared-memory single-copy path (vader, CMA)
+// writes a truncated message of more than its 4 KiB eager size past the receive buffer; between
+// hosts (tcp) and with btl_vader_single_copy_mechanism=none the truncation is clean.
+//
 // A call that gives up (deadline, flag) cancels its point-to-point requests; MPI cannot cancel a
 // collective, so a collective that gives up is stranded and the group refuses later calls (its
 // members are out of step; the communicator aborts after such an error anyway).
@@ -202,19 +210,26 @@ uint32_t alltoall(void* ctx, const void* in, void* out, size_t bytes, double tim
       err, errlen);
 }
 
-uint32_t p2p(Engine* e, bool is_send, void* buf, size_t bytes, int peer, int tag, double timeout_s,
-             char* err, size_t errlen) {
-  auto what = [&] {
-    return std::string(is_send ? "send of " : "recv of ") + nbytes(bytes) +
-           (is_send ? " to peer " : " from peer ") + std::to_string(peer) + " tag " +
-           std::to_string(tag);
-  };
+std::string p2p_what(bool is_send, size_t bytes, int peer, int tag) {
+  return std::string(is_send ? "send of " : "recv of ") + nbytes(bytes) +
+         (is_send ? " to peer " : " from peer ") + std::to_string(peer) + " tag " +
+         std::to_string(tag);
+}
+
+uint32_t p2p_refused(Engine* e, int peer, int tag, const std::string& what, char* err,
+                     size_t errlen) {
   if (peer < 0 || peer >= e->size || peer == e->rank)
-    return say(err, errlen, PLAIT_E_INVALID,
-               where(e, what()) + ": the peer must be another member");
+    return say(err, errlen, PLAIT_E_INVALID, where(e, what) + ": the peer must be another member");
   if (tag < 0 || tag > e->tag_ub)
     return say(err, errlen, PLAIT_E_INVALID,
-               where(e, what()) + ": tags go from 0 to " + std::to_string(e->tag_ub));
+               where(e, what) + ": tags go from 0 to " + std::to_string(e->tag_ub));
+  return PLAIT_OK;
+}
+
+uint32_t p2p(Engine* e, bool is_send, void* buf, size_t bytes, int peer, int tag, double timeout_s,
+             char* err, size_t errlen) {
+  auto what = [&] { return p2p_what(is_send, bytes, peer, tag); };
+  if (uint32_t k = p2p_refused(e, peer, tag, what(), err, errlen)) return k;
   Pending p;
   p.p2p = true;
   p.recv = !is_send;
@@ -226,6 +241,77 @@ uint32_t p2p(Engine* e, bool is_send, void* buf, size_t bytes, int peer, int tag
                        : MPI_Irecv(b + off, int(len), MPI_BYTE, peer, tag, e->data, r);
       },
       err, errlen);
+}
+
+// Every piece posted at once, cut as p2p() cuts them (a blocking call on the other side matches
+// it: 0 bytes is one empty message). Several in flight never wait on each other: MPI progresses
+// all posted requests in any Test.
+uint32_t p2p_start(void* ctx, int send, void* buf, size_t bytes, int peer, int tag,
+                   double timeout_s, void** req, char* err, size_t errlen) {
+  Engine* e = static_cast<Engine*>(ctx);
+  *req = nullptr;
+  auto t = std::make_unique<Transfer>();
+  t->p.what = p2p_what(send, bytes, peer, tag);
+  if (uint32_t k = p2p_refused(e, peer, tag, t->p.what, err, errlen)) return k;
+  if (uint32_t k = refused(e, err, errlen)) return k;
+  t->p.p2p = true;
+  t->p.recv = !send;
+  t->p.bytes = bytes;
+  t->peer = peer;
+  t->tag = tag;
+  t->timeout_s = timeout_s;
+  t->deadline = deadline_of(timeout_s);
+  char* b = static_cast<char*>(buf);
+  const size_t step = piece(e, 1);
+  size_t off = 0;
+  do {
+    const size_t len = std::min(step, bytes - off);
+    MPI_Request r = MPI_REQUEST_NULL;
+    const int rc = send ? MPI_Isend(b + off, int(len), MPI_BYTE, peer, tag, e->data, &r)
+                        : MPI_Irecv(b + off, int(len), MPI_BYTE, peer, tag, e->data, &r);
+    if (rc != MPI_SUCCESS) {
+      char msg[1024];
+      const uint32_t kind = mpi_error(e, t->p.what, rc, msg, sizeof msg);
+      give_up(e, *t, kind, msg);
+      return say(err, errlen, kind, msg);
+    }
+    t->p.reqs.push_back(r);
+    t->lens.push_back(len);
+    ++t->left;
+    off += len;
+  } while (off < bytes);
+  t->at = e->transfers.insert(e->transfers.end(), t.get());
+  *req = t.release();
+  return PLAIT_OK;
+}
+
+// engine.h: requests of one (peer, tag, direction) complete in start order. MPI matches them in
+// that order but may finish a later small one before an earlier large one, so a request that
+// succeeded waits for the earlier ones of its kind, which this test moves on too (the caller
+// need not test them first). A request that failed is handed back at once.
+uint32_t p2p_test(void* ctx, void* req, int* done, char* err, size_t errlen) {
+  Engine* e = static_cast<Engine*>(ctx);
+  Transfer* t = static_cast<Transfer*>(req);
+  *done = 0;
+  if (!t) {
+    *done = 1;
+    return PLAIT_OK;
+  }
+  const Clock::time_point now = Clock::now();
+  if (ns(now) >= registry().next_probe.load(std::memory_order_relaxed)) probe(now);
+  advance(e, *t);
+  if (!t->over) return PLAIT_OK;
+  if (!t->outcome)
+    for (Transfer* u : e->transfers) {
+      if (u == t) break;
+      if (u->peer != t->peer || u->tag != t->tag || u->p.recv != t->p.recv) continue;
+      advance(e, *u);
+      if (!u->over) return PLAIT_OK;
+    }
+  *done = 1;
+  std::unique_ptr<Transfer> own(t);
+  e->transfers.erase(t->at);
+  return t->outcome ? say(err, errlen, t->outcome, t->msg) : PLAIT_OK;
 }
 
 uint32_t send(void* ctx, const void* buf, size_t bytes, int peer, int tag, double timeout_s,
@@ -303,6 +389,11 @@ void release(void* ctx) {
   r.engines.erase(std::remove(r.engines.begin(), r.engines.end(), e.get()), r.engines.end());
   int finalized = 1;
   MPI_Finalized(&finalized);
+  for (Transfer* t : e->transfers) {  // cancelled: no receive may still write a caller's buffer
+    if (!finalized && !t->over) give_up(e.get(), *t, PLAIT_E_PEER_LOST, "released");
+    delete t;
+  }
+  e->transfers.clear();
   if (finalized) return;
   bool sent = true;
   for (MPI_Request& req : e->fail_sends) {
@@ -384,6 +475,8 @@ plait_engine* mpi_engine_create(MPI_Comm comm, const char* label, size_t chunk_b
   t.send = send;
   t.recv = recv;
   t.probe = probe_tag;
+  t.p2p_start = p2p_start;
+  t.p2p_test = p2p_test;
   t.fail = fail;
   t.release = release;
   {

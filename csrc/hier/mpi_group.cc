@@ -145,6 +145,13 @@ uint32_t refused(Engine* e, char* err, size_t errlen) {
   return PLAIT_OK;
 }
 
+static void break_group(Engine* e, const std::string& what) {
+  if (e->broken.empty())
+    e->broken = where(e, what) +
+                " gave up part way and MPI cannot undo that: the group's members are out of step "
+                "and it takes no more calls";
+}
+
 // Gives up on a call's requests. Returns true when all of them had finished normally after all.
 // A point-to-point call whose message went only in part is cancelled but leaves the pair's
 // later messages out of step, so it breaks the group too.
@@ -170,10 +177,7 @@ bool abandon(Engine* e, Pending& p, const std::string& what) {
     e->stranded.push_back(r);
     r = MPI_REQUEST_NULL;
   }
-  if ((stranded || (any_cancelled && any_moved)) && e->broken.empty())
-    e->broken = where(e, what) +
-                " gave up part way and MPI cannot undo that: the group's members are out of step "
-                "and it takes no more calls";
+  if (stranded || (any_cancelled && any_moved)) break_group(e, what);
   return !stranded && !any_cancelled;
 }
 
@@ -196,6 +200,123 @@ int strided(size_t len, size_t stride, MPI_Datatype* out) {
   MPI_Type_free(&blk);
   if (rc == MPI_SUCCESS) rc = MPI_Type_commit(out);
   return rc;
+}
+
+// p2p_start's transfers (mpi_engine.cc has the calls). Piece i of a transfer finished: for a
+// recv, its bytes count and must fill the piece (only the last piece of a message may be short
+// of a chunk, and only the sender's last piece is ever short).
+static void took(Engine* e, Transfer& t, size_t i, MPI_Status& st, int error) {
+  --t.left;
+  int n = 0;
+  if (t.p.recv) MPI_Get_count(&st, MPI_BYTE, &n);
+  const size_t got = size_t(std::max(n, 0)), before = i * t.lens[0];
+  if (t.outcome) return;  // the first problem found stands
+  int cls = MPI_SUCCESS;
+  if (error != MPI_SUCCESS) MPI_Error_class(error, &cls);
+  if (cls == MPI_ERR_TRUNCATE) {
+    // Open MPI counts the whole incoming message here; an MPI that counts only what fit says
+    // no more than the piece's size
+    const std::string had =
+        got > t.lens[i] ? "had " + std::to_string(before + got) + " bytes" : "was longer";
+    t.outcome = PLAIT_E_MISMATCH;
+    t.msg = where(e, t.p.what) + ": the message " + had + " (more than the " +
+            std::to_string(t.p.bytes) + " asked)";
+  } else if (error != MPI_SUCCESS) {
+    char msg[1024];
+    t.outcome = mpi_error(e, t.p.what, error, msg, sizeof msg);
+    t.msg = msg;
+  } else if (t.p.recv && got < t.lens[i]) {
+    t.outcome = PLAIT_E_MISMATCH;
+    t.msg = where(e, t.p.what) + ": the message had " + std::to_string(before + got) + " bytes";
+  } else {
+    t.got += got;
+  }
+}
+
+// Cancels t's pieces in flight. A piece that finishes meanwhile is taken; one MPI neither
+// cancels nor finishes (a send whose receiver is under way, or Open MPI's ob1, which cancels no
+// send) is freed and left to MPI: it completes or dies with the job, and the group is broken.
+namespace {
+struct Dropped {
+  int cancelled = 0, completed = 0, stranded = 0;
+};
+}  // namespace
+static Dropped cancel_rest(Engine* e, Transfer& t) {
+  Dropped d;
+  for (size_t i = 0; i < t.p.reqs.size(); ++i) {
+    MPI_Request& r = t.p.reqs[i];
+    if (r == MPI_REQUEST_NULL) continue;
+    MPI_Cancel(&r);
+    MPI_Status st;
+    int done = 0, cancelled = 0;
+    for (int k = 0; k < 1000 && !done; ++k) MPI_Test(&r, &done, &st);
+    if (!done) {
+      MPI_Request_free(&r);
+      ++d.stranded;
+      continue;
+    }
+    MPI_Test_cancelled(&st, &cancelled);
+    if (cancelled) {
+      ++d.cancelled;
+      --t.left;
+    } else {
+      ++d.completed;
+      took(e, t, i, st, MPI_SUCCESS);
+    }
+    r = MPI_REQUEST_NULL;
+  }
+  return d;
+}
+
+void give_up(Engine* e, Transfer& t, uint32_t kind, const std::string& msg) {
+  const bool moved_before = t.left < t.lens.size();
+  const Dropped d = cancel_rest(e, t);
+  t.over = true;
+  if (!d.cancelled && !d.stranded && !t.outcome) return;  // it finished after all
+  if (d.stranded || (d.cancelled && (moved_before || d.completed))) break_group(e, t.p.what);
+  if (!t.outcome || kind != PLAIT_E_TIMEOUT) t.outcome = kind, t.msg = msg;
+}
+
+void advance(Engine* e, Transfer& t) {
+  if (t.over) return;
+  const int n = int(t.p.reqs.size());
+  std::vector<int> idx(n);
+  std::vector<MPI_Status> st(n);
+  int out = 0;
+  const int rc = MPI_Testsome(n, t.p.reqs.data(), &out, idx.data(), st.data());
+  if (rc != MPI_SUCCESS && rc != MPI_ERR_IN_STATUS) {
+    char msg[1024];
+    const uint32_t kind = mpi_error(e, t.p.what, rc, msg, sizeof msg);
+    return give_up(e, t, kind, msg);
+  }
+  for (int k = 0; out != MPI_UNDEFINED && k < out; ++k) {
+    MPI_Request& r = t.p.reqs[idx[k]];
+    if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);  // Open MPI keeps a request that failed
+    r = MPI_REQUEST_NULL;
+    took(e, t, size_t(idx[k]), st[k], rc == MPI_ERR_IN_STATUS ? st[k].MPI_ERROR : MPI_SUCCESS);
+  }
+  if (t.outcome) {  // a mismatch: the pieces after it must not take the pair's next message
+    const Dropped d = cancel_rest(e, t);
+    if (d.completed || d.stranded) break_group(e, t.p.what);
+    t.over = true;
+    return;
+  }
+  if (!t.left) {
+    t.over = true;
+    return;
+  }
+  if (e->flagged.load(std::memory_order_acquire)) {
+    char msg[kFlagText + 64];
+    const uint32_t kind = refused(e, msg, sizeof msg);
+    return give_up(e, t, kind, msg);
+  }
+  if (Clock::now() >= t.deadline) {
+    char secs[32];
+    snprintf(secs, sizeof secs, "%.3g", t.timeout_s);
+    give_up(e, t, PLAIT_E_TIMEOUT,
+            where(e, t.p.what) + ": deadline (" + secs + " s) passed waiting for peer " +
+                std::to_string(t.peer));
+  }
 }
 
 }  // namespace mpi

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -31,6 +32,8 @@ inline constexpr auto kYield = std::chrono::milliseconds(20);
 inline constexpr size_t kDefaultChunk = size_t(1) << 30;
 inline constexpr size_t kFlagText = 4000;  // the longest flag message sent
 
+struct Transfer;  // a p2p_start request (below)
+
 struct Engine {
   MPI_Comm data = MPI_COMM_NULL, flag = MPI_COMM_NULL;
   int rank = 0, size = 1, world_rank = -1, tag_ub = INT_MAX;
@@ -44,6 +47,7 @@ struct Engine {
   std::vector<MPI_Request> fail_sends;                       // both under the registry's lock
   std::vector<MPI_Request> stranded;  // collectives of calls that gave up: MPI cannot cancel them
   std::string broken;                 // why the group refuses calls; empty while it does not
+  std::list<Transfer*> transfers;     // p2p_start's requests not yet handed back, in start order
   plait_engine table{};
 };
 
@@ -69,6 +73,27 @@ struct Pending {
   size_t bytes = 0, moved = 0;
   std::string what;  // a started request's call, for wait's messages
 };
+
+// A p2p_start request: every piece posted at once (Isend/Irecv), finished piece by piece by
+// p2p_test (Testsome), so a short piece of a long recv is seen at once, not at the deadline.
+// `over` once it finished or gave up; then outcome and msg are its result.
+struct Transfer {
+  Pending p;                 // reqs[i] is MPI_REQUEST_NULL once piece i finished
+  std::vector<size_t> lens;  // each piece's bytes
+  size_t got = 0, left = 0;  // bytes the finished pieces brought; pieces not finished
+  int peer = 0, tag = 0;
+  Clock::time_point deadline;
+  double timeout_s = 0;
+  bool over = false;
+  uint32_t outcome = PLAIT_OK;
+  std::string msg;
+  std::list<Transfer*>::iterator at;  // its place in Engine::transfers
+};
+// Moves t on without waiting: takes its finished pieces, and gives up on the rest on a mismatch,
+// an MPI error, the flag or the deadline; t.over once it has a result.
+void advance(Engine* e, Transfer& t);
+// Gives up on t's pieces in flight (a release with t unfinished): t.over, with kind and msg.
+void give_up(Engine* e, Transfer& t, uint32_t kind, const std::string& msg);
 
 const char* dtype_name(uint8_t d);
 const char* op_name(uint8_t op);
