@@ -280,8 +280,10 @@ void give_up(Engine* e, Transfer& t, uint32_t kind, const std::string& msg) {
 void advance(Engine* e, Transfer& t) {
   if (t.over) return;
   const int n = int(t.p.reqs.size());
-  std::vector<int> idx(n);
-  std::vector<MPI_Status> st(n);
+  std::vector<int>& idx = t.idx;
+  std::vector<MPI_Status>& st = t.st;
+  idx.resize(size_t(n));
+  st.resize(size_t(n));
   int out = 0;
   const int rc = MPI_Testsome(n, t.p.reqs.data(), &out, idx.data(), st.data());
   if (rc != MPI_SUCCESS && rc != MPI_ERR_IN_STATUS) {

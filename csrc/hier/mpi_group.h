@@ -80,6 +80,8 @@ struct Pending {
 struct Transfer {
   Pending p;                 // reqs[i] is MPI_REQUEST_NULL once piece i finished
   std::vector<size_t> lens;  // each piece's bytes
+  std::vector<int> idx;      // Testsome's scratch, one per piece (p2p_test allocates nothing)
+  std::vector<MPI_Status> st;
   size_t got = 0, left = 0;  // bytes the finished pieces brought; pieces not finished
   int peer = 0, tag = 0;
   Clock::time_point deadline;
