@@ -122,12 +122,28 @@ def expect(eng, error, q, *texts, within=30):
 
 def mismatch(eng):
     """A recv meets a longer and a shorter message: MismatchError with both sizes, and the pair
-    stays in step. With 8-byte pieces, a message short of the pieces asked is seen when its last
-    piece lands, not at the deadline, and the pieces after it are cancelled cleanly. With
-    OMPI_MCA_btl_vader_single_copy_mechanism=none, also a 64 KiB message into 32 KiB."""
+    stays in step, except after a longer message of several pieces (the rest of it would meet
+    the next recv: that group refuses further calls). With 8-byte pieces, a message short of the
+    pieces asked is seen when its last piece lands, not at the deadline, and the pieces after it
+    are cancelled cleanly. With OMPI_MCA_btl_vader_single_copy_mechanism=none, also a 64 KiB
+    message into 32 KiB."""
     r, checks = eng.rank, 0
     big = os.environ.get("OMPI_MCA_btl_vader_single_copy_mechanism") == "none"
     small = _mpi.EngineForTests(_mpi.make_engine(MPI.COMM_WORLD, "pieces", 8))
+    spoilt = _mpi.EngineForTests(_mpi.make_engine(MPI.COMM_WORLD, "spoilt", 8))
+    if r == 0:  # 32 bytes (4 eager pieces) into a recv of 12 (8 + 4): pieces 2 and 3 are left over
+        finish(spoilt, [spoilt.p2p_start(True, mine := np.arange(8, dtype=np.int32), 1, 1)])
+        assert mine.size == 8
+    else:
+        got = np.zeros(3, dtype=np.int32)
+        q = spoilt.p2p_start(False, got, 0, 1)
+        checks += expect(spoilt, plait.MismatchError, q, "recv of 12 bytes", "had at least 16 bytes")
+        try:
+            spoilt.recv(got, 0, 1)
+        except plait.PeerLostError as e:
+            assert "out of step" in str(e) and "recv of 12 bytes from peer 0 tag 1" in str(e), e
+            checks += 1
+    spoilt.close()
     if r == 0:
         eng.send(np.arange(16, dtype=np.int32), 1, 9)
         eng.send(np.arange(4, dtype=np.int32), 1, 9)

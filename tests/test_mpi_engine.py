@@ -141,7 +141,7 @@ def test_p2p_size_mismatch(tmp_path, single_copy):
     Open MPI 4.1's vader single copy (CMA) overruns the buffer when it truncates a message past
     its 4 KiB eager size, so the 64 KiB case runs only with that mechanism off."""
     env = {"OMPI_MCA_btl_vader_single_copy_mechanism": single_copy} if single_copy else {}
-    want = 2 + 1 + (single_copy is not None)
+    want = 2 + 1 + 2 + (single_copy is not None)
     assert _mpirun(tmp_path, "mismatch", 2, env, P2P) == [4, 4 + want]
 
 

@@ -214,10 +214,14 @@ static void took(Engine* e, Transfer& t, size_t i, MPI_Status& st, int error) {
   int cls = MPI_SUCCESS;
   if (error != MPI_SUCCESS) MPI_Error_class(error, &cls);
   if (cls == MPI_ERR_TRUNCATE) {
-    // Open MPI counts the whole incoming message here; an MPI that counts only what fit says
-    // no more than the piece's size
-    const std::string had =
-        got > t.lens[i] ? "had " + std::to_string(before + got) + " bytes" : "was longer";
+    // Open MPI counts the whole incoming piece here; an MPI that counts only what fit tells
+    // nothing. A whole piece may have more of the sender's behind it, which would meet the
+    // pair's next recv: the group is then out of step.
+    const bool known = got > t.lens[i], whole = got >= piece(e, 1);
+    t.out_of_step = !known || whole;
+    const std::string had = !known  ? "was longer"
+                            : whole ? "had at least " + std::to_string(before + got) + " bytes"
+                                    : "had " + std::to_string(before + got) + " bytes";
     t.outcome = PLAIT_E_MISMATCH;
     t.msg = where(e, t.p.what) + ": the message " + had + " (more than the " +
             std::to_string(t.p.bytes) + " asked)";
@@ -299,7 +303,7 @@ void advance(Engine* e, Transfer& t) {
   }
   if (t.outcome) {  // a mismatch: the pieces after it must not take the pair's next message
     const Dropped d = cancel_rest(e, t);
-    if (d.completed || d.stranded) break_group(e, t.p.what);
+    if (d.completed || d.stranded || t.out_of_step) break_group(e, t.p.what);
     t.over = true;
     return;
   }

@@ -86,7 +86,7 @@ struct Transfer {
   int peer = 0, tag = 0;
   Clock::time_point deadline;
   double timeout_s = 0;
-  bool over = false;
+  bool over = false, out_of_step = false;  // out_of_step: a mismatch left the pair's order
   uint32_t outcome = PLAIT_OK;
   std::string msg;
   std::list<Transfer*>::iterator at;  // its place in Engine::transfers
