@@ -7,6 +7,7 @@ the exception (mpirun interleaves stdout).
 
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -16,7 +17,7 @@ from mpi4py import MPI
 import plait
 from plait import _mpi
 
-MISMATCH = 3  # capi.h's PLAIT_E_MISMATCH
+MISMATCH, PEER_LOST = 3, 5  # capi.h's PLAIT_E_*
 BIG = 1 << 17  # int64 elements: a 1 MiB message, past every eager size (a rendezvous)
 
 
@@ -221,6 +222,19 @@ def fail(eng):
     return checks
 
 
+def fail_from_thread(eng):
+    """fail() from another thread while this rank tests its transfers: they end with fail()'s
+    kind and message here and on the other rank (engine.h: any thread may call fail)."""
+    r, peer = eng.rank, 1 - eng.rank
+    got = np.zeros(3, dtype=np.int64)
+    q = eng.p2p_start(False, got, peer, 21)  # nobody sends it
+    if r == 0:
+        threading.Timer(0.3, eng.fail, (PEER_LOST, "from a thread")).start()
+    checks = expect(eng, plait.PeerLostError, q, "rank 0 failed: from a thread", within=2)
+    MPI.COMM_WORLD.Barrier()
+    return checks
+
+
 def release(eng):
     """close() with transfers in flight (a recv nobody sends, a 1 MiB send nobody receives, a
     small send): no crash, no hang; a new group then works, and MPI finalises at exit."""
@@ -243,7 +257,10 @@ def release(eng):
 def main():
     case, outdir = sys.argv[1], sys.argv[2]
     rank = MPI.COMM_WORLD.Get_rank()
-    cases = {f.__name__: f for f in (exchange_all, ring, in_order, mismatch, timeout, fail, release)}
+    cases = {
+        f.__name__: f
+        for f in (exchange_all, ring, in_order, mismatch, timeout, fail, fail_from_thread, release)
+    }
     try:
         eng = _mpi.EngineForTests(_mpi.make_engine(MPI.COMM_WORLD, "test"))
         got = f"ok {cases[case](eng)}"

@@ -153,5 +153,9 @@ def test_p2p_fail_reaches_transfers_in_flight(tmp_path):
     assert _mpirun(tmp_path, "fail", 3, {}, P2P) == [2, 2, 1]
 
 
+def test_p2p_fail_from_another_thread(tmp_path):
+    assert _mpirun(tmp_path, "fail_from_thread", 2, {}, P2P) == [1, 1]
+
+
 def test_p2p_release_with_transfers_in_flight(tmp_path):
     assert _mpirun(tmp_path, "release", 2, {}, P2P) == [3, 3]
