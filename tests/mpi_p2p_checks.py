@@ -63,7 +63,29 @@ def exchange(eng, count=5, tag=3):
 
 
 def exchange_all(eng):
-    return sum(exchange(eng, count) for count in counts())
+    return sum(exchange(eng, count) for count in counts()) + refused(eng)
+
+
+def refused(eng):
+    """Bad peers and tags: InvalidArgument at start, naming the call, and no request."""
+    r, n, checks = eng.rank, eng.size, 0
+    a = np.zeros(2, dtype=np.int64)
+    for send, peer, tag, why in (
+        (True, r, 0, "the peer must be another member"),
+        (False, n, 0, "the peer must be another member"),
+        (False, 1 - r, -1, "tags go from 0"),
+    ):
+        try:
+            eng.p2p_start(send, a, peer, tag)
+        except plait.InvalidArgument as e:
+            what = (
+                f"{'send' if send else 'recv'} of 16 bytes {'to' if send else 'from'} peer {peer} tag {tag}"
+            )
+            assert why in str(e) and what in str(e) and f"rank {r} of {n}" in str(e), e
+            checks += 1
+        else:
+            raise AssertionError("no InvalidArgument")
+    return checks
 
 
 def ring(eng):
@@ -218,6 +240,13 @@ def fail(eng):
         checks = sum(
             expect(eng, plait.MismatchError, q, "rank 2 failed: boom (a test)", within=1.5) for q in qs
         )
+    try:  # a flagged group starts nothing
+        eng.p2p_start(True, np.zeros(1), (r + 1) % eng.size, 0)
+    except plait.MismatchError as e:
+        assert str(e) == "rank 2 failed: boom (a test)", e
+        checks += 1
+    else:
+        raise AssertionError("a flagged group started a transfer")
     MPI.COMM_WORLD.Barrier()
     return checks
 
