@@ -144,19 +144,23 @@ def expect(eng, error, q, *texts, within=30):
 
 
 def mismatch(eng):
-    """A recv meets a longer and a shorter message: MismatchError with both sizes, and the pair
-    stays in step, except after a longer message of several pieces (the rest of it would meet
-    the next recv: that group refuses further calls). With 8-byte pieces, a message short of the
-    pieces asked is seen when its last piece lands, not at the deadline, and the pieces after it
-    are cancelled cleanly. With OMPI_MCA_btl_vader_single_copy_mechanism=none, also a 64 KiB
-    message into 32 KiB."""
+    """A recv meets a longer and a shorter message: MismatchError with the message's size, and
+    the pair stays in step; a longer one of 1 MiB into 32 KiB too, started and blocking (it is
+    received aside, never truncated: Open MPI 4.1 would write past the buffer). With 8-byte
+    pieces, a message short of the pieces asked ends the recv when its last piece lands, not at
+    the deadline; a longer one of whole pieces may have more behind it, so that group refuses
+    further calls."""
     r, checks = eng.rank, 0
-    big = os.environ.get("OMPI_MCA_btl_vader_single_copy_mechanism") == "none"
     small = _mpi.EngineForTests(_mpi.make_engine(MPI.COMM_WORLD, "pieces", 8))
     spoilt = _mpi.EngineForTests(_mpi.make_engine(MPI.COMM_WORLD, "spoilt", 8))
-    if r == 0:  # 32 bytes (4 eager pieces) into a recv of 12 (8 + 4): pieces 2 and 3 are left over
+    if r == 0:  # 32 bytes (4 pieces) into a recv of 12 (8 + 4): pieces 2 and 3 are left over
         finish(spoilt, [spoilt.p2p_start(True, mine := np.arange(8, dtype=np.int32), 1, 1)])
         assert mine.size == 8
+        eng.send(np.arange(16, dtype=np.int32), 1, 9)
+        eng.send(np.arange(4, dtype=np.int32), 1, 9)
+        small.send(np.arange(3, dtype=np.int32), 1, 2)  # 12 bytes: pieces of 8 and 4
+        eng.send(payload(0, 1, 10, BIG), 1, 10)
+        eng.send(payload(0, 1, 11, BIG), 1, 11)
     else:
         got = np.zeros(3, dtype=np.int32)
         q = spoilt.p2p_start(False, got, 0, 1)
@@ -166,14 +170,6 @@ def mismatch(eng):
         except plait.PeerLostError as e:
             assert "out of step" in str(e) and "recv of 12 bytes from peer 0 tag 1" in str(e), e
             checks += 1
-    spoilt.close()
-    if r == 0:
-        eng.send(np.arange(16, dtype=np.int32), 1, 9)
-        eng.send(np.arange(4, dtype=np.int32), 1, 9)
-        small.send(np.arange(3, dtype=np.int32), 1, 2)  # 12 bytes: pieces of 8 and 4
-        if big:
-            eng.send(np.arange(1 << 14, dtype=np.int32), 1, 10)
-    else:
         for nbytes in (64, 16):
             got = np.zeros(8, dtype=np.int32)  # the engine's until the request is done
             q = eng.p2p_start(False, got, 0, 9)
@@ -185,11 +181,18 @@ def mismatch(eng):
         checks += expect(
             small, plait.MismatchError, q, "recv of 32 bytes from peer 0 tag 2", "had 12 bytes", within=10
         )
-        assert got[:3].tolist() == [0, 1, 2], got
-        if big:
-            got = np.zeros(1 << 13, dtype=np.int32)
-            q = eng.p2p_start(False, got, 0, 10)
-            checks += expect(eng, plait.MismatchError, q, "recv of 32768 bytes", "had 65536 bytes")
+        assert got[:3].tolist() == [0, 1, 2] and (got[3:] == -1).all(), got
+        fence = np.full(1 << 13, -1, dtype=np.int64)  # 32 KiB asked, 32 KiB more right after
+        q = eng.p2p_start(False, part := fence[: 1 << 12], 0, 10)
+        checks += expect(eng, plait.MismatchError, q, "recv of 32768 bytes", "had 1048576 bytes")
+        assert part.base is fence and (fence[1 << 12 :] == -1).all(), "written past the buffer"
+        try:
+            eng.recv(fence[: 1 << 12], 0, 11)
+        except plait.MismatchError as e:
+            assert "recv of 32768 bytes from peer 0 tag 11" in str(e) and "had 1048576 bytes" in str(e), e
+            assert (fence[1 << 12 :] == -1).all(), "written past the buffer"
+            checks += 1
+    spoilt.close()
     checks += exchange(eng) + exchange(small)  # both groups still usable
     small.close()
     return checks
@@ -264,6 +267,29 @@ def fail_from_thread(eng):
     return checks
 
 
+def claimed_while_waiting(eng):
+    """Rank 0 has a 1 MiB recv in flight and waits in an allreduce; rank 1 sends it blocking and
+    only then joins the allreduce. The recv must take its message during that wait, on the same
+    group and from another group's wait too, as MPI progresses a posted receive in any call."""
+    r, peer, checks = eng.rank, 1 - eng.rank, 0
+    other = _mpi.EngineForTests(_mpi.make_engine(MPI.COMM_WORLD, "other"))
+    for group, tag in ((eng, 31), (other, 32)):
+        a = np.full(3, r + 1, dtype=np.int64)
+        if r == 0:
+            got = np.full(BIG, -1, dtype=np.int64)
+            q = group.p2p_start(False, got, peer, tag)
+            eng.allreduce(a, "sum", timeout=30)
+            finish(group, [q])
+            assert np.array_equal(got, payload(peer, r, tag, BIG)), ("claimed", tag, got[:4])
+        else:
+            group.send(payload(r, peer, tag, BIG), peer, tag, timeout=30)
+            eng.allreduce(a, "sum", timeout=30)
+        assert (a == 3).all(), a
+        checks += 1
+    other.close()
+    return checks
+
+
 def release(eng):
     """close() with transfers in flight (a recv nobody sends, a 1 MiB send nobody receives, a
     small send): no crash, no hang; a new group then works, and MPI finalises at exit."""
@@ -288,7 +314,17 @@ def main():
     rank = MPI.COMM_WORLD.Get_rank()
     cases = {
         f.__name__: f
-        for f in (exchange_all, ring, in_order, mismatch, timeout, fail, fail_from_thread, release)
+        for f in (
+            exchange_all,
+            ring,
+            in_order,
+            mismatch,
+            timeout,
+            fail,
+            fail_from_thread,
+            claimed_while_waiting,
+            release,
+        )
     }
     try:
         eng = _mpi.EngineForTests(_mpi.make_engine(MPI.COMM_WORLD, "test"))

@@ -20,13 +20,13 @@
 // and longer buffers take several. For allgather and alltoall a piece of every block travels as
 // one block of a resized derived type whose extent is the whole block, so the layout holds.
 //
-// p2p_start/p2p_test: a transfer's pieces are all posted at start and p2p_test takes them as they
-// finish (Testsome), with the same flag look and deadline as a wait, so any number of sends and
-// receives may be in flight and an exchange between two members cannot wait on itself. A recv
-// that meets a longer message fails with MPI_ERR_TRUNCATE (the data communicator returns errors),
-// reported as a mismatch. Caution: Open MPI 4.1's shared-memory single-copy path (vader, CMA)
-// writes a truncated message of more than its 4 KiB eager size past the receive buffer; between
-// hosts (tcp) and with btl_vader_single_copy_mechanism=none the truncation is clean.
+// p2p_start/p2p_test: a send's pieces are all posted at start; a recv's pieces claim their
+// messages in order as they come (Improbe + Imrecv), so a message's size is known before it
+// lands and a longer one is reported, never truncated (Open MPI 4.1 overruns the buffer when it
+// truncates a message past its eager size). p2p_test takes the pieces as they finish
+// (Testsome), with the same flag look and deadline as a wait, so any number of sends and recvs
+// may be in flight and an exchange between two members cannot wait on itself. A blocking recv
+// is a started one, waited.
 //
 // A call that gives up (deadline, flag) cancels its point-to-point requests; MPI cannot cancel a
 // collective, so a collective that gives up is stranded and the group refuses later calls (its
@@ -226,30 +226,30 @@ uint32_t p2p_refused(Engine* e, int peer, int tag, const std::string& what, char
   return PLAIT_OK;
 }
 
-uint32_t p2p(Engine* e, bool is_send, void* buf, size_t bytes, int peer, int tag, double timeout_s,
-             char* err, size_t errlen) {
-  auto what = [&] { return p2p_what(is_send, bytes, peer, tag); };
+uint32_t send(void* ctx, const void* buf, size_t bytes, int peer, int tag, double timeout_s,
+              char* err, size_t errlen) {
+  Engine* e = static_cast<Engine*>(ctx);
+  auto what = [&] { return p2p_what(true, bytes, peer, tag); };
   if (uint32_t k = p2p_refused(e, peer, tag, what(), err, errlen)) return k;
   Pending p;
   p.p2p = true;
-  p.recv = !is_send;
-  char* b = static_cast<char*>(buf);
+  const char* b = static_cast<const char*>(buf);
   return run(
       e, p, bytes, 1, timeout_s, what,
       [&](size_t off, size_t len, MPI_Request* r) {
-        return is_send ? MPI_Isend(b + off, int(len), MPI_BYTE, peer, tag, e->data, r)
-                       : MPI_Irecv(b + off, int(len), MPI_BYTE, peer, tag, e->data, r);
+        return MPI_Isend(b + off, int(len), MPI_BYTE, peer, tag, e->data, r);
       },
       err, errlen);
 }
 
-// Every piece posted at once, cut as p2p() cuts them (a blocking call on the other side matches
-// it: 0 bytes is one empty message). Several in flight never wait on each other: MPI progresses
-// all posted requests in any Test.
+// A send's pieces are posted at once, cut as send() cuts them (0 bytes: one empty message); a
+// recv's claim their messages as they come (mpi_group.h's Transfer), so any mix may be in
+// flight and none waits on another: MPI progresses all posted requests in any Test.
 uint32_t p2p_start(void* ctx, int send, void* buf, size_t bytes, int peer, int tag,
                    double timeout_s, void** req, char* err, size_t errlen) {
   Engine* e = static_cast<Engine*>(ctx);
   *req = nullptr;
+  std::lock_guard<std::mutex> g(e->calls);
   auto t = std::make_unique<Transfer>();
   t->p.what = p2p_what(send, bytes, peer, tag);
   if (uint32_t k = p2p_refused(e, peer, tag, t->p.what, err, errlen)) return k;
@@ -257,18 +257,18 @@ uint32_t p2p_start(void* ctx, int send, void* buf, size_t bytes, int peer, int t
   t->p.p2p = true;
   t->p.recv = !send;
   t->p.bytes = bytes;
+  t->base = static_cast<char*>(buf);
   t->peer = peer;
   t->tag = tag;
   t->timeout_s = timeout_s;
   t->deadline = deadline_of(timeout_s);
-  char* b = static_cast<char*>(buf);
   const size_t step = piece(e, 1);
   size_t off = 0;
   do {
     const size_t len = std::min(step, bytes - off);
     MPI_Request r = MPI_REQUEST_NULL;
-    const int rc = send ? MPI_Isend(b + off, int(len), MPI_BYTE, peer, tag, e->data, &r)
-                        : MPI_Irecv(b + off, int(len), MPI_BYTE, peer, tag, e->data, &r);
+    const int rc =
+        send ? MPI_Isend(t->base + off, int(len), MPI_BYTE, peer, tag, e->data, &r) : MPI_SUCCESS;
     if (rc != MPI_SUCCESS) {
       char msg[1024];
       const uint32_t kind = mpi_error(e, t->p.what, rc, msg, sizeof msg);
@@ -280,7 +280,11 @@ uint32_t p2p_start(void* ctx, int send, void* buf, size_t bytes, int peer, int t
     ++t->left;
     off += len;
   } while (off < bytes);
+  t->wanted = t->lens.size();
+  if (send) t->matched = t->wanted;
   t->at = e->transfers.insert(e->transfers.end(), t.get());
+  if (!send) registry().recvs.fetch_add(1, std::memory_order_relaxed);
+  if (!send) claim_upto(e, *t);  // what has come already
   *req = t.release();
   return PLAIT_OK;
 }
@@ -299,6 +303,7 @@ uint32_t p2p_test(void* ctx, void* req, int* done, char* err, size_t errlen) {
   }
   const Clock::time_point now = Clock::now();
   if (ns(now) >= registry().next_probe.load(std::memory_order_relaxed)) probe(now);
+  std::lock_guard<std::mutex> g(e->calls);
   advance(e, *t);
   if (!t->over) return PLAIT_OK;
   if (!t->outcome)
@@ -311,24 +316,36 @@ uint32_t p2p_test(void* ctx, void* req, int* done, char* err, size_t errlen) {
   *done = 1;
   std::unique_ptr<Transfer> own(t);
   e->transfers.erase(t->at);
+  if (t->p.recv) registry().recvs.fetch_sub(1, std::memory_order_relaxed);
   return t->outcome ? say(err, errlen, t->outcome, t->msg) : PLAIT_OK;
 }
 
-uint32_t send(void* ctx, const void* buf, size_t bytes, int peer, int tag, double timeout_s,
-              char* err, size_t errlen) {
-  return p2p(static_cast<Engine*>(ctx), true, const_cast<void*>(buf), bytes, peer, tag, timeout_s,
-             err, errlen);
-}
-
+// A blocking recv is a started one, tested as a wait spins, yields and sleeps (finish()), so it
+// takes its place among the recvs in flight and never truncates a longer message.
 uint32_t recv(void* ctx, void* buf, size_t bytes, int peer, int tag, double timeout_s, char* err,
               size_t errlen) {
-  return p2p(static_cast<Engine*>(ctx), false, buf, bytes, peer, tag, timeout_s, err, errlen);
+  void* req = nullptr;
+  if (uint32_t k = p2p_start(ctx, 0, buf, bytes, peer, tag, timeout_s, &req, err, errlen)) return k;
+  const Clock::time_point start = Clock::now();
+  for (;;) {
+    int done = 0;
+    const uint32_t k = p2p_test(ctx, req, &done, err, errlen);
+    if (done) return k;
+    claim_everywhere();
+    const auto waited = Clock::now() - start;
+    if (waited < kSpin) continue;
+    if (waited < kYield)
+      sched_yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(waited < kProbeEvery * 4 ? 100 : 1000));
+  }
 }
 
 // MPI_Iprobe on the data communicator: the message it finds is the one a recv from its source
 // with this tag takes next (MPI keeps one (source, tag) pair's messages in order, and one thread
 // at a time calls this group). A message of a whole piece may be the first of several (p2p cuts
-// long ones), so its size is told only when it is shorter than a piece.
+// long ones), so its size is told only when it is shorter than a piece. A message a started recv
+// of its (source, tag) waits for is that recv's: it claims it, and the probe looks again.
 uint32_t probe_tag(void* ctx, int tag, int* src, size_t* bytes, char* err, size_t errlen) {
   Engine* e = static_cast<Engine*>(ctx);
   *src = -1;
@@ -340,10 +357,15 @@ uint32_t probe_tag(void* ctx, int tag, int* src, size_t* bytes, char* err, size_
   const Clock::time_point now = Clock::now();
   if (ns(now) >= registry().next_probe.load(std::memory_order_relaxed)) probe(now);
   if (uint32_t k = refused(e, err, errlen)) return k;
+  std::lock_guard<std::mutex> g(e->calls);
   int found = 0;
   MPI_Status st;
-  const int rc = MPI_Iprobe(MPI_ANY_SOURCE, tag, e->data, &found, &st);
-  if (rc != MPI_SUCCESS) return mpi_error(e, what(), rc, err, errlen);
+  for (size_t looks = 0; looks <= e->transfers.size(); ++looks) {
+    const int rc = MPI_Iprobe(MPI_ANY_SOURCE, tag, e->data, &found, &st);
+    if (rc != MPI_SUCCESS) return mpi_error(e, what(), rc, err, errlen);
+    if (!found || !awaited(e, st.MPI_SOURCE, tag)) break;
+    found = 0;
+  }
   if (!found) return PLAIT_OK;
   int n = 0;
   MPI_Get_count(&st, MPI_BYTE, &n);
@@ -391,6 +413,7 @@ void release(void* ctx) {
   MPI_Finalized(&finalized);
   for (Transfer* t : e->transfers) {  // cancelled: no receive may still write a caller's buffer
     if (!finalized && !t->over) give_up(e.get(), *t, PLAIT_E_PEER_LOST, "released");
+    if (t->p.recv) r.recvs.fetch_sub(1, std::memory_order_relaxed);
     delete t;
   }
   e->transfers.clear();

@@ -48,6 +48,7 @@ struct Engine {
   std::vector<MPI_Request> stranded;  // collectives of calls that gave up: MPI cannot cancel them
   std::string broken;                 // why the group refuses calls; empty while it does not
   std::list<Transfer*> transfers;     // p2p_start's requests not yet handed back, in start order
+  std::mutex calls;  // held by the p2p calls, so other groups' waits may claim recvs' messages
   plait_engine table{};
 };
 
@@ -59,6 +60,7 @@ struct Registry {
   std::mutex mu;
   std::vector<Engine*> engines;
   std::atomic<int64_t> next_probe{0};  // steady-clock ns: when a waiting call next probes
+  std::atomic<int> recvs{0};           // p2p recvs not yet handed back, over every group
 };
 Registry& registry();
 inline int64_t ns(Clock::time_point t) {
@@ -74,25 +76,42 @@ struct Pending {
   std::string what;  // a started request's call, for wait's messages
 };
 
-// A p2p_start request: every piece posted at once (Isend/Irecv), finished piece by piece by
-// p2p_test (Testsome), so a short piece of a long recv is seen at once, not at the deadline.
-// `over` once it finished or gave up; then outcome and msg are its result.
+// A p2p_start request, cut into pieces as p2p() cuts a message. A send posts every piece at
+// start. A recv posts nothing: its pieces claim their messages in order (MPI_Improbe, then
+// MPI_Imrecv) as p2p_test and probe find them, after every earlier recv of the same (peer, tag),
+// so the size of each message is known before any byte lands and a longer message is drained
+// aside, never truncated (Open MPI 4.1 writes a truncated message of more than its eager size
+// past the receive buffer, over shared memory and tcp alike). p2p_test takes the pieces as they
+// finish (Testsome). `over` once it finished or gave up; then outcome and msg are its result.
 struct Transfer {
-  Pending p;                 // reqs[i] is MPI_REQUEST_NULL once piece i finished
+  Pending p;                 // reqs[i]: MPI_REQUEST_NULL before piece i is posted and once done
   std::vector<size_t> lens;  // each piece's bytes
   std::vector<int> idx;      // Testsome's scratch, one per piece (p2p_test allocates nothing)
   std::vector<MPI_Status> st;
-  size_t got = 0, left = 0;  // bytes the finished pieces brought; pieces not finished
+  char* base = nullptr;            // the caller's buffer
+  size_t matched = 0, wanted = 0;  // a recv's pieces [matched, wanted) have no message yet
+  std::vector<char> aside;         // a longer message than its piece, received to be dropped
+  size_t got = 0, left = 0;        // bytes the finished pieces brought; pieces not finished
   int peer = 0, tag = 0;
   Clock::time_point deadline;
   double timeout_s = 0;
-  bool over = false, out_of_step = false;  // out_of_step: a mismatch left the pair's order
+  bool over = false;
   uint32_t outcome = PLAIT_OK;
   std::string msg;
   std::list<Transfer*>::iterator at;  // its place in Engine::transfers
 };
-// Moves t on without waiting: takes its finished pieces, and gives up on the rest on a mismatch,
-// an MPI error, the flag or the deadline; t.over once it has a result.
+// Gives the messages that have arrived to the recvs of t's (peer, tag) started up to t, in
+// start order (never waits).
+void claim_upto(Engine* e, Transfer& t);
+// True when a recv of (src, tag) started earlier is waiting for a message (probe's message then
+// belongs to it); it claims what has come.
+bool awaited(Engine* e, int src, int tag);
+// Claims the messages that have come for the recvs in flight of every group whose calls are not
+// running now: a blocking wait on one group must not keep another's sender waiting for it (as
+// MPI progresses posted receives in any call).
+void claim_everywhere();
+// Moves t on without waiting: claims and takes its pieces, and gives up on the rest on an MPI
+// error, the flag or the deadline; t.over once it has a result.
 void advance(Engine* e, Transfer& t);
 // Gives up on t's pieces in flight (a release with t unfinished): t.over, with kind and msg.
 void give_up(Engine* e, Transfer& t, uint32_t kind, const std::string& msg);
@@ -146,6 +165,7 @@ uint32_t finish(Engine* e, Pending& p, Clock::time_point deadline, double timeou
       abandon(e, p, what());
       return refused(e, err, errlen);
     }
+    claim_everywhere();
     const Clock::time_point now = Clock::now();
     if (ns(now) >= registry().next_probe.load(std::memory_order_relaxed)) {
       probe(now);
