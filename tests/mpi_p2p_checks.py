@@ -290,6 +290,32 @@ def claimed_while_waiting(eng):
     return checks
 
 
+def probe_after_start(eng):
+    """A recv of (1, tag 4) started before rank 1 sends two messages of that tag: probe(4) skips
+    the first (that recv's) and names the second, which a blocking recv then takes."""
+    r, checks = eng.rank, 0
+    first, second = np.full(3, -1, dtype=np.int64), np.full(5, -1, dtype=np.int64)
+    if r == 0:
+        q = eng.p2p_start(False, first, 1, 4)
+    MPI.COMM_WORLD.Barrier()
+    if r == 1:
+        eng.send(payload(1, 0, 4, 3), 0, 4)
+        eng.send(payload(1, 0, 40, 5), 0, 4)
+    MPI.COMM_WORLD.Barrier()
+    if r == 0:
+        deadline = time.monotonic() + 30
+        while (seen := eng.probe(4))[0] < 0:
+            assert time.monotonic() < deadline, "probe found nothing"
+        assert seen == (1, 40), seen
+        eng.recv(second, 1, 4)
+        finish(eng, [q])
+        assert np.array_equal(first, payload(1, 0, 4, 3)) and np.array_equal(second, payload(1, 0, 40, 5))
+        assert eng.probe(4) == (-1, 0)
+        checks += 1
+    MPI.COMM_WORLD.Barrier()
+    return checks
+
+
 def release(eng):
     """close() with transfers in flight (a recv nobody sends, a 1 MiB send nobody receives, a
     small send): no crash, no hang; a new group then works, and MPI finalises at exit."""
@@ -323,6 +349,7 @@ def main():
             fail,
             fail_from_thread,
             claimed_while_waiting,
+            probe_after_start,
             release,
         )
     }

@@ -157,5 +157,9 @@ def test_p2p_recv_takes_its_message_while_a_blocking_call_waits(tmp_path):
     assert _mpirun(tmp_path, "claimed_while_waiting", 2, {}, P2P) == [2, 2]
 
 
+def test_probe_leaves_a_started_recvs_message_to_it(tmp_path):
+    assert _mpirun(tmp_path, "probe_after_start", 2, {}, P2P) == [1, 0]
+
+
 def test_p2p_release_with_transfers_in_flight(tmp_path):
     assert _mpirun(tmp_path, "release", 2, {}, P2P) == [3, 3]
