@@ -243,8 +243,8 @@ uint32_t send(void* ctx, const void* buf, size_t bytes, int peer, int tag, doubl
 }
 
 // A send's pieces are posted at once, cut as send() cuts them (0 bytes: one empty message); a
-// recv's claim their messages as they come (mpi_group.h's Transfer), so any mix may be in
-// flight and none waits on another: MPI progresses all posted requests in any Test.
+// recv's claim their messages as they come (mpi_group.h's Transfer), in this group's calls and
+// any group's waits, so any mix may be in flight and none waits on another.
 uint32_t p2p_start(void* ctx, int send, void* buf, size_t bytes, int peer, int tag,
                    double timeout_s, void** req, char* err, size_t errlen) {
   Engine* e = static_cast<Engine*>(ctx);
@@ -411,7 +411,7 @@ void release(void* ctx) {
   r.engines.erase(std::remove(r.engines.begin(), r.engines.end(), e.get()), r.engines.end());
   int finalized = 1;
   MPI_Finalized(&finalized);
-  for (Transfer* t : e->transfers) {  // cancelled: no receive may still write a caller's buffer
+  for (Transfer* t : e->transfers) {  // as a give-up: unclaimed recvs take nothing more
     if (!finalized && !t->over) give_up(e.get(), *t, PLAIT_E_PEER_LOST, "released");
     if (t->p.recv) r.recvs.fetch_sub(1, std::memory_order_relaxed);
     delete t;
