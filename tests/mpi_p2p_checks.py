@@ -316,6 +316,39 @@ def probe_after_start(eng):
     return checks
 
 
+def stress(eng):
+    """Every member starts, to and from every other, 24 transfers over 2 tags with sizes drawn
+    from a seed both ends share (0 bytes to 160 KiB; 64-byte pieces on a second group), all
+    before any test, then tests them in a shuffled order until each is done: every message lands
+    whole in the recv started for it."""
+    r, n, checks = eng.rank, eng.size, 0
+    pieces = _mpi.EngineForTests(_mpi.make_engine(MPI.COMM_WORLD, "stress", 64))
+    for group, most in ((eng, 20_000), (pieces, 300)):
+        reqs, recvs = [], []
+        for peer in range(n):
+            if peer == r:
+                continue
+            for src, dst in ((r, peer), (peer, r)):
+                rng = np.random.default_rng(1000 * src + dst + most)
+                for i in range(24):
+                    tag, count = 50 + i % 2, int(rng.integers(0, most)) if i % 5 else 0
+                    if src == r:
+                        reqs.append(
+                            (group.p2p_start(True, buf := payload(src, dst, i, count), dst, tag), buf)
+                        )
+                    else:
+                        buf = np.full(count, -1, dtype=np.int64)
+                        reqs.append((group.p2p_start(False, buf, src, tag), buf))
+                        recvs.append((buf, payload(src, dst, i, count)))
+        order = np.random.default_rng(r).permutation(len(reqs))
+        finish(group, [reqs[k][0] for k in order])
+        for got, want in recvs:
+            assert np.array_equal(got, want), ("stress", got.size, got[:4], want[:4])
+        checks += 1
+    pieces.close()
+    return checks
+
+
 def release(eng):
     """close() with transfers in flight (a recv nobody sends, a 1 MiB send nobody receives, a
     small send): no crash, no hang; a new group then works, and MPI finalises at exit."""
@@ -350,6 +383,7 @@ def main():
             fail_from_thread,
             claimed_while_waiting,
             probe_after_start,
+            stress,
             release,
         )
     }

@@ -161,5 +161,9 @@ def test_probe_leaves_a_started_recvs_message_to_it(tmp_path):
     assert _mpirun(tmp_path, "probe_after_start", 2, {}, P2P) == [1, 0]
 
 
+def test_p2p_many_in_flight_any_test_order(tmp_path):
+    assert _mpirun(tmp_path, "stress", 3, {}, P2P) == [2, 2, 2]
+
+
 def test_p2p_release_with_transfers_in_flight(tmp_path):
     assert _mpirun(tmp_path, "release", 2, {}, P2P) == [3, 3]
