@@ -331,9 +331,9 @@ uint32_t recv(void* ctx, void* buf, size_t bytes, int peer, int tag, double time
     int done = 0;
     const uint32_t k = p2p_test(ctx, req, &done, err, errlen);
     if (done) return k;
-    claim_everywhere();
     const auto waited = Clock::now() - start;
     if (waited < kSpin) continue;
+    claim_everywhere();
     if (waited < kYield)
       sched_yield();
     else

@@ -165,7 +165,6 @@ uint32_t finish(Engine* e, Pending& p, Clock::time_point deadline, double timeou
       abandon(e, p, what());
       return refused(e, err, errlen);
     }
-    claim_everywhere();
     const Clock::time_point now = Clock::now();
     if (ns(now) >= registry().next_probe.load(std::memory_order_relaxed)) {
       probe(now);
@@ -181,6 +180,7 @@ uint32_t finish(Engine* e, Pending& p, Clock::time_point deadline, double timeou
     }
     const auto waited = now - start;
     if (waited < kSpin) continue;
+    claim_everywhere();  // past the spin: a short wait needs no other group's recvs
     if (waited < kYield)
       sched_yield();
     else
