@@ -29,15 +29,17 @@ pytestmark = pytest.mark.skipif(
     WHY is not None,
     reason=f"{WHY} (apt-get install openmpi-bin libopenmpi-dev && pip install mpi4py, then rebuild plait)",
 )
-CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_engine_checks.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHECKS = os.path.join(HERE, "mpi_engine_checks.py")
+P2P = os.path.join(HERE, "mpi_p2p_checks.py")
 
 
-def _start(tmp_path, case, n, env=()):
+def _start(tmp_path, case, n, env=(), checks=CHECKS):
     cmd = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     return subprocess.run(
-        cmd + [sys.executable, CHECKS, case, str(tmp_path)],
+        cmd + [sys.executable, checks, case, str(tmp_path)],
         env=dict(_ENV, **dict(env)),
         capture_output=True,
         text=True,
@@ -45,8 +47,8 @@ def _start(tmp_path, case, n, env=()):
     )
 
 
-def _mpirun(tmp_path, case, n, env=()):
-    r = _start(tmp_path, case, n, env)
+def _mpirun(tmp_path, case, n, env=(), checks=CHECKS):
+    r = _start(tmp_path, case, n, env, checks)
     got = {}
     for rank in range(n):
         path = tmp_path / f"{case}-{rank}"
@@ -110,3 +112,58 @@ def test_killed_rank_ends_the_job(tmp_path):
     assert r.returncode != 0 and took < 60, (r.returncode, took, r.stderr[-2000:])
     assert not (tmp_path / "killed-0").exists(), (tmp_path / "killed-0").read_text()
     assert not (tmp_path / "killed-1").exists()
+
+
+# p2p_start / p2p_test (mpi_p2p_checks.py): counts 0, 1, 7, 3001 and, in whole pieces, 1 MiB
+P2P_COUNTS = {None: 5, "40": 4}
+
+
+@pytest.mark.parametrize("chunk", [None, "40"], ids=["one-piece", "40-byte-pieces"])
+def test_p2p_exchange_does_not_wait_on_itself(tmp_path, chunk):
+    """Both members start a recv, then send blocking, then finish the recv; and the mirror."""
+    env = {"PLAIT_MPI_CHUNK_BYTES": chunk} if chunk else {}
+    assert _mpirun(tmp_path, "exchange_all", 2, env, P2P) == [2 * P2P_COUNTS[chunk] + 3] * 2
+
+
+@pytest.mark.parametrize("chunk", [None, "40"], ids=["one-piece", "40-byte-pieces"])
+def test_p2p_ring_all_started_before_any_test(tmp_path, chunk):
+    env = {"PLAIT_MPI_CHUNK_BYTES": chunk} if chunk else {}
+    assert _mpirun(tmp_path, "ring", 3, env, P2P) == [P2P_COUNTS[chunk]] * 3
+
+
+def test_p2p_one_pair_completes_in_start_order(tmp_path):
+    assert _mpirun(tmp_path, "in_order", 2, {}, P2P) == [50, 50]
+
+
+def test_p2p_size_mismatch(tmp_path):
+    """Longer and shorter messages: MismatchError naming the message's size, nothing written past
+    the buffer; the groups stay usable unless a longer message may have more pieces behind it."""
+    assert _mpirun(tmp_path, "mismatch", 2, {}, P2P) == [4, 4 + 2 + 2 + 1 + 2]
+
+
+def test_p2p_timeout(tmp_path):
+    assert _mpirun(tmp_path, "timeout", 2, {}, P2P) == [5, 2]
+
+
+def test_p2p_fail_reaches_transfers_in_flight(tmp_path):
+    assert _mpirun(tmp_path, "fail", 3, {}, P2P) == [3, 3, 2]
+
+
+def test_p2p_fail_from_another_thread(tmp_path):
+    assert _mpirun(tmp_path, "fail_from_thread", 2, {}, P2P) == [1, 1]
+
+
+def test_p2p_recv_takes_its_message_while_a_blocking_call_waits(tmp_path):
+    assert _mpirun(tmp_path, "claimed_while_waiting", 2, {}, P2P) == [2, 2]
+
+
+def test_probe_leaves_a_started_recvs_message_to_it(tmp_path):
+    assert _mpirun(tmp_path, "probe_after_start", 2, {}, P2P) == [1, 0]
+
+
+def test_p2p_many_in_flight_any_test_order(tmp_path):
+    assert _mpirun(tmp_path, "stress", 3, {}, P2P) == [2, 2, 2]
+
+
+def test_p2p_release_with_transfers_in_flight(tmp_path):
+    assert _mpirun(tmp_path, "release", 2, {}, P2P) == [3, 3]

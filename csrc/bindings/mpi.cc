@@ -231,6 +231,23 @@ class EngineForTests {
     if (bytes == PLAIT_ENGINE_UNKNOWN) return py::make_tuple(src, py::none());
     return py::make_tuple(src, bytes);
   }
+  // p2p_start's request (the test keeps a alive until p2p_test says done) and p2p_test's done
+  uintptr_t p2p_start(bool send, py::array a, int peer, int tag, double t) {
+    void* p = data(a, !send, send ? "send" : "recv");
+    if (!PLAIT_ENGINE_HAS(&e(), p2p_start)) raise(PLAIT_E_INVALID, "this engine has no p2p_start");
+    void* req = nullptr;
+    call([&](const plait_engine& en, char* err, size_t n) {
+      return en.p2p_start(en.ctx, send, p, size_t(a.nbytes()), peer, tag, t, &req, err, n);
+    });
+    return reinterpret_cast<uintptr_t>(req);
+  }
+  bool p2p_test(uintptr_t req) {
+    int done = 0;
+    call([&](const plait_engine& en, char* err, size_t n) {
+      return en.p2p_test(en.ctx, reinterpret_cast<void*>(req), &done, err, n);
+    });
+    return done != 0;
+  }
   void fail(uint32_t kind, const std::string& msg) {
     const plait_engine& en = e();
     py::gil_scoped_release nogil;
@@ -281,6 +298,9 @@ PYBIND11_MODULE(_mpi, m) {
       .def("recv", &EngineForTests::recv, py::arg("a"), py::arg("peer"), py::arg("tag"),
            py::arg("timeout") = inf)
       .def("probe", &EngineForTests::probe, py::arg("tag"))
+      .def("p2p_start", &EngineForTests::p2p_start, py::arg("send"), py::arg("a"), py::arg("peer"),
+           py::arg("tag"), py::arg("timeout") = inf)
+      .def("p2p_test", &EngineForTests::p2p_test, py::arg("req"))
       .def("fail", &EngineForTests::fail)
       .def("close", &EngineForTests::close);
 }

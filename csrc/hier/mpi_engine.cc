@@ -20,6 +20,14 @@
 // and longer buffers take several. For allgather and alltoall a piece of every block travels as
 // one block of a resized derived type whose extent is the whole block, so the layout holds.
 //
+// p2p_start/p2p_test: a send's pieces are all posted at start; a recv's pieces claim their
+// messages in order as they come (Improbe + Imrecv), so a message's size is known before it
+// lands and a longer one is reported, never truncated (Open MPI 4.1 overruns the buffer when it
+// truncates a message past its eager size). p2p_test takes the pieces as they finish
+// (Testsome), with the same flag look and deadline as a wait, so any number of sends and recvs
+// may be in flight and an exchange between two members cannot wait on itself. A blocking recv
+// is a started one, waited.
+//
 // A call that gives up (deadline, flag) cancels its point-to-point requests; MPI cannot cancel a
 // collective, so a collective that gives up is stranded and the group refuses later calls (its
 // members are out of step; the communicator aborts after such an error anyway).
@@ -202,47 +210,142 @@ uint32_t alltoall(void* ctx, const void* in, void* out, size_t bytes, double tim
       err, errlen);
 }
 
-uint32_t p2p(Engine* e, bool is_send, void* buf, size_t bytes, int peer, int tag, double timeout_s,
-             char* err, size_t errlen) {
-  auto what = [&] {
-    return std::string(is_send ? "send of " : "recv of ") + nbytes(bytes) +
-           (is_send ? " to peer " : " from peer ") + std::to_string(peer) + " tag " +
-           std::to_string(tag);
-  };
+std::string p2p_what(bool is_send, size_t bytes, int peer, int tag) {
+  return std::string(is_send ? "send of " : "recv of ") + nbytes(bytes) +
+         (is_send ? " to peer " : " from peer ") + std::to_string(peer) + " tag " +
+         std::to_string(tag);
+}
+
+uint32_t p2p_refused(Engine* e, int peer, int tag, const std::string& what, char* err,
+                     size_t errlen) {
   if (peer < 0 || peer >= e->size || peer == e->rank)
-    return say(err, errlen, PLAIT_E_INVALID,
-               where(e, what()) + ": the peer must be another member");
+    return say(err, errlen, PLAIT_E_INVALID, where(e, what) + ": the peer must be another member");
   if (tag < 0 || tag > e->tag_ub)
     return say(err, errlen, PLAIT_E_INVALID,
-               where(e, what()) + ": tags go from 0 to " + std::to_string(e->tag_ub));
-  Pending p;
-  p.p2p = true;
-  p.recv = !is_send;
-  char* b = static_cast<char*>(buf);
-  return run(
-      e, p, bytes, 1, timeout_s, what,
-      [&](size_t off, size_t len, MPI_Request* r) {
-        return is_send ? MPI_Isend(b + off, int(len), MPI_BYTE, peer, tag, e->data, r)
-                       : MPI_Irecv(b + off, int(len), MPI_BYTE, peer, tag, e->data, r);
-      },
-      err, errlen);
+               where(e, what) + ": tags go from 0 to " + std::to_string(e->tag_ub));
+  return PLAIT_OK;
 }
 
 uint32_t send(void* ctx, const void* buf, size_t bytes, int peer, int tag, double timeout_s,
               char* err, size_t errlen) {
-  return p2p(static_cast<Engine*>(ctx), true, const_cast<void*>(buf), bytes, peer, tag, timeout_s,
-             err, errlen);
+  Engine* e = static_cast<Engine*>(ctx);
+  auto what = [&] { return p2p_what(true, bytes, peer, tag); };
+  if (uint32_t k = p2p_refused(e, peer, tag, what(), err, errlen)) return k;
+  Pending p;
+  p.p2p = true;
+  const char* b = static_cast<const char*>(buf);
+  return run(
+      e, p, bytes, 1, timeout_s, what,
+      [&](size_t off, size_t len, MPI_Request* r) {
+        return MPI_Isend(b + off, int(len), MPI_BYTE, peer, tag, e->data, r);
+      },
+      err, errlen);
 }
 
+// A send's pieces are posted at once, cut as send() cuts them (0 bytes: one empty message); a
+// recv's claim their messages as they come (mpi_group.h's Transfer), in this group's calls and
+// any group's waits, so any mix may be in flight and none waits on another.
+uint32_t p2p_start(void* ctx, int send, void* buf, size_t bytes, int peer, int tag,
+                   double timeout_s, void** req, char* err, size_t errlen) {
+  Engine* e = static_cast<Engine*>(ctx);
+  *req = nullptr;
+  std::lock_guard<std::mutex> g(e->calls);
+  auto t = std::make_unique<Transfer>();
+  t->p.what = p2p_what(send, bytes, peer, tag);
+  if (uint32_t k = p2p_refused(e, peer, tag, t->p.what, err, errlen)) return k;
+  if (uint32_t k = refused(e, err, errlen)) return k;
+  t->p.p2p = true;
+  t->p.recv = !send;
+  t->p.bytes = bytes;
+  t->base = static_cast<char*>(buf);
+  t->peer = peer;
+  t->tag = tag;
+  t->timeout_s = timeout_s;
+  t->deadline = deadline_of(timeout_s);
+  const size_t step = piece(e, 1);
+  size_t off = 0;
+  do {
+    const size_t len = std::min(step, bytes - off);
+    MPI_Request r = MPI_REQUEST_NULL;
+    const int rc =
+        send ? MPI_Isend(t->base + off, int(len), MPI_BYTE, peer, tag, e->data, &r) : MPI_SUCCESS;
+    if (rc != MPI_SUCCESS) {
+      char msg[1024];
+      const uint32_t kind = mpi_error(e, t->p.what, rc, msg, sizeof msg);
+      give_up(e, *t, kind, msg);
+      return say(err, errlen, kind, msg);
+    }
+    t->p.reqs.push_back(r);
+    t->lens.push_back(len);
+    ++t->left;
+    off += len;
+  } while (off < bytes);
+  t->wanted = t->lens.size();
+  if (send) t->matched = t->wanted;
+  t->at = e->transfers.insert(e->transfers.end(), t.get());
+  if (!send) registry().recvs.fetch_add(1, std::memory_order_relaxed);
+  if (!send) claim_upto(e, *t);  // what has come already
+  *req = t.release();
+  return PLAIT_OK;
+}
+
+// engine.h: requests of one (peer, tag, direction) complete in start order. MPI matches them in
+// that order but may finish a later small one before an earlier large one, so a request that
+// succeeded waits for the earlier ones of its kind, which this test moves on too (the caller
+// need not test them first). A request that failed is handed back at once.
+uint32_t p2p_test(void* ctx, void* req, int* done, char* err, size_t errlen) {
+  Engine* e = static_cast<Engine*>(ctx);
+  Transfer* t = static_cast<Transfer*>(req);
+  *done = 0;
+  if (!t) {
+    *done = 1;
+    return PLAIT_OK;
+  }
+  const Clock::time_point now = Clock::now();
+  if (ns(now) >= registry().next_probe.load(std::memory_order_relaxed)) probe(now);
+  std::lock_guard<std::mutex> g(e->calls);
+  advance(e, *t);
+  if (!t->over) return PLAIT_OK;
+  if (!t->outcome)
+    for (Transfer* u : e->transfers) {
+      if (u == t) break;
+      if (u->peer != t->peer || u->tag != t->tag || u->p.recv != t->p.recv) continue;
+      advance(e, *u);
+      if (!u->over) return PLAIT_OK;
+    }
+  *done = 1;
+  std::unique_ptr<Transfer> own(t);
+  e->transfers.erase(t->at);
+  if (t->p.recv) registry().recvs.fetch_sub(1, std::memory_order_relaxed);
+  return t->outcome ? say(err, errlen, t->outcome, t->msg) : PLAIT_OK;
+}
+
+// A blocking recv is a started one, tested as a wait spins, yields and sleeps (finish()), so it
+// takes its place among the recvs in flight and never truncates a longer message.
 uint32_t recv(void* ctx, void* buf, size_t bytes, int peer, int tag, double timeout_s, char* err,
               size_t errlen) {
-  return p2p(static_cast<Engine*>(ctx), false, buf, bytes, peer, tag, timeout_s, err, errlen);
+  void* req = nullptr;
+  if (uint32_t k = p2p_start(ctx, 0, buf, bytes, peer, tag, timeout_s, &req, err, errlen)) return k;
+  const Clock::time_point start = Clock::now();
+  for (;;) {
+    int done = 0;
+    const uint32_t k = p2p_test(ctx, req, &done, err, errlen);
+    if (done) return k;
+    const auto waited = Clock::now() - start;
+    if (waited < kSpin) continue;
+    claim_everywhere();
+    if (waited < kYield)
+      sched_yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(waited < kProbeEvery * 4 ? 100 : 1000));
+  }
 }
 
 // MPI_Iprobe on the data communicator: the message it finds is the one a recv from its source
 // with this tag takes next (MPI keeps one (source, tag) pair's messages in order, and one thread
 // at a time calls this group). A message of a whole piece may be the first of several (p2p cuts
-// long ones), so its size is told only when it is shorter than a piece.
+// long ones), so its size is told only when it is shorter than a piece. A message a started recv
+// of its (source, tag) waits for is that recv's: it claims it, and the probe looks again.
 uint32_t probe_tag(void* ctx, int tag, int* src, size_t* bytes, char* err, size_t errlen) {
   Engine* e = static_cast<Engine*>(ctx);
   *src = -1;
@@ -254,10 +357,15 @@ uint32_t probe_tag(void* ctx, int tag, int* src, size_t* bytes, char* err, size_
   const Clock::time_point now = Clock::now();
   if (ns(now) >= registry().next_probe.load(std::memory_order_relaxed)) probe(now);
   if (uint32_t k = refused(e, err, errlen)) return k;
+  std::lock_guard<std::mutex> g(e->calls);
   int found = 0;
   MPI_Status st;
-  const int rc = MPI_Iprobe(MPI_ANY_SOURCE, tag, e->data, &found, &st);
-  if (rc != MPI_SUCCESS) return mpi_error(e, what(), rc, err, errlen);
+  for (size_t looks = 0; looks <= e->transfers.size(); ++looks) {
+    const int rc = MPI_Iprobe(MPI_ANY_SOURCE, tag, e->data, &found, &st);
+    if (rc != MPI_SUCCESS) return mpi_error(e, what(), rc, err, errlen);
+    if (!found || !awaited(e, st.MPI_SOURCE, tag)) break;
+    found = 0;
+  }
   if (!found) return PLAIT_OK;
   int n = 0;
   MPI_Get_count(&st, MPI_BYTE, &n);
@@ -303,6 +411,12 @@ void release(void* ctx) {
   r.engines.erase(std::remove(r.engines.begin(), r.engines.end(), e.get()), r.engines.end());
   int finalized = 1;
   MPI_Finalized(&finalized);
+  for (Transfer* t : e->transfers) {  // as a give-up: unclaimed recvs take nothing more
+    if (!finalized && !t->over) give_up(e.get(), *t, PLAIT_E_PEER_LOST, "released");
+    if (t->p.recv) r.recvs.fetch_sub(1, std::memory_order_relaxed);
+    delete t;
+  }
+  e->transfers.clear();
   if (finalized) return;
   bool sent = true;
   for (MPI_Request& req : e->fail_sends) {
@@ -384,6 +498,8 @@ plait_engine* mpi_engine_create(MPI_Comm comm, const char* label, size_t chunk_b
   t.send = send;
   t.recv = recv;
   t.probe = probe_tag;
+  t.p2p_start = p2p_start;
+  t.p2p_test = p2p_test;
   t.fail = fail;
   t.release = release;
   {
