@@ -136,6 +136,31 @@ def asynchronous(comm):
     return 6
 
 
+def exchange(comm, k=3001):
+    """send/recv in flight together: every rank posts a receive from every other and sends to every
+    other (all async), then a ring where each rank posts its receive and then sends with a blocking
+    call: neither may wait on its peer doing the same (engine.h p2p_start between hosts)."""
+    rank, size = comm.rank, comm.size
+
+    def value(src, dst):
+        return (1000 * src + 10 * dst + np.arange(k)) % 65521
+
+    outs = {p: np.zeros(k, np.int64) for p in range(size) if p != rank}
+    hs = [comm.recv(outs[p], p, tag=21, async_op=True) for p in outs]
+    hs += [comm.send(value(rank, p).astype(np.int64), p, tag=21, async_op=True) for p in outs]
+    for h in hs:
+        h.wait(timeout=60)
+    for p, got in outs.items():
+        _same(got, value(p, rank), f"rank {rank}: exchange from {p}")
+    left, right = (rank - 1) % size, (rank + 1) % size
+    ring = np.zeros(k, np.int64)
+    h = comm.recv(ring, left, tag=22, async_op=True)
+    comm.send(value(rank, right).astype(np.int64), right, tag=22)
+    h.wait(timeout=60)
+    _same(ring, value(left, rank), f"rank {rank}: ring from {left}")
+    return len(outs) + 1
+
+
 def capi_recv_any(comm, out, tag):
     """A recv from any rank through the C API (capi.h), which reports the sender: task_peer."""
     import ctypes

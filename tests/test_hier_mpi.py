@@ -43,6 +43,7 @@ for count in (0, 1, 7):
 n += hc.reductions(comm, 3001, dtypes=["float16", "bfloat16"], ops=["sum", "avg"])  # reduced by numpy
 n += hc.reductions(comm, 3001, dtypes=["int32"], ops=["sum"])
 n += hc.asynchronous(comm)
+n += hc.exchange(comm)
 sub = comm.split(color=comm.rank % 2)
 n += hc.reductions(sub, 5, dtypes=["float32"])
 sub.finalize()
@@ -194,8 +195,9 @@ def test_mpi_engine_pieces_exact(tmp_path):
     _mpirun(tmp_path, ["a", "a", "b", "b"], program=PIECES)
     checks = [int((tmp_path / f"checks-{rank}").read_text()) for rank in range(4)]
     # 7 counts x 4 x (8 integer/bool dtype-ops + float16 avg), then PROGRAM's 3001-element
-    # reductions (16 + 4), its async checks (6) and the split's float32 reductions (20)
-    assert checks == [7 * 4 * 9 + 16 + 4 + 6 + 20] * 4, checks
+    # reductions (16 + 4), its async checks (6), its exchange (3 peers + the ring) and the split's
+    # float32 reductions (20)
+    assert checks == [7 * 4 * 9 + 16 + 4 + 6 + 4 + 20] * 4, checks
 
 
 @pytest.mark.parametrize("hosts,case", [(["a", "b", "c"], "count"), (["a", "a", "b", "b"], "small-large")])
