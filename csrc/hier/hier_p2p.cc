@@ -8,7 +8,8 @@
 //   send/recv (args.peer becomes the host's rank; the task reports the global one).
 // - A peer on another host: the world engine's p2p_start issues the transfer, later steps ask
 //   p2p_test. An engine without them moves the message in one blocking call (the Python engine):
-//   there, a receive must not wait for a send issued after it on the same rank.
+//   there, a receive must not wait for a send issued after it on the same rank. So does a
+//   synchronous call with nothing else in flight on this rank (it has nothing to wait with).
 // - From any rank: nothing is posted before the sender is known, so two candidates (one on this
 //   host, one on another) are never both consumed. Each step asks this host's communicator
 //   (ready_source: its channels and its stash) and the world engine's probe, alternating which
@@ -78,7 +79,10 @@ int HierComm::p2p_remote(CallArgs& x, P2PState& st) {
   const bool sending = x.coll == Coll::send;
   if (!st.remote_begun) {
     st.remote_begun = true;
-    if (!world_->can_start_p2p()) {  // one blocking call (see above)
+    // A synchronous call stepped on its caller's thread with nothing else queued or running
+    // (no task: core/p2p.cc) has no other transfer to keep moving: the engine's own blocking
+    // call is its fastest way (gloo's waits in the calling thread, no hand-off to a waiter).
+    if (!world_->can_start_p2p() || Communicator::running_task() == nullptr) {
       if (sending)
         world_->send(x.in, bytes, x.peer, int(x.tag), st.deadline);
       else
