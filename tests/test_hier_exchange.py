@@ -21,6 +21,18 @@ from test_torch_backend import init_pg, run_torch  # noqa: E402
 HOSTS_2x2 = ["a", "a", "b", "b"]
 UNEVEN = ["a", "a", "b", "c"]
 
+# The gloo engine (csrc/torch/gloo_engine.cc) has no p2p_start/p2p_test yet, so a send or recv
+# between hosts there is one blocking call: an exchange across hosts waits until its deadline.
+# Kept as strict xfails (they fail loudly once the engine gains them: then drop this mark).
+# The MPI engine has them: hier_checks.exchange under mpirun (test_hier_mpi.py) proves it.
+GLOO_P2P_START = False
+gloo_p2p_start = pytest.mark.xfail(
+    not GLOO_P2P_START,
+    reason="gloo engine: no p2p_start yet; a cross-host exchange waits until its deadline",
+    strict=True,
+)
+TIMEOUT = 30 if GLOO_P2P_START else 6  # what a known-deadlocking case waits before it fails
+
 
 def _value(src, dst, k):
     """What src sends dst: exact integers, distinct per pair and element."""
@@ -29,7 +41,7 @@ def _value(src, dst, k):
 
 def _pairs(rank, n, addr, hosts, cross, sizes):
     os.environ["PLAIT_HOST_ID"] = hosts[rank]
-    comm = plait.init(timeout=30, buffer_bytes=8192)  # small staging: the big size takes chunks
+    comm = plait.init(timeout=30 if not cross else TIMEOUT, buffer_bytes=8192)  # small staging
     assert isinstance(comm, plait.HierCommunicator), repr(comm)
     peer = (rank + 2) % n if cross else rank ^ 1
     assert (hosts[peer] != hosts[rank]) == cross
@@ -44,7 +56,9 @@ def _pairs(rank, n, addr, hosts, cross, sizes):
     return got
 
 
-@pytest.mark.parametrize("cross", [False, True], ids=["same-host", "other-host"])
+@pytest.mark.parametrize(
+    "cross", [False, pytest.param(True, marks=gloo_p2p_start)], ids=["same-host", "other-host"]
+)
 def test_irecv_then_send_on_both_ranks(cross):
     sizes = [0, 1, 31, 300_000]  # 300k int64: far past one staging chunk and gloo's inline header
     got = run_ranks(_pairs, 4, timeout=180, args=(HOSTS_2x2, cross, sizes))
@@ -55,7 +69,7 @@ def _all_to_all_p2p(rank, n, addr, hosts):
     """Every rank posts a receive from every other and sends to every other, all async, then
     waits: local and remote transfers in flight together."""
     os.environ["PLAIT_HOST_ID"] = hosts[rank]
-    comm = plait.init(timeout=30)
+    comm = plait.init(timeout=TIMEOUT)
     k = 4097
     outs, hs = {}, []
     for src in range(n):
@@ -78,6 +92,7 @@ def _all_to_all_p2p(rank, n, addr, hosts):
     return ok, ring.tolist()
 
 
+@gloo_p2p_start
 def test_everyone_to_everyone_in_flight_together():
     n = len(UNEVEN)
     got = run_ranks(_all_to_all_p2p, n, timeout=180, args=(UNEVEN,))
@@ -87,7 +102,7 @@ def test_everyone_to_everyone_in_flight_together():
 
 def _batch(rank, n, store_dir, hosts):
     os.environ["PLAIT_HOST_ID"] = hosts[rank]
-    init_pg("plait", rank, n, store_dir, timeout=30)
+    init_pg("plait", rank, n, store_dir, timeout=TIMEOUT)
     nxt, prv = (rank + 1) % n, (rank - 1) % n
     from_prev = torch.zeros(1000)
     from_next = torch.zeros(1000)
@@ -115,6 +130,7 @@ def _batch(rank, n, store_dir, hosts):
     return from_prev[0].item(), from_next[0].item(), got.tolist(), src
 
 
+@gloo_p2p_start
 @pytest.mark.parametrize("hosts", [HOSTS_2x2, UNEVEN], ids=["2x2", "3-hosts-uneven"])
 def test_torch_batch_isend_irecv_across_hosts(tmp_path, hosts):
     n = len(hosts)
