@@ -25,7 +25,7 @@ UNEVEN = ["a", "a", "b", "c"]
 # between hosts there is one blocking call: an exchange across hosts waits until its deadline.
 # Kept as strict xfails (they fail loudly once the engine gains them: then drop this mark).
 # The MPI engine has them: hier_checks.exchange under mpirun (test_hier_mpi.py) proves it.
-GLOO_P2P_START = False
+GLOO_P2P_START = True
 gloo_p2p_start = pytest.mark.xfail(
     not GLOO_P2P_START,
     reason="gloo engine: no p2p_start yet; a cross-host exchange waits until its deadline",

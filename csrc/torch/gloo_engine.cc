@@ -51,8 +51,10 @@
 #include <deque>
 #include <functional>
 #include <future>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -173,6 +175,98 @@ struct P2pQueue {
   }
 };
 
+// The waiters of p2p_start's transfers. A gloo send or recv ends only inside Work::wait(), so
+// every Work in flight gets a thread of its own waiting there (the pool grows to the number in
+// flight and keeps idle threads for the next ones): never a line, in which a receive that waits
+// long would hold back the end of a send started after it. Shared with its threads.
+struct WaitPool : std::enable_shared_from_this<WaitPool> {
+  struct Job {
+    c10::intrusive_ptr<c10d::Work> work;
+    std::shared_ptr<Waiter> w;
+    std::chrono::milliseconds timeout;
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Job> jobs;
+  std::vector<c10::intrusive_ptr<c10d::Work>> running;
+  std::vector<std::thread> threads;
+  int idle = 0;
+  bool stop = false;
+
+  void push(Job j) {
+    std::lock_guard<std::mutex> lk(mu);
+    jobs.push_back(std::move(j));
+    if (idle > int(jobs.size()) - 1) {
+      cv.notify_one();
+    } else {
+      threads.emplace_back([self = shared_from_this()] { self->loop(); });
+    }
+  }
+  void loop() {
+    for (;;) {
+      Job j;
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        ++idle;
+        cv.wait(lk, [&] { return stop || !jobs.empty(); });
+        --idle;
+        if (jobs.empty()) return;
+        j = std::move(jobs.front());
+        jobs.pop_front();
+        running.push_back(j.work);
+      }
+      std::exception_ptr e;
+      try {
+        if (!j.work->wait(j.timeout)) e = std::make_exception_ptr(std::runtime_error("aborted"));
+      } catch (...) {
+        e = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        running.erase(std::find(running.begin(), running.end(), j.work));
+      }
+      j.w->finish(e);
+    }
+  }
+  // Every Work queued or waited for returns from its wait (gloo's send/recv waits end on abort).
+  void abort_all() {
+    std::lock_guard<std::mutex> lk(mu);
+    try {
+      for (auto& j : jobs) j.work->abort();
+      for (auto& w : running) w->abort();
+    } catch (const std::exception&) {
+    }
+  }
+  // At release: the threads end once their waits do (detach: gloo still holds a buffer).
+  void close(bool detach) {
+    std::vector<std::thread> ts;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      stop = true;
+      ts.swap(threads);
+    }
+    cv.notify_all();
+    for (auto& t : ts) detach ? t.detach() : t.join();
+  }
+};
+
+// One p2p_start transfer. A send is its header and, past kInline bytes, its payload, both issued
+// at once; a receive first waits for its header (kHeader), in start order among the receives of
+// its (peer, tag), then copies an inline payload or posts the payload's receive (kPosted).
+struct P2pReq {
+  enum State { kHeader, kPosted, kDone };
+  bool send;
+  int peer, tag;
+  void* buf;
+  size_t bytes;
+  double deadline, timeout_s;
+  std::string what;
+  State state = kPosted;
+  Pending hp, pp;            // the header's send, the payload's send or receive
+  uint32_t kind = PLAIT_OK;  // kDone: its outcome
+  std::string msg;           // and the message of a failure
+};
+
 // Headers that arrived, in arrival order, and the threads that receive them (see above): one per
 // other member, each keeping one named receive of that member's headers posted, so that gloo has
 // told the member "ready" before it sends and a header crosses in one hop, not three (a
@@ -270,6 +364,7 @@ class Gloo {
     const char* spin = std::getenv("PLAIT_ENGINE_SPIN_US");
     spin_s_ = (spin != nullptr && *spin != '\0') ? std::atof(spin) * 1e-6 : 100e-6;
     p2p_ = std::make_shared<P2pQueue>();
+    pool_ = std::make_shared<WaitPool>();
     inbox_ = std::make_shared<Inbox>();
     const char* probe = std::getenv("PLAIT_GLOO_PROBE");
     headers_ = !(probe != nullptr && std::string(probe) == "0");
@@ -297,6 +392,10 @@ class Gloo {
   uint32_t recv(void* buf, size_t bytes, int peer, int tag, double timeout_s, char* err,
                 size_t errlen);
   uint32_t probe(int tag, int* src, size_t* bytes, char* err, size_t errlen);
+  // engine.h's p2p_start / p2p_test: several sends and receives in flight at once.
+  uint32_t p2p_start(bool send, void* buf, size_t bytes, int peer, int tag, double timeout_s,
+                     void** req, char* err, size_t errlen);
+  uint32_t p2p_test(void* req, int* done, char* err, size_t errlen);
   void fail(uint32_t kind, const char* msg);
   // One named transfer, no header (PLAIT_GLOO_PROBE=0).
   uint32_t direct(bool send, void* buf, size_t bytes, int peer, int tag, double timeout_s,
@@ -334,6 +433,13 @@ class Gloo {
   uint32_t take(int peer, int tag, double timeout_s, const std::string& what, Inbox::Arrival* a,
                 char* err, size_t errlen);
   uint32_t finish(Pending& p, double timeout_s, char* err, size_t errlen);
+  uint32_t failed(Pending& p, bool late, char* err, size_t errlen);
+  // p2p_start's transfers: issued, handed to the wait pool; receives wait for their header in
+  // start order per (peer, tag) (order_), and take it when it is their turn.
+  uint32_t post(bool send, const at::Tensor& t, int peer, int tag, const std::string& what,
+                double timeout_s, Pending* p, char* err, size_t errlen);
+  void take_headers(int peer, int tag);
+  uint32_t finished(P2pReq* r, uint32_t kind, char* err, size_t errlen);
   at::Tensor view(const void* p, size_t n, at::ScalarType t = at::kByte) const {
     return at::from_blob(const_cast<void*>(p), {static_cast<int64_t>(n)},
                          at::TensorOptions().dtype(t));
@@ -348,7 +454,10 @@ class Gloo {
   std::thread p2p_thread_;
   std::shared_ptr<Inbox> inbox_;
   std::vector<std::thread> inbox_threads_;  // started by the first send, recv or probe
-  bool stuck_ = false;                      // an op was given up on while gloo still ran it
+  std::shared_ptr<WaitPool> pool_;          // p2p_start's transfers' waiters
+  std::map<std::pair<int, int>, std::deque<P2pReq*>> order_;  // receives awaiting a header
+  std::set<P2pReq*> live_;                                    // started, not yet finished
+  bool stuck_ = false;  // an op was given up on while gloo still ran it
 
   std::mutex mu_;  // guards the fields below
   std::atomic<bool> dead_{false};
@@ -377,6 +486,9 @@ Gloo::~Gloo() {
     }
     for (auto& t : inbox_threads_) t.join();
   }
+  if (!live_.empty()) pool_->abort_all();  // requests never finished: gloo lets go of them
+  pool_->close(stuck_ || !live_.empty());
+  for (P2pReq* r : live_) delete r;
   {
     std::lock_guard<std::mutex> lk(p2p_->mu);
     p2p_->stop = true;
@@ -467,6 +579,7 @@ void Gloo::fail(uint32_t kind, const char* msg) {
     std::lock_guard<std::mutex> lk(inbox_->mu);  // a recv waiting for its header
     inbox_->cv.notify_all();
   }
+  pool_->abort_all();  // p2p_start's transfers: their waits end, p2p_test reports the failure
   try {
     if (p2p) p2p->abort();  // gloo's send/recv waits do end on abort
     pg_->abort();           // a no-op for 2.13's gloo; a later torch may end collectives too
@@ -564,10 +677,16 @@ uint32_t Gloo::finish(Pending& p, double timeout_s, char* err, size_t errlen) {
     return kind;
   }
   if (!w.error) return PLAIT_OK;
-  // gloo's failures, by type: after plait's deadline, gloo's own timeout; before it, a lost or
-  // closed connection (torch's DistError family, or gloo's IoException, which torch passes on
-  // as it is: without gloo's headers its type is known by name only). Anything else is a bug.
-  const bool late = now_s() >= deadline;
+  return failed(p, now_s() >= deadline, err, errlen);
+}
+
+// gloo's failures, by type: after plait's deadline (late), gloo's own timeout; before it, a lost
+// or closed connection (torch's DistError family, or gloo's IoException, which torch passes on as
+// it is: without gloo's headers its type is known by name only). Anything else is a bug.
+uint32_t Gloo::failed(Pending& p, bool late, char* err, size_t errlen) {
+  Waiter& w = *p.w;
+  std::string why;
+  uint32_t kind;
   uint32_t flagged;
   if (flag(&flagged, &why) == 1) {  // the cause, where a peer failed first and closed its pairs
     die(flagged, why);
@@ -895,11 +1014,23 @@ uint32_t Gloo::probe(int tag, int* src, size_t* bytes, char* err, size_t errlen)
   if (uint32_t k = dead(what, err, errlen)) return k;
   if (size_ == 1) return PLAIT_OK;
   start_inbox();
+  std::vector<std::pair<int, int>> waiting;  // started receives take their headers first
+  for (const auto& o : order_) waiting.push_back(o.first);
+  for (const auto& k : waiting) take_headers(k.first, k.second);
   std::unique_lock<std::mutex> lk(inbox_->mu);
-  auto a = inbox_->find(-1, tag);
-  if (a != inbox_->q.end()) {
-    *src = a->src;
-    *bytes = size_t(a->bytes);
+  // A header that a started receive of its (sender, tag) will take is not for this probe.
+  std::map<int, size_t> theirs;
+  for (const auto& o : order_)
+    if (o.first.second == tag) theirs[o.first.first] = o.second.size();
+  for (const auto& a : inbox_->q) {
+    if (a.tag != tag) continue;
+    auto it = theirs.find(a.src);
+    if (it != theirs.end() && it->second > 0) {
+      --it->second;
+      continue;
+    }
+    *src = a.src;
+    *bytes = size_t(a.bytes);
     return PLAIT_OK;
   }
   if (const std::string why = inbox_->closed(-1); !why.empty()) {
@@ -920,6 +1051,176 @@ uint32_t Gloo::probe(int tag, int* src, size_t* bytes, char* err, size_t errlen)
     }
   }
   return PLAIT_OK;
+}
+
+uint32_t Gloo::post(bool send, const at::Tensor& t, int peer, int tag, const std::string& what,
+                    double timeout_s, Pending* p, char* err, size_t errlen) {
+  if (uint32_t k = transfer_start(send, t, peer, tag, what, p, err, errlen)) return k;
+  pool_->push({p->work, p->w, std::isinf(timeout_s) ? ::kNoTimeout : gloo_timeout(timeout_s)});
+  return PLAIT_OK;
+}
+
+// Hands the queued headers of (peer, tag) to the receives waiting for them, first started first:
+// a size that differs ends that receive with a MismatchError (nothing posted: the group stays
+// usable); an inline payload is copied; a larger one's receive is posted.
+void Gloo::take_headers(int peer, int tag) {
+  auto it = order_.find({peer, tag});
+  if (it == order_.end()) return;
+  std::deque<P2pReq*>& q = it->second;
+  while (!q.empty()) {
+    P2pReq& r = *q.front();
+    Inbox::Arrival a;
+    {
+      std::lock_guard<std::mutex> lk(inbox_->mu);
+      auto got = inbox_->find(peer, tag);
+      if (got == inbox_->q.end()) break;
+      a = std::move(*got);
+      inbox_->q.erase(got);
+    }
+    q.pop_front();
+    if (a.bytes != r.bytes) {
+      r.state = P2pReq::kDone;
+      r.kind = PLAIT_E_MISMATCH;
+      r.msg = where(r.what) + ": mismatched send/recv: member " + std::to_string(peer) + " sent " +
+              std::to_string(a.bytes) + " B on this tag";
+    } else if (r.bytes <= kInline) {
+      if (r.bytes) std::memcpy(r.buf, a.data.data(), r.bytes);
+      r.state = P2pReq::kDone;
+    } else {
+      char err[512] = "";
+      const double left = std::max(0.0, r.deadline - now_s());
+      if (uint32_t k =
+              post(false, view(r.buf, r.bytes), peer, tag, r.what, left, &r.pp, err, sizeof err)) {
+        r.state = P2pReq::kDone;
+        r.kind = k;
+        r.msg = err;
+      } else {
+        r.state = P2pReq::kPosted;
+      }
+    }
+  }
+  if (q.empty()) order_.erase(it);
+}
+
+uint32_t Gloo::p2p_start(bool send, void* buf, size_t bytes, int peer, int tag, double timeout_s,
+                         void** req, char* err, size_t errlen) {
+  *req = nullptr;
+  const std::string what = std::string(send ? "send of " : "recv of ") + std::to_string(bytes) +
+                           " B " + (send ? "to " : "from ") + std::to_string(peer) + " (tag " +
+                           std::to_string(tag) + ")";
+  if (uint32_t k = check_p2p(peer, tag, what, err, errlen)) return k;
+  auto r = std::make_unique<P2pReq>();
+  *r = P2pReq{send, peer, tag, buf, bytes, now_s() + timeout_s, timeout_s, what};
+  if (!headers_) {
+    if (uint32_t k = post(send, view(buf, bytes), peer, tag, what, timeout_s, &r->pp, err, errlen))
+      return k;
+  } else if (send) {
+    const bool inline_ = bytes <= kInline;
+    at::Tensor h = at::empty({int64_t(kHeadBytes + (inline_ ? bytes : 0))}, at::kByte);
+    const Head head{kHeaderMagic, tag, uint64_t(bytes)};
+    std::memcpy(h.data_ptr<uint8_t>(), &head, sizeof head);
+    if (inline_ && bytes) std::memcpy(h.data_ptr<uint8_t>() + kHeadBytes, buf, bytes);
+    if (uint32_t k = post(true, h, peer, kHeaderTag, what, timeout_s, &r->hp, err, errlen))
+      return k;
+    if (!inline_) {
+      if (uint32_t k =
+              post(true, view(buf, bytes), peer, tag, what, timeout_s, &r->pp, err, errlen)) {
+        r->state = P2pReq::kDone;  // the header is out: its wait still ends in p2p_test
+        r->kind = k;
+        r->msg = err;
+      }
+    }
+  } else {
+    r->state = P2pReq::kHeader;
+    order_[{peer, tag}].push_back(r.get());
+    take_headers(peer, tag);
+  }
+  live_.insert(r.get());
+  *req = r.release();
+  return PLAIT_OK;
+}
+
+uint32_t Gloo::finished(P2pReq* r, uint32_t kind, char* err, size_t errlen) {
+  live_.erase(r);
+  if (r->state == P2pReq::kHeader) {  // still waiting for its header: out of the line
+    auto it = order_.find({r->peer, r->tag});
+    if (it != order_.end()) {
+      auto& q = it->second;
+      q.erase(std::remove(q.begin(), q.end(), r), q.end());
+      if (q.empty()) order_.erase(it);
+    }
+  }
+  delete r;
+  return kind;
+}
+
+uint32_t Gloo::p2p_test(void* req, int* done, char* err, size_t errlen) {
+  *done = 1;
+  auto* r = static_cast<P2pReq*>(req);
+  if (r == nullptr) return PLAIT_OK;
+  *done = 0;
+  const double t = now_s();
+  if (r->state == P2pReq::kHeader) {
+    take_headers(r->peer, r->tag);
+    if (r->state == P2pReq::kHeader) {
+      uint32_t kind = PLAIT_OK;
+      std::string why;
+      if (dead_.load(std::memory_order_acquire)) {
+        *done = 1;
+        return finished(r, dead(r->what, err, errlen), err, errlen);
+      }
+      {
+        std::lock_guard<std::mutex> lk(inbox_->mu);
+        why = inbox_->closed(r->peer);
+      }
+      if (!why.empty()) {
+        *done = 1;
+        return finished(r, lost(r->what, why, err, errlen), err, errlen);
+      }
+      if (t >= r->deadline) {  // nothing was posted: the group stays usable
+        char secs[32];
+        std::snprintf(secs, sizeof secs, "%.3g", r->timeout_s);
+        say(err, errlen,
+            where(r->what) + ": deadline passed (" + secs + " s) waiting for the member's message");
+        *done = 1;
+        return finished(r, PLAIT_E_TIMEOUT, err, errlen);
+      }
+      if (t >= next_probe_flag_) {
+        next_probe_flag_ = t + kFlagEvery;
+        if (flag(&kind, &why) != 0) {
+          die(kind, why);
+          say(err, errlen, where(r->what) + ": " + why);
+          *done = 1;
+          return finished(r, kind, err, errlen);
+        }
+      }
+      return PLAIT_OK;
+    }
+  }
+  // Its Works (a failed or mismatched one included: the header may still be on its way).
+  for (Pending* p : {&r->hp, &r->pp}) {
+    if (!p->w || p->w->ready.load(std::memory_order_acquire)) continue;
+    if (t >= r->deadline + kMarginMs * 1e-3 + kGraceS) {  // gloo's own timeout did not end it
+      stuck_ = true;
+      die(PLAIT_E_TIMEOUT, "an earlier " + r->what + " timed out: the group is unusable");
+      say(err, errlen, where(r->what) + ": deadline passed, and gloo still holds the buffer");
+      *done = 1;
+      return finished(r, PLAIT_E_TIMEOUT, err, errlen);  // the pool's job keeps the Work
+    }
+    if (t >= next_probe_flag_) {  // a failure elsewhere: end the transfers, report it next
+      next_probe_flag_ = t + kFlagEvery;
+      uint32_t kind;
+      std::string why;
+      if (flag(&kind, &why) != 0 && die(kind, why)) pool_->abort_all();
+    }
+    return PLAIT_OK;
+  }
+  *done = 1;
+  for (Pending* p : {&r->hp, &r->pp})
+    if (p->w && p->w->error)
+      return finished(r, failed(*p, now_s() >= r->deadline, err, errlen), err, errlen);
+  if (r->kind != PLAIT_OK) say(err, errlen, r->msg);
+  return finished(r, r->kind, err, errlen);
 }
 
 // The C table: each entry casts ctx back and calls the member; no exception gets out.
@@ -990,6 +1291,15 @@ plait_engine* make_table(Gloo* g) {
     e->probe = [](void* c, int tag, int* src, size_t* bytes, char* err, size_t el) {
       return guarded(err, el, [&] { return G(c)->probe(tag, src, bytes, err, el); });
     };
+  e->p2p_start = [](void* c, int send, void* buf, size_t bytes, int peer, int tag, double to,
+                    void** req, char* err, size_t el) {
+    return guarded(err, el, [&] {
+      return G(c)->p2p_start(send != 0, buf, bytes, peer, tag, to, req, err, el);
+    });
+  };
+  e->p2p_test = [](void* c, void* req, int* done, char* err, size_t el) {
+    return guarded(err, el, [&] { return G(c)->p2p_test(req, done, err, el); });
+  };
   e->fail = [](void* c, uint32_t kind, const char* msg) {
     try {
       G(c)->fail(kind, msg);
