@@ -313,10 +313,10 @@ def _started_ends(rank, n, _addr, store_dir, how):
         a = np.ones(16, np.int64)
         limit = 0.4 if how == "deadline" else 30.0  # gloo's own timeout follows the call's
         req = mod._engine_allreduce_start(eng, a, CODES["int64"], 0, limit)
+        t0 = time.monotonic()  # before the timer starts: its 0.3 s are inside took
         if how == "fail":
             threading.Timer(0.3, mod._engine_fail, (eng, 3, "mismatch elsewhere")).start()
         want = plait.TimeoutError if how == "deadline" else plait.MismatchError
-        t0 = time.monotonic()
         with pytest.raises(want, match="gloo allreduce of 16 int64"):
             mod._engine_wait(eng, req, limit)
         took = time.monotonic() - t0

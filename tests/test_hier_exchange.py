@@ -5,6 +5,8 @@ Send/recv are stepped tasks that progress together; between hosts the engine's p
 keep several transfers in flight (gloo here; the MPI engine's in test_hier_mpi.py)."""
 
 import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -21,17 +23,7 @@ from test_torch_backend import init_pg, run_torch  # noqa: E402
 HOSTS_2x2 = ["a", "a", "b", "b"]
 UNEVEN = ["a", "a", "b", "c"]
 
-# The gloo engine (csrc/torch/gloo_engine.cc) has no p2p_start/p2p_test yet, so a send or recv
-# between hosts there is one blocking call: an exchange across hosts waits until its deadline.
-# Kept as strict xfails (they fail loudly once the engine gains them: then drop this mark).
-# The MPI engine has them: hier_checks.exchange under mpirun (test_hier_mpi.py) proves it.
-GLOO_P2P_START = True
-gloo_p2p_start = pytest.mark.xfail(
-    not GLOO_P2P_START,
-    reason="gloo engine: no p2p_start yet; a cross-host exchange waits until its deadline",
-    strict=True,
-)
-TIMEOUT = 30 if GLOO_P2P_START else 6  # what a known-deadlocking case waits before it fails
+TIMEOUT = 30
 
 
 def _value(src, dst, k):
@@ -41,7 +33,7 @@ def _value(src, dst, k):
 
 def _pairs(rank, n, addr, hosts, cross, sizes):
     os.environ["PLAIT_HOST_ID"] = hosts[rank]
-    comm = plait.init(timeout=30 if not cross else TIMEOUT, buffer_bytes=8192)  # small staging
+    comm = plait.init(timeout=TIMEOUT, buffer_bytes=8192)  # small staging: the big size takes chunks
     assert isinstance(comm, plait.HierCommunicator), repr(comm)
     peer = (rank + 2) % n if cross else rank ^ 1
     assert (hosts[peer] != hosts[rank]) == cross
@@ -56,9 +48,7 @@ def _pairs(rank, n, addr, hosts, cross, sizes):
     return got
 
 
-@pytest.mark.parametrize(
-    "cross", [False, pytest.param(True, marks=gloo_p2p_start)], ids=["same-host", "other-host"]
-)
+@pytest.mark.parametrize("cross", [False, True], ids=["same-host", "other-host"])
 def test_irecv_then_send_on_both_ranks(cross):
     sizes = [0, 1, 31, 300_000]  # 300k int64: far past one staging chunk and gloo's inline header
     got = run_ranks(_pairs, 4, timeout=180, args=(HOSTS_2x2, cross, sizes))
@@ -92,7 +82,6 @@ def _all_to_all_p2p(rank, n, addr, hosts):
     return ok, ring.tolist()
 
 
-@gloo_p2p_start
 def test_everyone_to_everyone_in_flight_together():
     n = len(UNEVEN)
     got = run_ranks(_all_to_all_p2p, n, timeout=180, args=(UNEVEN,))
@@ -130,7 +119,6 @@ def _batch(rank, n, store_dir, hosts):
     return from_prev[0].item(), from_next[0].item(), got.tolist(), src
 
 
-@gloo_p2p_start
 @pytest.mark.parametrize("hosts", [HOSTS_2x2, UNEVEN], ids=["2x2", "3-hosts-uneven"])
 def test_torch_batch_isend_irecv_across_hosts(tmp_path, hosts):
     n = len(hosts)
@@ -138,3 +126,45 @@ def test_torch_batch_isend_irecv_across_hosts(tmp_path, hosts):
         assert p == 10.0 * ((rank - 1) % n) + 1 and q == 10.0 * ((rank + 1) % n) + 2, (rank, p, q)
         if rank == 0:
             assert got == [5.0 + n - 1] * 3 and src in (n - 1, -1), (got, src)
+
+
+def _stranded(rank, n, addr, hosts, how):
+    """Rank 0 posts a receive from rank 2 (another host) and sends to rank 1 (its host), both in
+    flight; rank 2 never sends (timeout), sends another size (mismatch) or is killed: rank 0's
+    receive raises that, and every rank learns of it, never a hang."""
+    os.environ["PLAIT_HOST_ID"] = hosts[rank]
+    comm = plait.init(timeout=5 if how == "timeout" else 30)
+    comm.barrier()
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            h = comm.recv(np.zeros(5000, np.int64), 2, tag=3, async_op=True)
+            comm.send(np.ones(7, np.int64), 1, tag=3)
+            h.wait()
+        elif rank == 1:
+            comm.recv(np.zeros(7, np.int64), 0, tag=3)
+            comm.barrier()
+        elif rank == 2:
+            if how == "mismatch":
+                comm.send(np.zeros(4000, np.int64), 0, tag=3)
+            elif how == "killed":
+                time.sleep(0.5)
+                os.kill(os.getpid(), signal.SIGKILL)
+            comm.barrier()
+        else:
+            comm.barrier()
+    except plait.PlaitError as e:
+        return type(e).__name__, time.monotonic() - start, str(e)
+    return "no error", time.monotonic() - start, ""
+
+
+@pytest.mark.parametrize("how", ["timeout", "mismatch", "killed"])
+def test_failed_receive_in_flight_raises_everywhere(how):
+    res = run_ranks(_stranded, 4, timeout=120, args=(HOSTS_2x2, how), may_die=(2,) if how == "killed" else ())
+    kind, took, msg = res[0]
+    want = {"timeout": "TimeoutError", "mismatch": "MismatchError", "killed": "PeerLostError"}[how]
+    assert kind == want and took < 20, res[0]
+    assert "rank 2" in msg or "member 2" in msg, msg
+    for r in (1, 3) if how == "killed" else (1, 2, 3):
+        kind, took, msg = res[r]
+        assert kind != "no error" and took < 25, (r, res[r])
