@@ -431,3 +431,91 @@ def _recv_from_killed(rank, n, _addr, store_dir):
 def test_recv_from_a_killed_member_is_peer_lost(ranks, tmp_path):
     got = ranks(_recv_from_killed, 3, timeout=120, args=(str(tmp_path),), may_die=(2,))
     assert got[1] is None and got[2] is None and got[0] < 10.0, got
+
+
+def _until_done(mod, eng, reqs, limit=30.0):
+    """Tests every request (in the order given, again and again) until all are done."""
+    left, end = list(reqs), time.monotonic() + limit
+    while left:
+        left = [r for r in left if not mod._engine_p2p_test(eng, r)]
+        assert time.monotonic() < end, f"{len(left)} requests still running"
+
+
+def _p2p_exchange(rank, n, _addr, store_dir):
+    """p2p_start: every member starts a receive from each other one, then sends to each (all in
+    flight before any test), for sizes inline in the header, past it and of 1 MiB; then 20 messages
+    on one (peer, tag) started back to back arrive in order; then a ring tested last-first."""
+    mod, eng, store = _setup(rank, n, store_dir)
+    try:
+        for k in (0, 3, 241, 1 << 17):
+            outs = {p: np.zeros(k, np.int64) for p in range(n) if p != rank}
+            reqs = [mod._engine_p2p_start(eng, False, outs[p], p, 9, 30.0) for p in outs]
+            srcs = {p: (np.arange(k) + 1000 * rank + 10 * p).astype(np.int64) for p in outs}
+            reqs += [mod._engine_p2p_start(eng, True, srcs[p], p, 9, 30.0) for p in outs]
+            _until_done(mod, eng, reqs)
+            for p, got in outs.items():
+                assert (got == np.arange(k) + 1000 * p + 10 * rank).all(), (k, p)
+        nxt, prv = (rank + 1) % n, (rank - 1) % n
+        ins = [np.zeros(300, np.int32) for _ in range(20)]
+        outs = [np.full(300, 100 * rank + i, np.int32) for i in range(20)]
+        reqs = [mod._engine_p2p_start(eng, False, x, prv, 11, 30.0) for x in ins]
+        reqs += [mod._engine_p2p_start(eng, True, x, nxt, 11, 30.0) for x in outs]
+        _until_done(mod, eng, list(reversed(reqs)))
+        assert [int(x[0]) for x in ins] == [100 * prv + i for i in range(20)]
+        return True
+    finally:
+        mod._engine_release(eng)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_p2p_start_exchanges_in_flight_together(ranks, tmp_path, n):
+    assert ranks(_p2p_exchange, n, timeout=120, args=(str(tmp_path),)) == [True] * n
+
+
+def _p2p_errors(rank, n, _addr, store_dir, case):
+    """mismatch: a started receive of another size is a MismatchError, and the fail() the
+    multi-host communicator then makes ends the sender's send with that kind (the engine cannot
+    tell the sender itself: its payload is already in gloo). timeout: a receive whose sender never
+    sends times out at its deadline. fail: fail() ends a receive in flight with fail()'s kind, and
+    release returns with another request still in flight."""
+    mod, eng, store = _setup(rank, n, store_dir, label=case)
+    try:
+        if case == "mismatch":
+            if rank == 1:
+                with pytest.raises(plait.MismatchError, match="sizes differ"):
+                    mod._engine_send(eng, np.zeros(600, np.int8), 0, 3, 30.0)
+                return True
+            r = mod._engine_p2p_start(eng, False, np.zeros(500, np.int8), 1, 3, 30.0)
+            with pytest.raises(plait.MismatchError, match="member 1 sent 600 B"):
+                _until_done(mod, eng, [r])
+            mod._engine_fail(eng, 3, "sizes differ")
+            return True
+        if case == "timeout":
+            if rank == 0:
+                r = mod._engine_p2p_start(eng, False, np.zeros(8, np.int8), 1, 4, 0.3)
+                t0 = time.monotonic()
+                with pytest.raises(plait.TimeoutError, match="deadline passed"):
+                    _until_done(mod, eng, [r])
+                assert time.monotonic() - t0 < 3
+                store.set("timed-out", b"1")
+            else:
+                store.wait(["timed-out"], timedelta(seconds=60))
+            return True
+        if rank == 0:
+            r = mod._engine_p2p_start(eng, False, np.zeros(4096, np.int8), 1, 5, 30.0)
+            keep = np.zeros(8, np.int8)
+            mod._engine_p2p_start(eng, False, keep, 1, 6, 30.0)  # never tested: release ends it
+            threading.Timer(0.3, mod._engine_fail, (eng, 3, "a mismatch elsewhere")).start()
+            with pytest.raises(plait.MismatchError, match="mismatch elsewhere"):
+                _until_done(mod, eng, [r])
+            store.set("failed", b"1")
+        else:
+            store.wait(["failed"], timedelta(seconds=60))
+        return True
+    finally:
+        mod._engine_release(eng)
+
+
+@pytest.mark.parametrize("case", ["mismatch", "timeout", "fail"])
+def test_p2p_start_errors_and_release_in_flight(ranks, tmp_path, case):
+    assert ranks(_p2p_errors, 2, timeout=120, args=(str(tmp_path), case)) == [True, True]

@@ -157,6 +157,34 @@ void bind_engine_calls(py::module_& m) {
     if (n == PLAIT_ENGINE_UNKNOWN) return py::make_tuple(src, py::none());
     return py::make_tuple(src, n);
   });
+  // engine.h's p2p_start: the request (buf must stay alive until _engine_p2p_test says done).
+  m.def("_engine_p2p_start", [](py::capsule c, bool send, py::buffer buf, int peer, int tag,
+                                double to) {
+    plait_engine* e = engine(c);
+    if (!PLAIT_ENGINE_HAS(e, p2p_start)) throw py::value_error("this engine has no p2p_start");
+    Bytes b = bytes_of(buf, !send);
+    void* req = nullptr;
+    call([&](char* err) {
+      return e->p2p_start(e->ctx, send ? 1 : 0, b.ptr, b.bytes, peer, tag, to, &req, err, kErrLen);
+    });
+    return py::capsule(req, kReqCapsule);
+  });
+  // True once the request finished (then it is spent; its error raised), False while it runs.
+  m.def("_engine_p2p_test", [](py::capsule c, py::capsule req) {
+    plait_engine* e = engine(c);
+    if (std::string(req.name() ? req.name() : "") != kReqCapsule)
+      throw py::value_error("not a pending request (each finishes once)");
+    void* r = req.get_pointer();
+    int done = 0;
+    try {
+      call([&](char* err) { return e->p2p_test(e->ctx, r, &done, err, kErrLen); });
+    } catch (...) {
+      PyCapsule_SetName(req.ptr(), kSpent);
+      throw;
+    }
+    if (done) PyCapsule_SetName(req.ptr(), kSpent);
+    return done != 0;
+  });
   m.def("_engine_fail", [](py::capsule c, int kind, const std::string& msg) {
     plait_engine* e = engine(c);
     py::gil_scoped_release nogil;
