@@ -2,6 +2,9 @@
 
     plait-run -n 2 python bench/hier_p2p.py     # 2 simulated hosts x 1 rank (PLAIT_HOST_ID)
 
+With --exchange it times an exchange instead (both ranks post a receive, send, then wait: what
+a pipeline stage does with a neighbour; torch's irecv + send + wait for gloo).
+
 Rank 0 and rank 1 sit on two simulated hosts, so plait's send/recv go through the gloo engine
 (csrc/torch/gloo_engine.cc: a header on a reserved tag, the payload inline up to 240 bytes or
 after it). For each size it times a ping-pong (0 sends, 1 receives and sends back) with plait and
@@ -22,6 +25,11 @@ def main(argv=None):
     ap.add_argument("--sizes", default="8,1048576", help="bytes, comma separated")
     ap.add_argument("--batches", type=int, default=7)
     ap.add_argument("--budget", type=float, default=0.3, help="seconds per timed batch (sets iterations)")
+    ap.add_argument(
+        "--exchange",
+        action="store_true",
+        help="time an exchange instead: both ranks post a receive, send, then wait (irecv + send)",
+    )
     a = ap.parse_args(argv)
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if n != 2:
@@ -58,12 +66,27 @@ def main(argv=None):
                 dist.recv(t, peer)
                 dist.send(t, peer)
 
-        calls = {"plait": plait_pp, "gloo": gloo_pp}
+        mine = x + 1000 * rank
+        got, tgot = np.zeros_like(x), torch.zeros(x.size, dtype=torch.int32)
+
+        def plait_ex(got=got, mine=mine):
+            h = comm.recv(got, peer, async_op=True)
+            comm.send(mine, peer)
+            h.wait()
+
+        tmine = torch.from_numpy(mine.copy())
+
+        def gloo_ex(tgot=tgot, tmine=tmine):
+            w = dist.irecv(tgot, peer)
+            dist.send(tmine, peer)
+            w.wait()
+
+        calls = {"plait": plait_ex, "gloo": gloo_ex} if a.exchange else {"plait": plait_pp, "gloo": gloo_pp}
         for fn in calls.values():
             for _ in range(3):
                 fn()
         t0 = time.perf_counter()
-        gloo_pp()
+        calls["gloo"]()
         iters = np.array([max(3, min(5000, int(a.budget / max(time.perf_counter() - t0, 1e-6))))])
         comm.broadcast(iters, 0)
         iters = int(iters[0])
@@ -74,14 +97,22 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 for _ in range(iters):
                     fn()
-                times[k].append((time.perf_counter() - t0) / iters / 2 * 1e6)
+                times[k].append((time.perf_counter() - t0) / iters / (1 if a.exchange else 2) * 1e6)
         med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-        # 3 + iters * batches pongs so far: each added 1 on rank 1
-        done = 3 + iters * a.batches
-        wrong = int((x != np.arange(x.size, dtype=np.int32) + done).sum()) if rank == 0 else 0
+        if a.exchange:  # what the peer sent, through plait and through gloo
+            want = np.arange(x.size, dtype=np.int32) + 1000 * peer
+            wrong = int((got != want).sum() + (tgot.numpy() != want).sum())
+        else:  # 3 + iters * batches pongs so far: each added 1 on rank 1
+            done = 3 + iters * a.batches
+            wrong = int((x != np.arange(x.size, dtype=np.int32) + done).sum()) if rank == 0 else 0
         rows.append((size, med, iters, wrong))
     if rank == 0:
-        print("# 2 ranks on 2 simulated hosts: one-way send/recv time (ping-pong / 2), median batch")
+        what = (
+            "one exchange (irecv + send + wait, both ranks)"
+            if a.exchange
+            else "one-way send/recv time (ping-pong / 2)"
+        )
+        print(f"# 2 ranks on 2 simulated hosts: {what}, median batch")
         print("| bytes | iters | plait (us) | gloo (us) | plait / gloo | #wrong |")
         print("|---:|---:|---:|---:|---:|---:|")
         for size, med, iters, wrong in rows:
