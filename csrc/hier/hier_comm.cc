@@ -284,24 +284,22 @@ void HierComm::on_error(const CallArgs& a, const PlaitError& e) {
   std::string msg = e.what();
   const std::string me = "rank " + std::to_string(rank_) + ": ";
   if (msg.compare(0, me.size(), me) != 0) msg = head(a) + ": " + msg;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!first_error_.empty())
-      throw PlaitError("communicator aborted after an earlier error: " + first_error_);
-    first_error_ = msg;
-  }
-  abort_everywhere(e.kind(), msg);
+  if (!first_failure(e.kind(), msg)) raise_aborted();
   throw_error(e.kind(), msg);
 }
 
-void HierComm::fail(ErrorKind kind, const std::string& msg) {
+bool HierComm::first_failure(ErrorKind kind, const std::string& msg) {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (!first_error_.empty())
-      throw PlaitError("communicator aborted after an earlier error: " + first_error_);
+    if (!first_error_.empty()) return false;
     first_error_ = msg;
   }
   abort_everywhere(kind, msg);
+  return true;
+}
+
+void HierComm::fail(ErrorKind kind, const std::string& msg) {
+  if (!first_failure(kind, msg)) raise_aborted();
   throw_error(kind, msg);
 }
 

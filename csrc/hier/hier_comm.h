@@ -238,6 +238,9 @@ class HierComm final : public Comm {
   // the communicator's first error and sent to every rank of every host, as on_error does.
   std::string p2p_error(const CallArgs& a, P2PState& st, ErrorKind kind, const std::string& msg);
   std::string record_error(ErrorKind kind, const std::string& msg);
+  // Records msg as the communicator's first error and sends it to every rank of every host;
+  // false (nothing sent) when an earlier error was recorded.
+  bool first_failure(ErrorKind kind, const std::string& msg);
   void barrier(const Fingerprint& fp, double deadline);
   void divide(void* buf, int64_t count, DType dt);
 

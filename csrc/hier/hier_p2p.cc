@@ -165,14 +165,9 @@ std::string HierComm::p2p_error(const CallArgs& a, P2PState& st, ErrorKind kind,
 }
 
 std::string HierComm::record_error(ErrorKind kind, const std::string& msg) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!first_error_.empty() && first_error_ != msg)
-      return "communicator aborted after an earlier error: " + first_error_;
-    first_error_ = msg;
-  }
-  abort_everywhere(kind, msg);
-  return msg;
+  if (first_failure(kind, msg)) return msg;
+  std::lock_guard<std::mutex> lk(mu_);
+  return "communicator aborted after an earlier error: " + first_error_;
 }
 
 }  // namespace plait

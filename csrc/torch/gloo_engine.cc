@@ -6,7 +6,7 @@
 // first spins (yielding) for PLAIT_ENGINE_SPIN_US (an 8-byte step takes ~100 us), then sleeps on
 // the variable in slices of at most 50 ms and looks at the job-wide flag in the store between
 // slices, so the store sees one round trip per 50 ms of waiting and none on a fast call.
-// send/recv Works complete only inside Work::wait(): one helper thread per group waits there.
+// send/recv Works complete only inside Work::wait(): a pool thread waits there for each.
 //
 // Point to point. gloo matches a receive by (sender, tag) and has no probe, so every send first
 // sends a header {tag, bytes} on the reserved tag kHeaderTag (2^31 - 1), with the payload inside
@@ -142,43 +142,11 @@ struct Pending {
   bool p2p = false;
 };
 
-// The send/recv helper's state, shared with its thread (which may outlive a dead group).
-struct P2pQueue {
-  std::mutex mu;
-  std::condition_variable cv;
-  c10::intrusive_ptr<c10d::Work> work;
-  std::chrono::milliseconds timeout{0};
-  std::shared_ptr<Waiter> w;
-  bool stop = false;
-
-  void loop() {
-    for (;;) {
-      c10::intrusive_ptr<c10d::Work> job;
-      std::shared_ptr<Waiter> w;
-      std::chrono::milliseconds to;
-      {
-        std::unique_lock<std::mutex> lk(mu);
-        cv.wait(lk, [&] { return stop || work; });
-        if (!work) return;
-        job = std::move(work);
-        w = std::move(this->w);
-        to = timeout;
-      }
-      std::exception_ptr e;
-      try {
-        if (!job->wait(to)) e = std::make_exception_ptr(std::runtime_error("aborted"));
-      } catch (...) {
-        e = std::current_exception();
-      }
-      w->finish(e);
-    }
-  }
-};
-
-// The waiters of p2p_start's transfers. A gloo send or recv ends only inside Work::wait(), so
-// every Work in flight gets a thread of its own waiting there (the pool grows to the number in
-// flight and keeps idle threads for the next ones): never a line, in which a receive that waits
-// long would hold back the end of a send started after it. Shared with its threads.
+// The waiters of send/recv transfers (send, recv and p2p_start's). A gloo send or recv ends
+// only inside Work::wait(), so every Work in flight gets a thread of its own waiting there (the
+// pool grows to the number in flight and keeps idle threads for the next ones): never a line, in
+// which a receive that waits long would hold back the end of a send started after it. Shared with
+// its threads.
 struct WaitPool : std::enable_shared_from_this<WaitPool> {
   struct Job {
     c10::intrusive_ptr<c10d::Work> work;
@@ -363,7 +331,6 @@ class Gloo {
     // the time of torch's own wait on the same gloo (bench/RESULTS-hier.md, 2026-12-05).
     const char* spin = std::getenv("PLAIT_ENGINE_SPIN_US");
     spin_s_ = (spin != nullptr && *spin != '\0') ? std::atof(spin) * 1e-6 : 100e-6;
-    p2p_ = std::make_shared<P2pQueue>();
     pool_ = std::make_shared<WaitPool>();
     inbox_ = std::make_shared<Inbox>();
     const char* probe = std::getenv("PLAIT_GLOO_PROBE");
@@ -421,10 +388,13 @@ class Gloo {
   uint32_t issue(const std::string& what, const std::function<c10::intrusive_ptr<c10d::Work>()>& f,
                  Pending* p, char* err, size_t errlen);
   // One gloo send or recv of t, as the wire format above uses them: start issues it, wait hands
-  // it to the helper thread and finishes it (every started one is waited).
+  // it to a pool thread and finishes it (every started one is waited).
   uint32_t transfer_start(bool send, const at::Tensor& t, int peer, int tag,
                           const std::string& what, Pending* p, char* err, size_t errlen);
   uint32_t transfer_wait(Pending& p, double timeout_s, char* err, size_t errlen);
+  // A started send/recv's Work to a pool thread, which waits for it (gloo's own timeout from
+  // timeout_s) and signals p's Waiter.
+  void hand_over(const Pending& p, double timeout_s);
   void start_inbox();
   // Checks a send/recv's peer and tag; starts the inbox on the group's first one.
   uint32_t check_p2p(int peer, int tag, const std::string& what, char* err, size_t errlen);
@@ -450,11 +420,9 @@ class Gloo {
   std::string label_;
   int rank_ = 0, size_ = 1;
   double spin_s_ = 0;
-  std::shared_ptr<P2pQueue> p2p_;
-  std::thread p2p_thread_;
   std::shared_ptr<Inbox> inbox_;
   std::vector<std::thread> inbox_threads_;  // started by the first send, recv or probe
-  std::shared_ptr<WaitPool> pool_;          // p2p_start's transfers' waiters
+  std::shared_ptr<WaitPool> pool_;          // the send/recv transfers' waiters
   std::map<std::pair<int, int>, std::deque<P2pReq*>> order_;  // receives awaiting a header
   std::set<P2pReq*> live_;                                    // started, not yet finished
   bool stuck_ = false;  // an op was given up on while gloo still ran it
@@ -464,7 +432,6 @@ class Gloo {
   uint32_t dead_kind_ = PLAIT_OK;
   std::string dead_msg_;
   std::shared_ptr<Waiter> current_;  // the op a call waits on now (fail() wakes it)
-  c10::intrusive_ptr<c10d::Work> current_p2p_;
   std::atomic<bool> flag_written_{false};
   double next_probe_flag_ = 0;  // when probe() next looks at the job-wide flag
   bool headers_ = true;
@@ -487,19 +454,9 @@ Gloo::~Gloo() {
     for (auto& t : inbox_threads_) t.join();
   }
   if (!live_.empty()) pool_->abort_all();  // requests never finished: gloo lets go of them
+  // A thread still in a wait stays with gloo until gloo's timeout; its state is its own.
   pool_->close(stuck_ || !live_.empty());
   for (P2pReq* r : live_) delete r;
-  {
-    std::lock_guard<std::mutex> lk(p2p_->mu);
-    p2p_->stop = true;
-  }
-  p2p_->cv.notify_all();
-  if (p2p_thread_.joinable()) {
-    if (stuck_)
-      p2p_thread_.detach();  // it waits in gloo until gloo's timeout; its state is its own
-    else
-      p2p_thread_.join();
-  }
   if (stuck_)  // ~ProcessGroupGloo waits for the ops it runs: drop the last references elsewhere
     std::thread([pg = std::move(pg_), st = std::move(store_)]() mutable {
       pg.reset();
@@ -565,11 +522,9 @@ void Gloo::fail(uint32_t kind, const char* msg) {
   if (text.rfind("rank ", 0) != 0) text = "rank " + std::to_string(rank_) + " failed: " + text;
   die(kind == PLAIT_OK ? PLAIT_E_GENERIC : kind, text);
   std::shared_ptr<Waiter> w;
-  c10::intrusive_ptr<c10d::Work> p2p;
   {
     std::lock_guard<std::mutex> lk(mu_);
     w = current_;
-    p2p = current_p2p_;
   }
   if (w) {
     std::lock_guard<std::mutex> lk(w->mu);  // the waiter looks at dead_ under this lock
@@ -579,10 +534,9 @@ void Gloo::fail(uint32_t kind, const char* msg) {
     std::lock_guard<std::mutex> lk(inbox_->mu);  // a recv waiting for its header
     inbox_->cv.notify_all();
   }
-  pool_->abort_all();  // p2p_start's transfers: their waits end, p2p_test reports the failure
+  pool_->abort_all();  // send/recv transfers: gloo's waits end on abort, the calls report it
   try {
-    if (p2p) p2p->abort();  // gloo's send/recv waits do end on abort
-    pg_->abort();           // a no-op for 2.13's gloo; a later torch may end collectives too
+    pg_->abort();  // a no-op for 2.13's gloo; a later torch may end collectives too
   } catch (const std::exception&) {
   }
   write_flag(kind == PLAIT_OK ? PLAIT_E_GENERIC : kind, text);
@@ -658,7 +612,6 @@ uint32_t Gloo::finish(Pending& p, double timeout_s, char* err, size_t errlen) {
   {
     std::lock_guard<std::mutex> g(mu_);
     current_.reset();
-    current_p2p_.reset();
   }
   if (kind != PLAIT_OK) {
     // Given up: gloo ends the op itself at its own timeout (just after ours), or at once for an
@@ -849,19 +802,12 @@ uint32_t Gloo::transfer_start(bool send, const at::Tensor& t, int peer, int tag,
       errlen);
 }
 
+void Gloo::hand_over(const Pending& p, double timeout_s) {
+  pool_->push({p.work, p.w, std::isinf(timeout_s) ? ::kNoTimeout : gloo_timeout(timeout_s)});
+}
+
 uint32_t Gloo::transfer_wait(Pending& p, double timeout_s, char* err, size_t errlen) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    current_p2p_ = p.work;
-  }
-  {
-    std::lock_guard<std::mutex> lk(p2p_->mu);
-    if (!p2p_thread_.joinable()) p2p_thread_ = std::thread([q = p2p_] { q->loop(); });
-    p2p_->work = p.work;
-    p2p_->w = p.w;
-    p2p_->timeout = std::isinf(timeout_s) ? ::kNoTimeout : gloo_timeout(timeout_s);
-  }
-  p2p_->cv.notify_one();
+  hand_over(p, timeout_s);
   if (dead_.load()) p.work->abort();  // fail() came between issue and now
   return finish(p, timeout_s, err, errlen);
 }
@@ -1056,7 +1002,7 @@ uint32_t Gloo::probe(int tag, int* src, size_t* bytes, char* err, size_t errlen)
 uint32_t Gloo::post(bool send, const at::Tensor& t, int peer, int tag, const std::string& what,
                     double timeout_s, Pending* p, char* err, size_t errlen) {
   if (uint32_t k = transfer_start(send, t, peer, tag, what, p, err, errlen)) return k;
-  pool_->push({p->work, p->w, std::isinf(timeout_s) ? ::kNoTimeout : gloo_timeout(timeout_s)});
+  hand_over(*p, timeout_s);
   return PLAIT_OK;
 }
 
