@@ -99,6 +99,7 @@ Communicator::Communicator(std::shared_ptr<Segment> seg, int rank, const Options
   trace_ = Trace::from_env(rank_, size_);
   if (trace_) trace_->set_label(label_);
   tp_.set_flight(flight_.on() ? &flight_ : nullptr, trace_ != nullptr);
+  tp_.set_idle_hook([this] { progress_parked(); });
   thread_ = std::thread([this] { progress_loop(); });
   {
     std::unique_lock<std::mutex> lk(ready_mu_);
@@ -186,8 +187,26 @@ void Communicator::progress_loop() {
   std::vector<P2P> batch;
   bool busy = false;
   for (;;) {
-    std::shared_ptr<Task> t = next_task(busy);
-    if (!t) break;
+    std::shared_ptr<Task> t;
+    if (!parked_.empty()) {
+      // Send/recv set aside for a collective or closure: run that, else resume them (with any
+      // send/recv queued since). Nothing else runs a call meanwhile: parked tasks count in
+      // pending_, so no caller runs its call itself.
+      if (other_task_next()) {  // only this thread takes from the queue now
+        std::lock_guard<std::mutex> lk(q_mu_);
+        t = queue_.front();
+        queue_.pop_front();
+      } else {
+        std::lock_guard<std::mutex> ex(exec_mu_);
+        batch = std::move(parked_);
+        parked_.clear();
+        run_p2p(batch);  // finishes them, or parks them again
+        continue;
+      }
+    } else {
+      t = next_task(busy);
+      if (!t) break;
+    }
     busy = true;
     if (t->body) {
       ErrorKind kind = ErrorKind::none;

@@ -194,7 +194,17 @@ class Communicator final : public Comm {
     Task* prev_task_;
   };
   void run_local(const CallArgs& a);
+  // Progresses a batch of send/recv until every one is done. A batch of tasks that cannot move
+  // while a collective or closure task waits at the queue's head is set aside (parked_) instead:
+  // that call runs, moving the parked ones in its waits, and the batch resumes after it.
   void run_p2p(std::vector<P2P>& ops);
+  // One pass over ops; true if anything moved. in_wait: from a collective's wait (the transport's
+  // idle hook): no stepped ones, and finished ones stay in ops for run_p2p to report.
+  bool p2p_round(std::vector<P2P>& ops, bool in_wait);
+  void p2p_done(P2P& op, ErrorKind kind, const std::string& msg,
+                const std::shared_ptr<const std::string>& flight);
+  bool other_task_next();  // a collective or closure task heads the queue
+  void progress_parked();  // the transport's idle hook
   bool p2p_step(P2P& op);
   int take_stashed(P2P& op);
   int any_source(
@@ -237,6 +247,10 @@ class Communicator final : public Comm {
   std::vector<std::list<Stash>> stash_;  // per sender, in arrival order
   std::vector<uint8_t> rx_busy_;         // per sender: a message is being copied out
   uint64_t p2p_idle_ns_ = 0;             // time run_p2p spent waiting, for trace slices
+  std::vector<uint8_t> p2p_busy_;        // per channel and direction: taken in this round
+  // Tasks' send/recv set aside while a collective or closure runs (progress thread, exec_mu_).
+  std::vector<P2P> parked_;
+  bool in_parked_ = false;  // progress_parked is running (no re-entry)
 
   FlightRecorder flight_;
   std::unique_ptr<Trace> trace_;

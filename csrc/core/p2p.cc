@@ -178,88 +178,120 @@ bool Communicator::stash_head(int peer, const std::vector<P2P>& ops) {
   return true;
 }
 
+void Communicator::p2p_done(P2P& op, ErrorKind kind, const std::string& msg,
+                            const std::shared_ptr<const std::string>& flight) {
+  if (op.started)
+    recorded(*op.a, op.rec, op.msg, "", op.t0, p2p_idle_ns_ - op.idle0, kind == ErrorKind::none);
+  if (!op.task) return;
+  pending_.fetch_sub(1, std::memory_order_acq_rel);
+  op.task->finish(kind, msg, flight);
+}
+
+bool Communicator::p2p_round(std::vector<P2P>& ops, bool in_wait) {
+  bool progressed = false;
+  p2p_busy_.assign(2 * size_t(size_), 0);
+  auto complete = [](const P2P& op) { return op.started && op.done == op.nchunks; };
+  for (size_t i = 0; i < ops.size();) {
+    P2P& op = ops[i];
+    if (in_wait && (op.ext || complete(op))) {
+      ++i;
+      continue;
+    }
+    if (op.ext) {  // a stepped one (Task::step): its own transport, never waited for here
+      const bool any = op.a->peer == kAnySource;
+      int r;
+      {
+        InsideBody inside(this, op.task.get());  // it may ask ready_source
+        r = (*op.ext)(*op.a);
+      }
+      if (r == Task::kStepDone) {
+        progressed = true;
+        p2p_done(op, ErrorKind::none, "", nullptr);
+        ops.erase(ops.begin() + long(i));
+        continue;
+      }
+      if (r != Task::kStepLocal) {
+        ++i;
+        continue;
+      }
+      if (op.a->peer < 0 || op.a->peer >= size_ || op.a->peer == rank_)
+        throw PlaitError("rank " + std::to_string(rank_) + ": a stepped " + coll_name(op.a->coll) +
+                         " turned to a peer of no rank here (" + std::to_string(op.a->peer) + ")");
+      op.ext = nullptr;  // from here on this communicator's own send/recv
+      op.any = any;
+      progressed = true;
+    }
+    // an earlier call on the same channel goes first; async recvs pick messages by tag
+    const bool by_tag = op.a->coll == Coll::recv && (op.task || op.any || op.a->peer == kAnySource);
+    if (!by_tag) {
+      uint8_t& b = p2p_busy_[size_t(op.a->peer) * 2 + (op.a->coll == Coll::send)];
+      if (b) {
+        ++i;
+        continue;
+      }
+      b = 1;
+    }
+    while (!complete(op) && p2p_step(op)) progressed = true;
+    if (complete(op) && !in_wait) {
+      p2p_done(op, ErrorKind::none, "", nullptr);
+      ops.erase(ops.begin() + long(i));
+    } else {
+      ++i;
+    }
+  }
+  // A head message no async recv of this batch took goes aside; stashed ones keep arriving.
+  for (auto& op : ops) {
+    // (blocking recvs from one sender keep the strict order; from any sender they match by tag)
+    if (op.ext || !(op.task || op.any || op.a->peer == kAnySource) || op.a->coll != Coll::recv ||
+        op.started)
+      continue;
+    for (int p = 0; p < size_; ++p)
+      if ((p == op.a->peer || (op.a->peer == kAnySource && p != rank_)) && stash_head(p, ops))
+        progressed = true;
+  }
+  for (auto& st : stash_)
+    for (auto& e : st)
+      while (!complete(e.p) && p2p_step(e.p)) progressed = true;
+  return progressed;
+}
+
+bool Communicator::other_task_next() {
+  std::lock_guard<std::mutex> lk(q_mu_);
+  if (queue_.empty()) return false;
+  const Task& t = *queue_.front();
+  return t.body || (t.args.coll != Coll::send && t.args.coll != Coll::recv);
+}
+
+// The transport's idle hook: while a collective or closure waits, the send/recv parked for it
+// keep moving, so a peer blocked in a send to this rank (or waiting for a recv's chunks) gets to
+// the same collective: irecv, allreduce, wait on one rank and allreduce, send on the other is a
+// legal program (MPI's progress rule), which waiting for the allreduce alone would deadlock.
+void Communicator::progress_parked() {
+  if (parked_.empty() || in_parked_) return;
+  in_parked_ = true;
+  try {
+    p2p_round(parked_, /*in_wait=*/true);
+  } catch (...) {
+    in_parked_ = false;
+    throw;  // a mismatch aborted the communicator: the waiting call reports it
+  }
+  in_parked_ = false;
+}
+
 void Communicator::run_p2p(std::vector<P2P>& ops) {
   const double t0 = now_s();
-  for (auto& op : ops) op.deadline = t0 + op.a->timeout_s;
-  std::vector<uint8_t> busy(2 * size_t(size_));
+  for (auto& op : ops)
+    if (op.deadline == 0) op.deadline = t0 + op.a->timeout_s;
   Backoff backoff(policy_);
   // A failed health check is acted on only after one more progress round finds nothing: the
   // peer may have delivered (or taken) the message and left since the last round.
   bool unhealthy = false;
   ErrorKind bad_kind = ErrorKind::none;
   std::string bad_msg;
-  auto finish = [&](P2P& op, ErrorKind kind, const std::string& msg,
-                    const std::shared_ptr<const std::string>& flight) {
-    if (op.started)
-      recorded(*op.a, op.rec, op.msg, "", op.t0, p2p_idle_ns_ - op.idle0, kind == ErrorKind::none);
-    if (!op.task) return;
-    pending_.fetch_sub(1, std::memory_order_acq_rel);
-    op.task->finish(kind, msg, flight);
-  };
   try {
     while (!ops.empty()) {
       tp_.throw_if_aborted();
-      bool progressed = false;
-      std::fill(busy.begin(), busy.end(), 0);
-      for (size_t i = 0; i < ops.size();) {
-        P2P& op = ops[i];
-        if (op.ext) {  // a stepped one (Task::step): its own transport, never waited for here
-          const bool any = op.a->peer == kAnySource;
-          int r;
-          {
-            InsideBody inside(this, op.task.get());  // it may ask ready_source
-            r = (*op.ext)(*op.a);
-          }
-          if (r == Task::kStepDone) {
-            progressed = true;
-            finish(op, ErrorKind::none, "", nullptr);
-            ops.erase(ops.begin() + long(i));
-            continue;
-          }
-          if (r != Task::kStepLocal) {
-            ++i;
-            continue;
-          }
-          if (op.a->peer < 0 || op.a->peer >= size_ || op.a->peer == rank_)
-            throw PlaitError("rank " + std::to_string(rank_) + ": a stepped " +
-                             coll_name(op.a->coll) + " turned to a peer of no rank here (" +
-                             std::to_string(op.a->peer) + ")");
-          op.ext = nullptr;  // from here on this communicator's own send/recv
-          op.any = any;
-          progressed = true;
-        }
-        // an earlier call on the same channel goes first; async recvs pick messages by tag
-        const bool by_tag =
-            op.a->coll == Coll::recv && (op.task || op.any || op.a->peer == kAnySource);
-        if (!by_tag) {
-          uint8_t& b = busy[size_t(op.a->peer) * 2 + (op.a->coll == Coll::send)];
-          if (b) {
-            ++i;
-            continue;
-          }
-          b = 1;
-        }
-        while (!(op.started && op.done == op.nchunks) && p2p_step(op)) progressed = true;
-        if (op.started && op.done == op.nchunks) {
-          finish(op, ErrorKind::none, "", nullptr);
-          ops.erase(ops.begin() + long(i));
-        } else {
-          ++i;
-        }
-      }
-      // A head message no async recv of this batch took goes aside; stashed ones keep arriving.
-      for (auto& op : ops) {
-        // (blocking recvs from one sender keep the strict order; from any sender they match by tag)
-        if (op.ext || !(op.task || op.any || op.a->peer == kAnySource) ||
-            op.a->coll != Coll::recv || op.started)
-          continue;
-        for (int p = 0; p < size_; ++p)
-          if ((p == op.a->peer || (op.a->peer == kAnySource && p != rank_)) && stash_head(p, ops))
-            progressed = true;
-      }
-      for (auto& st : stash_)
-        for (auto& e : st)
-          while (!(e.p.started && e.p.done == e.p.nchunks) && p2p_step(e.p)) progressed = true;
+      bool progressed = p2p_round(ops, /*in_wait=*/false);
       if (ops.empty() || !ops.front().task) {
         if (ops.empty()) break;
       } else {  // absorb send/recv queued behind this batch
@@ -275,6 +307,13 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
         }
       }
       if (!progressed) {
+        if (ops.front().task && other_task_next()) {
+          // Nothing moves and a collective (or closure) waits behind: it runs now, moving these
+          // in its waits (progress_parked); progress_loop resumes them after it.
+          parked_ = std::move(ops);
+          ops.clear();
+          break;
+        }
         if (unhealthy) tp_.fail(bad_kind, bad_msg);
         const P2P& first = ops.front();
         if (!first.ext) flight_.waiting(first.a->peer, FlightWait::p2p, first.first + first.done);
@@ -304,7 +343,7 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
     }
     // An inline call's report is made by rethrow(), with the rest of its error handling.
     auto flight = inline_call ? nullptr : annotate(e.kind(), &msg);
-    for (auto& op : ops) finish(op, e.kind(), msg, flight);
+    for (auto& op : ops) p2p_done(op, e.kind(), msg, flight);
     if (inline_call) throw;
   }
 }

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -182,6 +183,9 @@ class ShmTransport final : public Transport {
   template <class Ready>
   void slow_wait(Ready&& ready, int peer, FlightWait what, uint64_t step);
   void set_flight(FlightRecorder* f, bool timing) { flight_ = f, timing_ = timing; }
+  // Called while a wait finds nothing (every 128 spins, every yield or nap), on the waiting
+  // thread: the communicator moves the send/recv it set aside for the call (core/p2p.cc).
+  void set_idle_hook(std::function<void()> f) { idle_hook_ = std::move(f); }
   uint64_t take_waited_ns() { return std::exchange(waited_ns_, 0); }
 
   // Communicator-wide abort: records (kind, text) once; every rank's waits then throw it.
@@ -247,6 +251,7 @@ class ShmTransport final : public Transport {
   PeerMappings maps_;
   std::atomic<uint64_t> mapped_bytes_{0};  // read by other threads (comm.mapped_bytes)
   FlightRecorder* flight_ = nullptr;
+  std::function<void()> idle_hook_;
   bool timing_ = false;
   uint64_t waited_ns_ = 0;
   void copy_peer(bool write, int p, char* local, char* remote, size_t bytes);
@@ -265,6 +270,7 @@ void ShmTransport::wait_until(Ready&& ready, int peer) {
     b.idle([&](double t) {
       // The peer may have done what we wait for and left (or the deadline may have passed) since
       // our last look: look once more before calling it lost or late.
+      if (idle_hook_) idle_hook_();
       ErrorKind kind;
       std::string msg;
       if (!healthy(t, peer, &kind, &msg) && !ready()) fail(kind, msg);
