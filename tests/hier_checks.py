@@ -158,6 +158,15 @@ def exchange(comm, k=3001):
     comm.send(value(rank, right).astype(np.int64), right, tag=22)
     h.wait(timeout=60)
     _same(ring, value(left, rank), f"rank {rank}: ring from {left}")
+    # the same ring with an allreduce between each receive and its send: the receive in flight
+    # must not hold back the collective (core/p2p.cc parks it), nor the collective the receive
+    h = comm.recv(ring, left, tag=23, async_op=True)
+    x = np.full(5, rank + 1, np.int64)
+    comm.allreduce(x, out=x)
+    comm.send(value(rank, right).astype(np.int64), right, tag=23)
+    h.wait(timeout=60)
+    _same(ring, value(left, rank), f"rank {rank}: ring around an allreduce from {left}")
+    _same(x, np.full(5, size * (size + 1) // 2, np.int64), f"rank {rank}: allreduce inside the ring")
     return len(outs) + 1
 
 
