@@ -202,3 +202,41 @@ def test_torch_receive_posted_before_collectives(tmp_path, hosts):
 
     n = len(hosts) if hosts else 3
     assert run_torch(_torch_around, n, tmp_path, timeout=120, args=(hosts,)) == [True] * n
+
+
+def _sender_dies(rank, n, addr, how):
+    """Rank 0 has a receive from rank 1 set aside and waits in an allreduce. Rank 1 is killed
+    (PeerLostError) or never sends and never joins (TimeoutError at rank 0's deadline): the
+    allreduce and the receive raise on rank 0, and the rank that did join raises too, within the
+    deadline."""
+    import signal
+
+    with plait.init(rank, n, store=addr, timeout=5 if how == "late" else 30, buffer_bytes=8192) as comm:
+        comm.barrier()
+        start = time.monotonic()
+        errors = []
+        if rank == 1:
+            time.sleep(0.3)
+            if how == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(8)  # past the others' 5 s deadline: they time out, nobody is lost
+            return None
+        x = _mine(rank, 9)
+        h = comm.recv(np.zeros(BIG), 1, tag=4, async_op=True) if rank == 0 else None
+        for f in (lambda: comm.allreduce(x, out=x), h.wait if h else (lambda: None)):
+            try:
+                f()
+            except plait.PlaitError as e:
+                errors.append((type(e).__name__, str(e)))
+        return errors, time.monotonic() - start
+
+
+@pytest.mark.parametrize("how", ["killed", "late"])
+def test_sender_lost_while_a_receive_is_parked(how):
+    res = run_ranks(_sender_dies, 3, timeout=90, args=(how,), may_die=(1,) if how == "killed" else ())
+    want = "PeerLostError" if how == "killed" else "TimeoutError"
+    errors, took = res[0]
+    assert [k for k, _ in errors] == [want, want] and took < 20, res[0]
+    assert all("rank 1" in m for _, m in errors), errors
+    errors, took = res[2]
+    assert [k for k, _ in errors] == [want] and took < 20, res[2]
