@@ -4,7 +4,7 @@ gloo's and NCCL's send/recv do not wait for the group's collectives either). Bef
 thread set such a batch aside (core/p2p.cc, run_p2p's parking), `irecv; allreduce; wait` against
 `allreduce; send` deadlocked until the deadline on one host, and `irecv; iallreduce; send` on
 every rank too. Exact integer data, world sizes 2, 3 and 4 (4 and 3 oversubscribe this machine's
-cores), messages of one chunk and of many (a small staging buffer cuts them into 64-byte slots)."""
+cores), messages of one chunk and of many (a small staging buffer gives 4 KiB slots)."""
 
 import os
 import time
@@ -33,8 +33,9 @@ def _mine(rank, k):
 
 def _pre_posted(rank, n, addr, count):
     """Rank 0 posts a receive from the last rank, joins an allreduce, then waits; the last rank
-    sends with a blocking call first (it ends only once rank 0 took every chunk: rank 0 moves
-    them while it waits in the allreduce), then joins. Then the same the other way round: rank 0
+    sends with a blocking call first, late (rank 0 has set its receive aside and waits in the
+    allreduce by then; the send ends only once rank 0 took every chunk, which it does from inside
+    that wait), then joins. Then the same the other way round: rank 0
     posts a send first, the last rank receives after the allreduce."""
     last = n - 1
     with plait.init(rank, n, store=addr, timeout=TIMEOUT, buffer_bytes=8192) as comm:
