@@ -62,6 +62,8 @@ class Task {
     const int p = reported_peer.load(std::memory_order_acquire);
     return p == kNoPeer ? args.peer : p;
   }
+  // A send or recv (own or stepped): progressed in core/p2p.cc's batches, never alone.
+  bool batched() const { return !body && (args.coll == Coll::send || args.coll == Coll::recv); }
 
  private:
   friend class Communicator;

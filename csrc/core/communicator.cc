@@ -219,10 +219,8 @@ void Communicator::progress_loop() {
       t->finish(kind, msg);
       continue;
     }
-    if (t->args.coll == Coll::send || t->args.coll == Coll::recv) {  // own or stepped
-      batch.clear();
-      batch.push_back(P2P{&t->args, t});
-      if (t->step) batch.back().ext = &t->step;
+    if (t->batched()) {
+      batch.assign(1, op_of(t));
       std::lock_guard<std::mutex> ex(exec_mu_);
       run_p2p(batch);  // finishes (and absorbs further queued send/recv into) the batch
       continue;
@@ -570,7 +568,7 @@ std::shared_ptr<Task> Communicator::submit_step(const CallArgs& a,
 bool Communicator::run_here(const std::shared_ptr<Task>& t) {
   if (t->done()) return true;
   // batched, except a closure task's (its body runs in its own turn)
-  if (!t->body && (t->args.coll == Coll::send || t->args.coll == Coll::recv)) return false;
+  if (t->batched()) return false;
   ErrorKind kind = ErrorKind::none;
   std::string msg;
   {

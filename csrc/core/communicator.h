@@ -146,6 +146,12 @@ class Communicator final : public Comm {
     uint64_t rec = 0, t0 = 0, idle0 = 0;  // flight record, start, batch idle time at start
   };
 
+  static P2P op_of(const std::shared_ptr<Task>& t) {  // a queued send/recv task's batch entry
+    P2P p{&t->args, t};
+    if (t->step) p.ext = &t->step;
+    return p;
+  }
+
   // A message no posted async recv wanted when it reached the head of its channel: copied
   // aside so later messages can reach their receivers (receives match by (sender, tag)).
   struct Stash {
@@ -250,7 +256,6 @@ class Communicator final : public Comm {
   std::vector<uint8_t> p2p_busy_;        // per channel and direction: taken in this round
   // Tasks' send/recv set aside while a collective or closure runs (progress thread, exec_mu_).
   std::vector<P2P> parked_;
-  bool in_parked_ = false;  // progress_parked is running (no re-entry)
 
   FlightRecorder flight_;
   std::unique_ptr<Trace> trace_;

@@ -258,24 +258,17 @@ bool Communicator::p2p_round(std::vector<P2P>& ops, bool in_wait) {
 bool Communicator::other_task_next() {
   std::lock_guard<std::mutex> lk(q_mu_);
   if (queue_.empty()) return false;
-  const Task& t = *queue_.front();
-  return t.body || (t.args.coll != Coll::send && t.args.coll != Coll::recv);
+  return !queue_.front()->batched();
 }
 
 // The transport's idle hook: while a collective or closure waits, the send/recv parked for it
 // keep moving, so a peer blocked in a send to this rank (or waiting for a recv's chunks) gets to
 // the same collective: irecv, allreduce, wait on one rank and allreduce, send on the other is a
 // legal program (MPI's progress rule), which waiting for the allreduce alone would deadlock.
+// p2p_round never waits, so this cannot re-enter; a mismatch it finds aborts the communicator
+// and the waiting call reports it.
 void Communicator::progress_parked() {
-  if (parked_.empty() || in_parked_) return;
-  in_parked_ = true;
-  try {
-    p2p_round(parked_, /*in_wait=*/true);
-  } catch (...) {
-    in_parked_ = false;
-    throw;  // a mismatch aborted the communicator: the waiting call reports it
-  }
-  in_parked_ = false;
+  if (!parked_.empty()) p2p_round(parked_, /*in_wait=*/true);
 }
 
 void Communicator::run_p2p(std::vector<P2P>& ops) {
@@ -296,14 +289,10 @@ void Communicator::run_p2p(std::vector<P2P>& ops) {
         if (ops.empty()) break;
       } else {  // absorb send/recv queued behind this batch
         std::lock_guard<std::mutex> lk(q_mu_);
-        while (
-            !queue_.empty() && !queue_.front()->body &&
-            (queue_.front()->args.coll == Coll::send || queue_.front()->args.coll == Coll::recv)) {
-          auto t = queue_.front();
+        while (!queue_.empty() && queue_.front()->batched()) {
+          ops.push_back(op_of(queue_.front()));
+          ops.back().deadline = now_s() + queue_.front()->args.timeout_s;
           queue_.pop_front();
-          ops.push_back(P2P{&t->args, t});
-          if (t->step) ops.back().ext = &t->step;
-          ops.back().deadline = now_s() + t->args.timeout_s;
         }
       }
       if (!progressed) {
